@@ -1,0 +1,33 @@
+"""Structured lock events: logged through structlog and counted in one call.
+
+The library never configures structlog; the application's configuration
+decides where events go. Field names are a contract (docs/reference.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+
+from . import metrics
+
+logger = structlog.get_logger("celery_lockguard")
+
+_LEVELS = {
+    "lock.renewed": "debug",
+    "lock.lost": "warning",
+    "lock.max_hold_reached": "warning",
+    "lock.expired_before_release": "warning",
+    "lock.force_released": "warning",
+    "lock.fail_open": "warning",
+    "lock.backend_unavailable": "warning",
+    "fence.stale": "warning",
+}
+
+
+def emit(event: str, task_name: str | None = None, **fields: Any) -> None:
+    """Log ``event`` with its fields and count it for ``task_name``."""
+    metrics.count(task_name or "-", event)
+    level = _LEVELS.get(event, "info")
+    getattr(logger, level)(event, task_name=task_name, **fields)

@@ -1,0 +1,76 @@
+"""Exceptions raised by celery-lockguard.
+
+Every exception keeps its constructor arguments in ``args`` so that Celery's
+result backends (JSON or pickle) can rebuild it on the caller's side.
+
+    LockGuardError
+    ├── LockContended       the entity is held by other work and the wait budget is spent
+    ├── LockLost            the lease expired or was taken while the body ran
+    ├── AlreadyQueued       identical work already holds the queue-time claim
+    ├── BackendUnavailable  the lock store could not be reached (or no lease exists)
+    ├── StaleFence          storage holds a newer fence: this writer is stale
+    └── ConfigurationError  a task option or setting is invalid
+
+This module imports nothing, so it can be imported from anywhere.
+"""
+
+
+class LockGuardError(Exception):
+    """Base class of every celery-lockguard error."""
+
+
+class LockContended(LockGuardError):
+    """The entity is held by other work and this task stopped waiting."""
+
+    def __init__(self, key: str, holder_task_id: str | None = None, ttl_ms: int | None = None) -> None:
+        super().__init__(key, holder_task_id, ttl_ms)
+        self.key = key
+        self.holder_task_id = holder_task_id
+        self.ttl_ms = ttl_ms
+
+    def __str__(self) -> str:
+        return f"lock {self.key!r} is held by task {self.holder_task_id} ({self.ttl_ms} ms left)"
+
+
+class LockLost(LockGuardError):
+    """The lease on ``key`` is no longer valid: stop writing."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+    def __str__(self) -> str:
+        return f"lease on {self.key!r} was lost"
+
+
+class AlreadyQueued(LockGuardError):
+    """Identical work is already queued or running under ``task_id``."""
+
+    def __init__(self, key: str, task_id: str | None = None) -> None:
+        super().__init__(key, task_id)
+        self.key = key
+        self.task_id = task_id
+
+    def __str__(self) -> str:
+        return f"identical work for {self.key!r} is already queued as task {self.task_id}"
+
+
+class BackendUnavailable(LockGuardError):
+    """The lock store is unreachable, or a fenced write was attempted without a lease."""
+
+
+class StaleFence(LockGuardError):
+    """Storage already holds ``current`` for ``key``, newer than this writer's ``fence``."""
+
+    def __init__(self, key: str, fence: int, current: int) -> None:
+        super().__init__(key, fence, current)
+        self.key = key
+        self.fence = fence
+        self.current = current
+
+    def __str__(self) -> str:
+        return f"stale fence {self.fence} for {self.key!r}: storage already at {self.current}"
+
+
+class ConfigurationError(LockGuardError):
+    """A task option or ``lockguard_*`` setting is invalid; names the task, option and value."""

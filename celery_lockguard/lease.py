@@ -1,0 +1,179 @@
+"""One lease's lifecycle on one client: acquire, release, renew, shorten.
+
+Each public function validates and calls exactly one script: one round trip.
+A :class:`Lease` knows whether it is still valid without asking Redis: it is
+valid until the *send time* of its last successful renewal plus the TTL, minus
+a drift margin (Redis's distributed-lock rule), so a slow reply or a paused
+process can only make it look lost early, never valid late.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import scripts
+from .exceptions import LockLost
+from .keys import done_name, fence_name, lock_name
+
+HOST = socket.gethostname()
+
+
+def drift_margin(ttl_ms: int) -> float:
+    """Seconds of clock drift and scheduling slack subtracted from every validity."""
+    return ttl_ms * 0.01 / 1000 + 0.002
+
+
+class Lease:
+    """A held lease: key, token, fence and a locally computed validity."""
+
+    def __init__(self, key: str, prefix: str, token: str, fence: int, ttl_ms: int, sent_at: float,
+                 task_id: str, task_name: str) -> None:
+        self.key = key
+        self.redis_key = lock_name(prefix, key)
+        self.token = token
+        self.fence = fence
+        self.ttl_ms = ttl_ms
+        self.task_id = task_id
+        self.task_name = task_name
+        self.acquired_at = sent_at
+        self.valid_until = sent_at + ttl_ms / 1000 - drift_margin(ttl_ms)
+        self.released = False
+        self.lost_reason: str | None = None
+        self._guard = threading.Lock()
+
+    @property
+    def lost(self) -> bool:
+        """True once the token is gone or the validity has passed."""
+        return self.lost_reason is not None or time.monotonic() > self.valid_until
+
+    @property
+    def held(self) -> bool:
+        """True while the lease is neither released nor lost."""
+        return not self.released and not self.lost
+
+    def ensure_held(self) -> None:
+        """Raise :class:`LockLost` unless the lease is still held: call before a write."""
+        if not self.held:
+            raise LockLost(self.key)
+
+    def renewed(self, sent_at: float) -> None:
+        with self._guard:
+            self.valid_until = max(self.valid_until, sent_at + self.ttl_ms / 1000 - drift_margin(self.ttl_ms))
+
+    def mark_lost(self, reason: str) -> bool:
+        """Record why the lease is lost; True the first time only."""
+        with self._guard:
+            if self.lost_reason is not None:
+                return False
+            self.lost_reason = reason
+            return True
+
+    def hold_ms(self) -> float:
+        return (time.monotonic() - self.acquired_at) * 1000
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else ("lost" if self.lost else "held")
+        return f"<Lease {self.key!r} fence={self.fence} {state}>"
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a contended entity, as read in the ACQUIRE round trip."""
+
+    task_id: str
+    task_name: str
+    digest: str
+    host: str
+    pid: int
+    state: str
+    pttl_ms: int
+    ms_since_renewal: int
+    token: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """A completion record exists for the scope: the work already ran."""
+
+    record: str
+
+
+def new_token() -> str:
+    """A random owner token, fresh per acquisition (never the task id)."""
+    return secrets.token_hex(16)
+
+
+def acquire(client: Any, prefix: str, key: str, *, ttl_ms: int, task_id: str, task_name: str,
+            digest: str, worker: str, fence_ttl_ms: int, scope: str | None = None,
+            state: str = "running", replace_token: str = "", token: str | None = None) -> Lease | Holder | Done:
+    """Try to take the lease on ``key``; check ``scope``'s completion record first."""
+    token = token or new_token()
+    keys = [lock_name(prefix, key), fence_name(prefix, key)]
+    if scope is not None:
+        keys.append(done_name(prefix, scope))
+    sent_at = time.monotonic()
+    reply = scripts.acquire(client, keys, [token, ttl_ms, task_id, task_name, digest, HOST, os.getpid(), worker,
+                                           state, fence_ttl_ms, replace_token])
+    kind = reply[0]
+    if kind == "ok":
+        return Lease(key, prefix, token, int(reply[1]), ttl_ms, sent_at, task_id, task_name)
+    if kind == "done":
+        return Done(reply[1])
+    return Holder(task_id=reply[1], task_name=reply[2], digest=reply[3], host=reply[4],
+                  pid=int(reply[5] or 0), state=reply[6], pttl_ms=int(reply[7]), ms_since_renewal=int(reply[8]),
+                  token=reply[9])
+
+
+def release(client: Any, lease: Lease, prefix: str, scope: str | None = None, record: str = "",
+            completion_ttl_ms: int = 0) -> tuple[int, int]:
+    """Release ``lease`` if it still owns the key; record completion of ``scope`` if given.
+
+    Returns ``(released, recorded)`` as the RELEASE script does.
+    """
+    keys = [lease.redis_key]
+    if scope is not None:
+        keys.append(done_name(prefix, scope))
+    released, recorded = scripts.release(client, keys, [lease.token, record, completion_ttl_ms])
+    lease.released = True
+    return int(released), int(recorded)
+
+
+def renew(client: Any, leases: list[Lease]) -> list[int]:
+    """Renew every lease in one round trip; 1 renewed, 0 lost (token gone)."""
+    if not leases:
+        return []
+    args: list[Any] = []
+    for lease in leases:
+        args += [lease.token, lease.ttl_ms]
+    return [int(x) for x in scripts.renew(client, [lease.redis_key for lease in leases], args)]
+
+
+def shorten(client: Any, prefix: str, key: str, task_id: str, grace_ms: int, host: str = HOST) -> bool:
+    """From a process without the token: cut the lease ``task_id`` holds on ``host`` to ``grace_ms``."""
+    return bool(scripts.shorten(client, [lock_name(prefix, key)], [task_id, host, grace_ms]))
+
+
+def force_release(client: Any, prefix: str, key: str, fence_ttl_ms: int) -> tuple[bool, int, str]:
+    """Evict any holder of ``key`` and bump its fence; returns (deleted, new fence, evicted task id)."""
+    deleted, fence, holder = scripts.force_release(client, [lock_name(prefix, key), fence_name(prefix, key)],
+                                                   [fence_ttl_ms])
+    return bool(deleted), int(fence), holder
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with ``pid`` exists on this host."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

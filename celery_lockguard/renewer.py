@@ -1,0 +1,141 @@
+"""One renewal thread per worker process, started lazily after fork.
+
+Every tick renews *all* leases the process holds in one EVALSHA per client
+(one round trip per tick, whatever the number of leases), then sleeps until
+the earliest lease is due again (ttl/3 with jitter) or hits its max-hold.
+Renewing a long-TTL lease a little early costs nothing; an extra round trip
+per lease would.
+
+A lease is untracked under the same lock the tick uses to apply results, so a
+reply that arrives after release is ignored: the RENEW script is token-checked,
+so it cannot resurrect a released key either.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import lease as lease_ops
+from .connection import UNAVAILABLE_ERRORS
+from .events import emit
+from .lease import Lease
+
+
+@dataclass
+class _Entry:
+    lease: Lease
+    client: Any
+    interval: float
+    deadline: float
+    due: float
+
+
+class Renewer:
+    """Renews the leases of one process until they are released, lost or cut off."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, _Entry] = {}
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self.ticks = 0
+
+    def track(self, lease: Lease, client: Any, max_hold: float) -> None:
+        """Start renewing ``lease`` every ttl/3 until ``max_hold`` seconds after acquisition."""
+        interval = lease.ttl_ms / 3000
+        entry = _Entry(lease, client, interval, lease.acquired_at + max_hold, lease.acquired_at + _jitter(interval))
+        with self._cond:
+            self._entries[id(lease)] = entry
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="lockguard-renewer", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def untrack(self, lease: Lease) -> None:
+        """Stop renewing ``lease``; any reply still in flight for it is ignored."""
+        with self._cond:
+            self._entries.pop(id(lease), None)
+
+    def tracked(self) -> int:
+        with self._cond:
+            return len(self._entries)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._entries:
+                    self._cond.wait()
+                now = time.monotonic()
+                due = min(min(e.due, e.deadline) for e in self._entries.values())
+                if due > now:
+                    self._cond.wait(due - now)
+                    continue
+                self._cut_off(now)
+                groups: dict[int, list[_Entry]] = {}
+                for e in self._entries.values():
+                    groups.setdefault(id(e.client), []).append(e)
+            for entries in groups.values():
+                self._tick(entries)
+            self.ticks += 1
+
+    def _cut_off(self, now: float) -> None:
+        for key, e in list(self._entries.items()):
+            if now >= e.deadline:
+                del self._entries[key]
+                if e.lease.mark_lost("max_hold"):
+                    emit("lock.max_hold_reached", e.lease.task_name, lock_key=e.lease.key, task_id=e.lease.task_id,
+                         fence=e.lease.fence, hold_ms=round(e.lease.hold_ms()))
+
+    def _tick(self, entries: list[_Entry]) -> None:
+        leases = [e.lease for e in entries]
+        sent_at = time.monotonic()
+        try:
+            results = lease_ops.renew(entries[0].client, leases)
+        except UNAVAILABLE_ERRORS as exc:
+            results = None
+            emit("lock.backend_unavailable", None, reason=f"renew: {exc.__class__.__name__}: {exc}",
+                 lock_keys=[x.key for x in leases[:20]])
+        lost: list[tuple[Lease, str]] = []
+        with self._cond:
+            for i, e in enumerate(entries):
+                if self._entries.get(id(e.lease)) is not e:
+                    continue  # released (or cut off) while the reply was in flight
+                if results is not None and results[i] == 1:
+                    e.lease.renewed(sent_at)
+                elif results is not None or e.lease.lost:
+                    del self._entries[id(e.lease)]
+                    lost.append((e.lease, "token_gone" if results is not None else "expired"))
+                    continue
+                e.due = time.monotonic() + _jitter(e.interval)
+        if results is not None:
+            emit("lock.renewed", None, leases=len(leases), lock_keys=[x.key for x in leases[:20]])
+        for lease, reason in lost:
+            if lease.mark_lost(reason):
+                emit("lock.lost", lease.task_name, lock_key=lease.key, task_id=lease.task_id, fence=lease.fence,
+                     hold_ms=round(lease.hold_ms()), reason=reason)
+
+
+def _jitter(interval: float) -> float:
+    return interval * random.uniform(0.85, 1.0)
+
+
+_renewer: tuple[int, Renewer] | None = None
+_renewer_lock = threading.Lock()
+
+
+def renewer() -> Renewer:
+    """This process's renewer (a new one after fork: threads do not survive it)."""
+    global _renewer
+    pid = os.getpid()
+    current = _renewer
+    if current is None or current[0] != pid:
+        with _renewer_lock:
+            current = _renewer
+            if current is None or current[0] != pid:
+                current = (pid, Renewer())
+                _renewer = current
+    return current[1]

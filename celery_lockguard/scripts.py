@@ -1,0 +1,185 @@
+"""Lua scripts: every state change of a lease is one atomic script, one round trip.
+
+Each script states its KEYS, ARGV and return value in a header. Keys of one
+entity share a hash tag, so every script touches a single slot, except
+ACQUIRE/RELEASE with a completion key whose scope differs from the entity (one
+Redis: fine; Cluster: see docs/operations.md).
+
+Time comes from the server's ``TIME`` (scripts replicate by effects since
+Redis 5), so worker clocks never meet in Redis.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+_NOW = """
+local t = redis.call('TIME')
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local now_ms = math.floor(now_us / 1000)
+"""
+
+_NEXT_FENCE = """
+local function next_fence(fence_key, fence_ttl, now_us)
+  local last = tonumber(redis.call('GET', fence_key) or '0') or 0
+  local f = string.format('%.0f', math.max(last + 1, now_us))
+  redis.call('SET', fence_key, f, 'PX', fence_ttl)
+  return f
+end
+"""
+
+ACQUIRE = (
+    """
+-- ACQUIRE: take the lease on entity K if it is free (SET NX PX semantics on a hash),
+-- checking the completion record first. One round trip.
+-- KEYS[1] lease hash       {prefix}:v1:{K}:lock
+-- KEYS[2] fence counter    {prefix}:v1:{K}:fence
+-- KEYS[3] completion rec.  {prefix}:v1:{S}:done   (absent when completion is off)
+-- ARGV[1] token (random per acquisition)   ARGV[2] ttl_ms
+-- ARGV[3] task_id  ARGV[4] task_name  ARGV[5] args digest
+-- ARGV[6] host  ARGV[7] pid  ARGV[8] worker nodename  ARGV[9] state (running|queued)
+-- ARGV[10] fence_ttl_ms
+-- ARGV[11] replace_token: take over a lease that still carries this token ('' = never)
+-- Returns:
+--   {'done', record}     a completion record exists: nothing acquired
+--   {'ok', fence}        acquired; fence = max(previous + 1, server time in us)
+--   {'held', task_id, task_name, digest, host, pid, state, pttl_ms, ms_since_renewal, token}
+"""
+    + _NOW
+    + _NEXT_FENCE
+    + """
+if KEYS[3] then
+  local rec = redis.call('GET', KEYS[3])
+  if rec then return {'done', rec} end
+end
+local cur = redis.call('HMGET', KEYS[1], 'token', 'task_id', 'task_name', 'digest', 'host', 'pid',
+                       'state', 'renewed_at', 'fence')
+if cur[1] then
+  if cur[1] == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return {'ok', cur[9]}
+  end
+  if ARGV[11] == '' or cur[1] ~= ARGV[11] then
+    local age = now_ms - (tonumber(cur[8]) or now_ms)
+    return {'held', cur[2] or '', cur[3] or '', cur[4] or '', cur[5] or '', cur[6] or '', cur[7] or '',
+            redis.call('PTTL', KEYS[1]), age, cur[1]}
+  end
+end
+local fence = next_fence(KEYS[2], ARGV[10], now_us)
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'token', ARGV[1], 'task_id', ARGV[3], 'task_name', ARGV[4],
+           'digest', ARGV[5], 'host', ARGV[6], 'pid', ARGV[7], 'worker', ARGV[8], 'state', ARGV[9],
+           'acquired_at', now_ms, 'renewed_at', now_ms, 'ttl', ARGV[2], 'fence', fence)
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return {'ok', fence}
+"""
+)
+
+RELEASE = """
+-- RELEASE: delete the lease only if it still carries our token, and record completion
+-- (even when the lease was lost: the body did run). One round trip.
+-- KEYS[1] lease hash    KEYS[2] completion record (absent when nothing is recorded)
+-- ARGV[1] token  ARGV[2] completion record (JSON)  ARGV[3] completion_ttl_ms
+-- Returns {released, recorded}
+--   released: 1 deleted; 0 the key was gone (expired); -1 another token holds it (left alone)
+--   recorded: 1 record written; 0 none asked, or an earlier record was kept (first wins)
+local released = 0
+local token = redis.call('HGET', KEYS[1], 'token')
+if token == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  released = 1
+elseif token then
+  released = -1
+end
+local recorded = 0
+if KEYS[2] then
+  if redis.call('SET', KEYS[2], ARGV[2], 'NX', 'PX', ARGV[3]) then recorded = 1 end
+end
+return {released, recorded}
+"""
+
+RENEW = (
+    """
+-- RENEW: extend every lease this process holds, in one round trip per tick.
+-- KEYS[i] lease hash of lease i
+-- ARGV[2i-1] token of lease i   ARGV[2i] ttl_ms of lease i
+-- Returns {r1, ..., rn}: 1 renewed; 0 the token is gone (the lease is lost; nothing written)
+"""
+    + _NOW
+    + """
+local out = {}
+for i, key in ipairs(KEYS) do
+  if redis.call('HGET', key, 'token') == ARGV[2 * i - 1] then
+    redis.call('PEXPIRE', key, ARGV[2 * i])
+    redis.call('HSET', key, 'renewed_at', now_ms)
+    out[i] = 1
+  else
+    out[i] = 0
+  end
+end
+return out
+"""
+)
+
+SHORTEN = """
+-- SHORTEN: from the worker's main process (hard time limit, terminate), which has no token:
+-- cut the lease held by this task on this host down to a short grace; never lengthen it.
+-- KEYS[1] lease hash
+-- ARGV[1] task_id  ARGV[2] host  ARGV[3] grace_ms
+-- Returns 1 shortened (or already shorter), 0 not held by that task on that host
+local cur = redis.call('HMGET', KEYS[1], 'task_id', 'host')
+if cur[1] ~= ARGV[1] or cur[2] ~= ARGV[2] then return 0 end
+local pttl = redis.call('PTTL', KEYS[1])
+if pttl < 0 or pttl > tonumber(ARGV[3]) then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
+return 1
+"""
+
+FORCE_RELEASE = (
+    """
+-- FORCE_RELEASE: an operator evicts whoever holds K and bumps the fence, so the evicted
+-- holder's later fenced writes are rejected.
+-- KEYS[1] lease hash   KEYS[2] fence counter
+-- ARGV[1] fence_ttl_ms
+-- Returns {deleted (1|0), new fence, evicted task_id or ''}
+"""
+    + _NOW
+    + _NEXT_FENCE
+    + """
+local holder = redis.call('HGET', KEYS[1], 'task_id') or ''
+local deleted = redis.call('DEL', KEYS[1])
+return {deleted, next_fence(KEYS[2], ARGV[1], now_us), holder}
+"""
+)
+
+
+class Script:
+    """A named Lua script run by raw EVALSHA, reloaded on NOSCRIPT.
+
+    Raw EVALSHA rather than redis-py's ``Script`` inside a pipeline: pipelines
+    send ``SCRIPT EXISTS`` first, doubling the round trips.
+    """
+
+    def __init__(self, name: str, source: str) -> None:
+        self.name = name
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    def __call__(self, client: Any, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            client.script_load(self.source)
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+
+    def __repr__(self) -> str:
+        return f"<Script {self.name} {self.sha[:8]}>"
+
+
+acquire = Script("ACQUIRE", ACQUIRE)
+release = Script("RELEASE", RELEASE)
+renew = Script("RENEW", RENEW)
+shorten = Script("SHORTEN", SHORTEN)
+force_release = Script("FORCE_RELEASE", FORCE_RELEASE)

@@ -1,0 +1,67 @@
+"""Worker-side hooks, connected explicitly by :func:`install` (nothing at import).
+
+The worker's *main* process learns of a hard time limit or a terminate-revoke
+but never saw the lease token. It identifies the holder by task id and host and shortens the lease to a short grace instead of deleting it:
+billiard reports a hard timeout before the child is surely dead, so deleting
+could let a successor overlap a body still running.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from celery import signals
+from celery.exceptions import TimeLimitExceeded
+
+_installed = False
+_lock = threading.Lock()
+
+
+def install() -> None:
+    """Connect the hooks once per process (called when a ``LockedTask`` is bound)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        signals.task_failure.connect(_on_failure, weak=False, dispatch_uid="lockguard.task_failure")
+        signals.task_revoked.connect(_on_revoked, weak=False, dispatch_uid="lockguard.task_revoked")
+        _installed = True
+
+
+def _on_failure(sender: Any = None, task_id: str | None = None, exception: BaseException | None = None,
+                args: Any = None, kwargs: Any = None, **_: Any) -> None:
+    if isinstance(exception, TimeLimitExceeded) and task_id:
+        shorten_from_main(sender, task_id, args or (), kwargs or {}, "hard_time_limit")
+
+
+def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = False, **_: Any) -> None:
+    if terminated and request is not None:
+        shorten_from_main(sender, request.id, request.args or (), request.kwargs or {}, "terminated")
+
+
+def shorten_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason: str) -> bool:
+    """Shorten the lease ``task_id`` holds on this host to the grace period; True if it held one."""
+    from . import connection
+    from . import lease as lease_ops
+    from .config import settings
+    from .connection import UNAVAILABLE_ERRORS
+    from .events import emit
+    from .task import LockedTask
+
+    if not isinstance(task, LockedTask):
+        return False
+    s = settings(task.app)
+    opts = task.lockguard_options
+    if not s.enabled or not opts.locked:
+        return False
+    try:
+        key = task._names(opts, task_id, tuple(args), dict(kwargs)).key
+        shortened = lease_ops.shorten(connection.client(s), s.key_prefix, key, task_id, int(s.shorten_grace * 1000))
+    except UNAVAILABLE_ERRORS as exc:
+        emit("lock.backend_unavailable", task.name, task_id=task_id, reason=f"{reason}: {exc.__class__.__name__}")
+        return False
+    if shortened:
+        emit("lock.force_released", task.name, lock_key=key, task_id=task_id, reason=reason,
+             grace_ms=int(s.shorten_grace * 1000))
+    return shortened

@@ -1,0 +1,320 @@
+"""``LockedTask``: the policy around a task body. Lease work is delegated.
+
+The lease is taken and released inside ``__call__`` because Celery does not
+call ``after_return`` on Retry, Ignore or Reject, runs it in the *main*
+process on a hard time limit, and a killed child runs nothing at all.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from celery import Task
+from celery.exceptions import Ignore, Reject, Retry
+
+from . import completion, connection, keys, signals
+from . import lease as lease_ops
+from .config import Settings, TaskOptions, resolve_task_options, settings
+from .connection import UNAVAILABLE_ERRORS
+from .events import emit
+from .exceptions import BackendUnavailable, ConfigurationError, LockContended, LockGuardError
+from .lease import Done, Holder, Lease
+from .metrics import observe_hold
+from .renewer import renewer
+
+#: Message header counting lock/outage waits, separate from ``request.retries``.
+WAITS_HEADER = "lockguard_waits"
+
+_LEASE = "_lockguard_lease"
+_SCOPE = "_lockguard_scope"
+_CHECKPOINTS = "_lockguard_checkpoints"
+
+
+class _Call:
+    """One call's rendered names: entity K, scope S, args digest."""
+
+    __slots__ = ("key", "scope", "digest", "scope_is_task")
+
+    def __init__(self, key: str, scope: str, digest: str, scope_is_task: bool) -> None:
+        self.key = key
+        self.scope = scope
+        self.digest = digest
+        self.scope_is_task = scope_is_task
+
+
+class LockedTask(Task):
+    """A Celery task that runs its body under an entity-scoped Redis lease.
+
+    Options are class attributes (set through ``@app.task(...)``); each falls
+    back to the ``lockguard_*`` setting of the same meaning. See
+    docs/reference.md for every option.
+    """
+
+    lock_key: Any = None
+    lock_ttl: float | None = None
+    lock_renew: bool = True
+    lock_max_hold: float | None = None
+    lock_mode: str = "while_running"
+    lock_max_waits: int | None = None
+    queue_lock_ttl: float | None = None
+    on_locked: str | None = None
+    on_unavailable: str | None = None
+    idempotency_key: Any = None
+    completion: bool = True
+    completion_ttl: float | None = None
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        signals.install()
+
+    # -- resolved configuration -------------------------------------------------
+
+    @property
+    def lockguard_options(self) -> TaskOptions:
+        """This task's validated options (``ConfigurationError`` names task, option and value)."""
+        opts: TaskOptions | None = self.__dict__.get("_lockguard_options")
+        if opts is None:
+            opts = resolve_task_options(self)
+            self.__dict__["_lockguard_options"] = opts
+        return opts
+
+    def lock_key_for(self, *args: Any, **kwargs: Any) -> str | None:
+        """The rendered entity key K for a call (no prefix), or ``None`` if the task is unlocked."""
+        opts = self.lockguard_options
+        if not opts.locked:
+            return None
+        return self._names(opts, "<task-id>", args, kwargs).key
+
+    def _names(self, opts: TaskOptions, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
+        try:
+            arguments = keys.bind(opts.signature, args, kwargs)
+        except TypeError as exc:
+            raise TypeError(f"task {self.name!r}: arguments do not match its signature: {exc}") from exc
+        if opts.idempotency_key is not None:
+            scope, scope_is_task = opts.idempotency_key.render(arguments, args, kwargs), False
+        else:
+            scope, scope_is_task = keys.task_scope(task_id), True
+        key = opts.lock_key.render(arguments, args, kwargs) if opts.lock_key is not None else scope
+        return _Call(key, scope, keys.digest(arguments), scope_is_task)
+
+    # -- runtime, per request ---------------------------------------------------
+
+    @property
+    def lock(self) -> Lease | None:
+        """The current request's lease, or ``None`` (no lock, fail-open, direct call)."""
+        return getattr(self.request, _LEASE, None)
+
+    @property
+    def completion_scope(self) -> str | None:
+        """The rendered completion scope; pass it on as an external idempotency key."""
+        return getattr(self.request, _SCOPE, None)
+
+    def checkpoint(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` once per (scope, name); replays return the recorded JSON value."""
+        req = self.request
+        scope = getattr(req, _SCOPE, None)
+        if scope is None:
+            return fn(*args, **kwargs)
+        used: set[str] = getattr(req, _CHECKPOINTS)
+        if name in used:
+            raise ConfigurationError(f"task {self.name!r}: checkpoint name {name!r} used twice in one run")
+        used.add(name)
+        s = settings(self.app)
+        opts = self.lockguard_options
+        ttl = opts.completion_ttl_scope if self.idempotency_key is not None else opts.completion_ttl_task
+        return completion.checkpoint(connection.client(s), s.key_prefix, scope, name, int(ttl * 1000), fn, args, kwargs)
+
+    # -- the call ---------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        req = self.request
+        if req.called_directly:
+            return super().__call__(*args, **kwargs)
+        s = settings(self.app)
+        opts = self.lockguard_options
+        if not s.enabled or not opts.locked:
+            return super().__call__(*args, **kwargs)
+        call = self._names(opts, req.id, args, kwargs)
+        client = connection.client(s)
+        replace_token = ""
+        while True:
+            try:
+                got = self._acquire(s, opts, call, client, replace_token)
+            except UNAVAILABLE_ERRORS as exc:
+                return self._unavailable(opts, call, args, kwargs, f"{exc.__class__.__name__}: {exc}")
+            if isinstance(got, Done):
+                task_id, result = completion.decode_record(got.record)
+                emit("completion.skipped", self.name, lock_key=call.key, task_id=req.id, scope=call.scope,
+                     completed_by=task_id)
+                return result
+            if isinstance(got, Holder):
+                if not replace_token and self._dead_here(got, req.id):
+                    # A killed child of this host held it under our own id: take it over at once.
+                    emit("lock.contended", self.name, lock_key=call.key, task_id=req.id, holder_task_id=got.task_id,
+                         policy=opts.on_locked, reason="taking_over_dead_holder_of_own_id")
+                    replace_token = got.token
+                    continue
+                return self._contended(opts, call, got, args, kwargs)
+            if got.lost:  # the reply came back after the lease's validity: never run on it
+                self._release(s, opts, got)
+                return self._unavailable(opts, call, args, kwargs, "acquire_slower_than_ttl")
+            return self._run_locked(s, opts, call, client, got, args, kwargs)
+
+    def _acquire(self, s: Settings, opts: TaskOptions, call: _Call, client: Any,
+                 replace_token: str) -> Lease | Holder | Done:
+        req = self.request
+        return lease_ops.acquire(
+            client, s.key_prefix, call.key, ttl_ms=opts.ttl_ms, task_id=req.id, task_name=self.name,
+            digest=call.digest, worker=req.hostname or "", fence_ttl_ms=int(s.fence_ttl * 1000),
+            scope=call.scope if opts.completion else None, replace_token=replace_token,
+        )
+
+    def _run_locked(self, s: Settings, opts: TaskOptions, call: _Call, client: Any, lease: Lease,
+                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        req = self.request
+        emit("lock.acquired", self.name, lock_key=call.key, task_id=req.id, fence=lease.fence)
+        setattr(req, _LEASE, lease)
+        setattr(req, _SCOPE, call.scope)
+        setattr(req, _CHECKPOINTS, set())
+        if opts.renew:
+            renewer().track(lease, client, opts.max_hold)
+        done: _Call | None = None
+        result = None
+        try:
+            result = super().__call__(*args, **kwargs)
+            done = call
+            return result
+        finally:
+            self._release(s, opts, lease, done, result)
+
+    def _release(self, s: Settings, opts: TaskOptions, lease: Lease, done: _Call | None = None,
+                 result: Any = None) -> None:
+        """Stop renewal, then release; record completion after a successful body.
+
+        A failing release never turns a successful body into a failure: the
+        lease then expires by its TTL, and the event says so.
+        """
+        renewer().untrack(lease)
+        if lease.released:
+            return
+        was_lost = lease.lost
+        scope, record, ttl_ms = None, "", 0
+        if done is not None and opts.completion:
+            scope = done.scope
+            record, dropped = completion.encode_record(lease.task_id, result)
+            if dropped:
+                emit("completion.result_dropped", self.name, task_id=lease.task_id, scope=scope, reason=dropped)
+            ttl = opts.completion_ttl_task if done.scope_is_task else opts.completion_ttl_scope
+            ttl_ms = int(ttl * 1000)
+        fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence}
+        try:
+            released, _recorded = lease_ops.release(connection.client(s), lease, s.key_prefix, scope, record, ttl_ms)
+        except UNAVAILABLE_ERRORS as exc:
+            lease.released = True
+            emit("lock.backend_unavailable", self.name, **fields, reason=f"release: {exc.__class__.__name__}")
+            return
+        hold_ms = lease.hold_ms()
+        observe_hold(self.name, hold_ms)
+        if released == 1:
+            emit("lock.released", self.name, **fields, hold_ms=round(hold_ms), lost=was_lost)
+        else:
+            reason = "expired" if released == 0 else "taken_by_another_holder"
+            if lease.mark_lost(reason):
+                emit("lock.lost", self.name, **fields, hold_ms=round(hold_ms), reason=reason)
+            emit("lock.expired_before_release", self.name, **fields, hold_ms=round(hold_ms), reason=reason)
+
+    # -- policies ---------------------------------------------------------------
+
+    def _contended(self, opts: TaskOptions, call: _Call, holder: Holder, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> Any:
+        req = self.request
+        fields = {"lock_key": call.key, "task_id": req.id, "holder_task_id": holder.task_id}
+        error = LockContended(call.key, holder.task_id, holder.pttl_ms)
+        if holder.task_id == req.id:
+            if self._holder_alive(opts, holder):
+                emit("lock.skipped_duplicate", self.name, **fields, policy=opts.on_locked,
+                     reason="redelivery_of_running_original")
+                raise Ignore()
+            return self._wait(opts, args, kwargs, call, "holder_of_own_id_dead", error, holder.pttl_ms / 1000)
+        emit("lock.contended", self.name, **fields, policy=opts.on_locked)
+        duplicate = holder.task_name == self.name and holder.digest == call.digest
+        if opts.on_locked == "raise":
+            raise error
+        if opts.on_locked == "skip" and duplicate and opts.mode != "until_started":
+            emit("lock.skipped_duplicate", self.name, **fields, policy="skip", reason="identical_work_running")
+            return None
+        reason = "duplicate_waits" if duplicate else "different_work_on_entity"
+        return self._wait(opts, args, kwargs, call, reason, error, holder.pttl_ms / 1000)
+
+    @staticmethod
+    def _dead_here(holder: Holder, task_id: str) -> bool:
+        """The holder is this task id, on this host, and its process is gone."""
+        return holder.task_id == task_id and holder.host == lease_ops.HOST and not lease_ops.pid_alive(holder.pid)
+
+    def _holder_alive(self, opts: TaskOptions, holder: Holder) -> bool:
+        """Alive: on this host, its pid exists; elsewhere, its lease is still being renewed."""
+        if holder.host == lease_ops.HOST:
+            return lease_ops.pid_alive(holder.pid)
+        return opts.renew and holder.ms_since_renewal < opts.ttl_ms * 0.6
+
+    def _unavailable(self, opts: TaskOptions, call: _Call, args: tuple[Any, ...],
+                     kwargs: dict[str, Any], reason: str) -> Any:
+        req = self.request
+        fields = {"lock_key": call.key, "task_id": req.id, "policy": opts.on_unavailable, "reason": reason}
+        if opts.on_unavailable == "fail_open":
+            emit("lock.fail_open", self.name, **fields)
+            return super().__call__(*args, **kwargs)
+        emit("lock.backend_unavailable", self.name, **fields)
+        return self._wait(opts, args, kwargs, call, "backend_unavailable",
+                          BackendUnavailable(f"task {self.name!r}: lock store unavailable for {call.key!r}: {reason}"),
+                          None)
+
+    def _wait(self, opts: TaskOptions, args: tuple[Any, ...], kwargs: dict[str, Any], call: _Call,
+              reason: str, exc: LockGuardError, holder_ttl: float | None) -> Any:
+        """Re-deliver this call later without spending ``max_retries``; the budget is ``lock_max_waits``."""
+        req = self.request
+        waits = int((req.headers or {}).get(WAITS_HEADER) or req.get(WAITS_HEADER) or 0)
+        fields = {"lock_key": call.key, "task_id": req.id, "reason": reason, "waits": waits}
+        if waits >= opts.max_waits:
+            emit("lock.wait_budget_exhausted", self.name, **fields, policy=opts.on_locked)
+            raise exc
+        countdown = wait_countdown(waits, holder_ttl)
+        emit("lock.retry_scheduled", self.name, **fields, countdown=round(countdown, 3), policy=opts.on_locked)
+        if req.is_eager:
+            time.sleep(countdown)  # eager calls are synchronous by definition
+            req.headers = {**(req.headers or {}), WAITS_HEADER: waits + 1}
+            return self.__call__(*args, **kwargs)
+        headers = {**(req.headers or {}), WAITS_HEADER: waits + 1}
+        sig = self.signature_from_request(req, args, kwargs, countdown=countdown, retries=req.retries,
+                                          headers=headers)
+        try:
+            sig.apply_async()
+        except Exception as publish_exc:  # noqa: BLE001 - any publish failure must not lose the task
+            emit("lock.backend_unavailable", self.name, **fields, policy="requeue",
+                 reason=f"publish failed: {publish_exc.__class__.__name__}")
+            if self.acks_late or req.delivery_info and req.get("acks_late"):
+                raise Reject(publish_exc, requeue=True) from publish_exc
+            raise exc from publish_exc
+        raise Retry(exc=exc, when=countdown, sig=sig)
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Release the lease before Celery publishes the retry, so the retry never waits on us."""
+        lease = self.lock
+        if lease is not None and not lease.released and self.lockguard_options.mode == "while_running":
+            self._release(settings(self.app), self.lockguard_options, lease)
+        return super().retry(*args, **kwargs)
+
+
+def wait_countdown(waits: int, holder_ttl: float | None) -> float:
+    """Seconds to wait: exponential in the number of waits, capped by the holder's TTL, jittered.
+
+    Jitter spreads waiters over [50%, 100%] of the step, so a released key does
+    not set off a retry storm.
+    """
+    step = min(0.25 * (2 ** min(waits, 10)), 60.0)
+    if holder_ttl is not None:
+        step = min(step, max(holder_ttl, 0.05))
+    return max(0.05, step * random.uniform(0.5, 1.0))
