@@ -3,10 +3,11 @@
 The rendered key K names a business object (``invoice:48291``). Two rules make
 it safe to use as a lock name:
 
-* Injective: a value is rendered as text, then every character that occurs in
-  the template's literal text (and ``% { } ~``, whitespace, control
-  characters) is percent-encoded, and templates with two adjacent fields are
-  refused. So ``"{a}:{b}"`` with ``("x:y", "z")`` and ``("x", "y:z")`` render
+* Injective: a value is rendered as text, then every separator (a
+  non-alphanumeric character of the template's literal text, and ``% { } ~``,
+  whitespace, control characters) is percent-encoded, and a template whose two
+  fields are not parted by a separator is refused. The separators then mark
+  where each value ends, so parsing a key back is unambiguous. So ``"{a}:{b}"`` with ``("x:y", "z")`` and ``("x", "y:z")`` render
   differently, and no value can forge the hash tag's closing brace.
 * Bounded: a value longer than :data:`MAX_PART` keeps a readable prefix and a
   SHA-256 digest; a whole key longer than :data:`MAX_KEY` is cut the same way.
@@ -97,9 +98,10 @@ class KeyRenderer:
                 raise ConfigurationError(
                     f"task {task_name!r}: option {option}={source!r}: literal braces would break the hash tag"
                 )
-            if literal:
+            separators = "".join(c for c in literal if not c.isalnum())
+            if separators:
                 previous_field = False
-            literal_chars += literal
+            literal_chars += separators
             if field is None:
                 parts.append((literal, None))
                 continue
@@ -115,7 +117,7 @@ class KeyRenderer:
             if previous_field:
                 raise ConfigurationError(
                     f"task {task_name!r}: option {option}={source!r}: adjacent fields need a separator "
-                    "or two calls could render the same key"
+                    "(a non-alphanumeric character between them) or two calls could render the same key"
                 )
             parts.append((literal, field))
             previous_field = True

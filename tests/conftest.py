@@ -1,0 +1,127 @@
+"""Fixtures: real Redis (shared or embedded), private servers, real workers, PostgreSQL.
+
+Isolation is by key prefix (every key a test makes, Celery's included, lives
+under its prefix), never by FLUSHALL on a shared server.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from celery_lockguard import connection, metrics
+from celery_lockguard.testing import RedisServer, delete_prefix, env_flag
+
+from .harness import Worker
+from .workerapp import create_app
+
+REQUIRE = env_flag("LOCKGUARD_REQUIRE_SERVICES")
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """The shared test Redis: ``LOCKGUARD_TEST_REDIS_URL``, or an embedded server for this session."""
+    url = os.environ.get("LOCKGUARD_TEST_REDIS_URL")
+    if url:
+        redis.Redis.from_url(url).ping()
+        yield url
+        return
+    if REQUIRE:
+        pytest.fail("LOCKGUARD_REQUIRE_SERVICES=1 but LOCKGUARD_TEST_REDIS_URL is not set")
+    with RedisServer() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> str:
+    url = os.environ.get("LOCKGUARD_TEST_POSTGRES_URL")
+    if not url:
+        if REQUIRE:
+            pytest.fail("LOCKGUARD_REQUIRE_SERVICES=1 but LOCKGUARD_TEST_POSTGRES_URL is not set")
+        pytest.skip("LOCKGUARD_TEST_POSTGRES_URL is not set")
+    return url
+
+
+@pytest.fixture
+def prefix(redis_url: str) -> Iterator[str]:
+    """A key prefix owned by this test; its keys are deleted afterwards."""
+    p = f"lgt:{uuid.uuid4().hex[:10]}"
+    yield p
+    delete_prefix(redis.Redis.from_url(redis_url), p)
+
+
+@pytest.fixture
+def r(redis_url: str) -> redis.Redis:
+    return redis.Redis.from_url(redis_url, decode_responses=True)
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A private server this test may stop, restart or SCRIPT FLUSH."""
+    with RedisServer() as server:
+        yield server
+    connection.forget_clients()
+
+
+@pytest.fixture(autouse=True)
+def _clean_metrics() -> Iterator[None]:
+    metrics.clear()
+    yield
+
+
+def make_cfg(prefix: str, redis_url: str, **over: Any) -> dict[str, Any]:
+    cfg = {
+        "broker": redis_url,
+        "lock_url": redis_url,
+        "record_url": redis_url,
+        "queue": f"{prefix}-q",
+        "prefix": prefix,
+    }
+    cfg.update(over)
+    return cfg
+
+
+class Fleet:
+    """Apps and workers of one test; everything stopped at teardown."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.workers: list[Worker] = []
+
+    def app(self, cfg: dict[str, Any]) -> Any:
+        return create_app(cfg)
+
+    def worker(self, cfg: dict[str, Any], concurrency: int = 2, start: bool = True) -> Worker:
+        w = Worker(create_app(cfg), cfg, concurrency=concurrency, log_dir=self.tmp)
+        self.workers.append(w)
+        return w.start() if start else w
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.stop()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    f = Fleet(tmp_path)
+    yield f
+    f.close()
+
+
+@pytest.fixture(scope="session")
+def shared_fleet(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """Two prefork workers (-c 2 each) on the shared Redis, reused by tests that need no special set-up."""
+    p = f"lgt:{uuid.uuid4().hex[:10]}"
+    cfg = make_cfg(p, redis_url)
+    f = Fleet(tmp_path_factory.mktemp("fleet"))
+    f.worker(cfg)
+    f.worker(cfg)
+    yield f.app(cfg), cfg
+    f.close()
+    delete_prefix(redis.Redis.from_url(redis_url), p)

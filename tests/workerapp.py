@@ -1,0 +1,110 @@
+"""The Celery app the integration tests run in real ``celery worker`` subprocesses.
+
+Configured from the JSON in ``LG_CONFIG`` so each test can start workers
+against its own Redis, queue and key prefix; the test process builds the same
+app with :func:`create_app` to publish and read results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_lockguard import LockedTask
+
+
+def create_app(cfg: dict[str, Any]) -> Celery:
+    app = Celery("workerapp", broker=cfg["broker"], backend=cfg.get("backend", cfg["broker"]))
+    app.conf.update(
+        task_default_queue=cfg["queue"],
+        lockguard_redis_url=cfg["lock_url"],
+        lockguard_key_prefix=cfg["prefix"],
+        lockguard_on_unavailable=cfg.get("on_unavailable", "fail_closed"),
+        lockguard_socket_timeout=cfg.get("socket_timeout", 1.0),
+        broker_transport_options={
+            "visibility_timeout": cfg.get("visibility_timeout", 3600),
+            "unacked_restore_interval": 1,
+            "unacked_restore_throttle": 1,
+            "global_keyprefix": f"{cfg['prefix']}:kombu:",
+        },
+        result_backend_transport_options={"global_keyprefix": f"{cfg['prefix']}:results:"},
+        worker_prefetch_multiplier=1,
+        broker_connection_retry_on_startup=True,
+        result_expires=900,
+        task_acks_late=cfg.get("acks_late", False),
+        task_reject_on_worker_lost=cfg.get("acks_late", False),
+        worker_hijack_root_logger=False,
+    )
+    rec = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
+    rec_key = f"{cfg['prefix']}:record"
+
+    def record(**fields: Any) -> None:
+        rec.rpush(rec_key, json.dumps({"pid": os.getpid(), "t": time.time(), **fields}))
+
+    def body(self: Any, key: str, seconds: float, tag: str) -> dict[str, Any]:
+        record(ev="start", key=key, tag=tag, task_id=self.request.id)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+        lease = self.lock
+        record(ev="end", key=key, tag=tag, task_id=self.request.id, lost=lease.lost if lease else None)
+        return {"tag": tag, "fence": lease.fence if lease else None, "lost": lease.lost if lease else None,
+                "held": lease.held if lease else None}
+
+    @app.task(base=LockedTask, bind=True, name="hold_skip", lock_key="res:{key}", lock_ttl=5)
+    def hold_skip(self: Any, key: str, seconds: float = 0.5, tag: str = "") -> dict[str, Any]:
+        return body(self, key, seconds, tag)
+
+    @app.task(base=LockedTask, bind=True, name="hold_wait", lock_key="res:{key}", lock_ttl=5, on_locked="retry")
+    def hold_wait(self: Any, key: str, seconds: float = 0.5, tag: str = "") -> dict[str, Any]:
+        return body(self, key, seconds, tag)
+
+    @app.task(base=LockedTask, bind=True, name="hold_raise", lock_key="res:{key}", lock_ttl=5, on_locked="raise")
+    def hold_raise(self: Any, key: str, seconds: float = 0.5, tag: str = "") -> dict[str, Any]:
+        return body(self, key, seconds, tag)
+
+    @app.task(base=LockedTask, bind=True, name="short_ttl", lock_key="res:{key}", lock_ttl=1)
+    def short_ttl(self: Any, key: str, seconds: float = 4, tag: str = "") -> dict[str, Any]:
+        return body(self, key, seconds, tag)
+
+    @app.task(base=LockedTask, bind=True, name="no_renew", lock_key="res:{key}", lock_ttl=1, lock_renew=False)
+    def no_renew(self: Any, key: str, seconds: float = 2, tag: str = "") -> dict[str, Any]:
+        return body(self, key, seconds, tag)
+
+    @app.task(base=LockedTask, bind=True, name="charge", lock_key="invoice:{invoice_id}", lock_ttl=5)
+    def charge(self: Any, invoice_id: int, amount: int, seconds: float = 1.0) -> dict[str, Any]:
+        return body(self, f"invoice:{invoice_id}", seconds, f"charge:{amount}")
+
+    @app.task(base=LockedTask, bind=True, name="crash_once", lock_key="res:{key}", lock_ttl=30,
+              acks_late=True, reject_on_worker_lost=True)
+    def crash_once(self: Any, key: str, tag: str = "") -> dict[str, Any]:
+        attempt = rec.incr(f"{cfg['prefix']}:attempts:{key}")
+        record(ev="start", key=key, tag=tag, attempt=attempt, task_id=self.request.id)
+        if attempt == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        record(ev="end", key=key, tag=tag, attempt=attempt, task_id=self.request.id)
+        return {"attempt": attempt, "fence": self.lock.fence}
+
+    @app.task(base=LockedTask, bind=True, name="plain_locked", lock_key="res:{key}")
+    def plain_locked(self: Any, key: str, tag: str = "") -> dict[str, Any]:
+        record(ev="start", key=key, tag=tag, task_id=self.request.id)
+        return {"tag": tag, "locked": self.lock is not None}
+
+    @app.task(base=LockedTask, bind=True, name="retry_self", lock_key="res:{key}", max_retries=2,
+              default_retry_delay=0.1)
+    def retry_self(self: Any, key: str) -> dict[str, Any]:
+        record(ev="start", key=key, retries=self.request.retries, task_id=self.request.id)
+        if self.request.retries < 2:
+            raise self.retry()
+        return {"retries": self.request.retries}
+
+    return app
+
+
+app = create_app(json.loads(os.environ["LG_CONFIG"])) if "LG_CONFIG" in os.environ else None
