@@ -37,7 +37,7 @@ def test_bad_option_raises_before_the_body(option: str, value: Any, needle: str)
     ran = []
     opts = {"lock_key": "inv:{invoice_id}", option: value}
 
-    @app.task(base=LockedTask, bind=True, name="billing.charge", **opts)
+    @app.task(base=LockedTask, bind=True, shared=False, name="billing.charge", **opts)
     def charge(self: Any, invoice_id: int) -> None:
         ran.append(invoice_id)
 
@@ -50,7 +50,7 @@ def test_bad_option_raises_before_the_body(option: str, value: Any, needle: str)
 def test_template_from_settings_by_task_name() -> None:
     app = make(lockguard_keys={"billing.sync_tenant": "tenant:{tenant_id}:sync"})
 
-    @app.task(base=LockedTask, name="billing.sync_tenant")
+    @app.task(base=LockedTask, shared=False, name="billing.sync_tenant")
     def sync_tenant(tenant_id: str) -> None: ...
 
     assert sync_tenant.lock_key_for("alpha") == "tenant:alpha:sync"
@@ -74,7 +74,7 @@ def test_redis_url_defaults_only_to_a_redis_broker() -> None:
     app = make("amqp://guest:guest@127.0.0.1:5672//")
     assert settings(app).redis_url is None
 
-    @app.task(base=LockedTask, name="t.x", lock_key="k:{a}")
+    @app.task(base=LockedTask, shared=False, name="t.x", lock_key="k:{a}")
     def x(a: int) -> None: ...
 
     with pytest.raises(ConfigurationError, match="lockguard_redis_url is required"):

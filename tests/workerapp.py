@@ -57,31 +57,31 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         return {"tag": tag, "fence": lease.fence if lease else None, "lost": lease.lost if lease else None,
                 "held": lease.held if lease else None}
 
-    @app.task(base=LockedTask, bind=True, name="hold_skip", lock_key="res:{key}", lock_ttl=5)
+    @app.task(base=LockedTask, bind=True, shared=False, name="hold_skip", lock_key="res:{key}", lock_ttl=5)
     def hold_skip(self: Any, key: str, seconds: float = 0.5, tag: str = "") -> dict[str, Any]:
         return body(self, key, seconds, tag)
 
-    @app.task(base=LockedTask, bind=True, name="hold_wait", lock_key="res:{key}", lock_ttl=5, on_locked="retry")
+    @app.task(base=LockedTask, bind=True, shared=False, name="hold_wait", lock_key="res:{key}", lock_ttl=5, on_locked="retry")
     def hold_wait(self: Any, key: str, seconds: float = 0.5, tag: str = "") -> dict[str, Any]:
         return body(self, key, seconds, tag)
 
-    @app.task(base=LockedTask, bind=True, name="hold_raise", lock_key="res:{key}", lock_ttl=5, on_locked="raise")
+    @app.task(base=LockedTask, bind=True, shared=False, name="hold_raise", lock_key="res:{key}", lock_ttl=5, on_locked="raise")
     def hold_raise(self: Any, key: str, seconds: float = 0.5, tag: str = "") -> dict[str, Any]:
         return body(self, key, seconds, tag)
 
-    @app.task(base=LockedTask, bind=True, name="short_ttl", lock_key="res:{key}", lock_ttl=1)
+    @app.task(base=LockedTask, bind=True, shared=False, name="short_ttl", lock_key="res:{key}", lock_ttl=1)
     def short_ttl(self: Any, key: str, seconds: float = 4, tag: str = "") -> dict[str, Any]:
         return body(self, key, seconds, tag)
 
-    @app.task(base=LockedTask, bind=True, name="no_renew", lock_key="res:{key}", lock_ttl=1, lock_renew=False)
+    @app.task(base=LockedTask, bind=True, shared=False, name="no_renew", lock_key="res:{key}", lock_ttl=1, lock_renew=False)
     def no_renew(self: Any, key: str, seconds: float = 2, tag: str = "") -> dict[str, Any]:
         return body(self, key, seconds, tag)
 
-    @app.task(base=LockedTask, bind=True, name="charge", lock_key="invoice:{invoice_id}", lock_ttl=5)
+    @app.task(base=LockedTask, bind=True, shared=False, name="charge", lock_key="invoice:{invoice_id}", lock_ttl=5)
     def charge(self: Any, invoice_id: int, amount: int, seconds: float = 1.0) -> dict[str, Any]:
         return body(self, f"invoice:{invoice_id}", seconds, f"charge:{amount}")
 
-    @app.task(base=LockedTask, bind=True, name="crash_once", lock_key="res:{key}", lock_ttl=30,
+    @app.task(base=LockedTask, bind=True, shared=False, name="crash_once", lock_key="res:{key}", lock_ttl=30,
               acks_late=True, reject_on_worker_lost=True)
     def crash_once(self: Any, key: str, tag: str = "") -> dict[str, Any]:
         attempt = rec.incr(f"{cfg['prefix']}:attempts:{key}")
@@ -91,12 +91,12 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         record(ev="end", key=key, tag=tag, attempt=attempt, task_id=self.request.id)
         return {"attempt": attempt, "fence": self.lock.fence}
 
-    @app.task(base=LockedTask, bind=True, name="plain_locked", lock_key="res:{key}")
+    @app.task(base=LockedTask, bind=True, shared=False, name="plain_locked", lock_key="res:{key}")
     def plain_locked(self: Any, key: str, tag: str = "") -> dict[str, Any]:
         record(ev="start", key=key, tag=tag, task_id=self.request.id)
         return {"tag": tag, "locked": self.lock is not None}
 
-    @app.task(base=LockedTask, bind=True, name="retry_self", lock_key="res:{key}", max_retries=2,
+    @app.task(base=LockedTask, bind=True, shared=False, name="retry_self", lock_key="res:{key}", max_retries=2,
               default_retry_delay=0.1)
     def retry_self(self: Any, key: str) -> dict[str, Any]:
         record(ev="start", key=key, retries=self.request.retries, task_id=self.request.id)
