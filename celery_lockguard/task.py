@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import Task
-from celery.exceptions import Ignore, Reject, Retry
+from celery.exceptions import Ignore, Retry
 
 from . import completion, connection, keys, signals
 from . import lease as lease_ops
@@ -283,22 +283,22 @@ class LockedTask(Task):
             raise exc
         countdown = wait_countdown(waits, holder_ttl)
         emit("lock.retry_scheduled", self.name, **fields, countdown=round(countdown, 3), policy=opts.on_locked)
-        if req.is_eager:
-            time.sleep(countdown)  # eager calls are synchronous by definition
-            req.headers = {**(req.headers or {}), WAITS_HEADER: waits + 1}
-            return self.__call__(*args, **kwargs)
         headers = {**(req.headers or {}), WAITS_HEADER: waits + 1}
-        sig = self.signature_from_request(req, args, kwargs, countdown=countdown, retries=req.retries,
-                                          headers=headers)
-        try:
-            sig.apply_async()
-        except Exception as publish_exc:  # noqa: BLE001 - any publish failure must not lose the task
-            emit("lock.backend_unavailable", self.name, **fields, policy="requeue",
-                 reason=f"publish failed: {publish_exc.__class__.__name__}")
-            if self.acks_late or req.delivery_info and req.get("acks_late"):
-                raise Reject(publish_exc, requeue=True) from publish_exc
-            raise exc from publish_exc
-        raise Retry(exc=exc, when=countdown, sig=sig)
+        if not req.is_eager:
+            sig = self.signature_from_request(req, args, kwargs, countdown=countdown, retries=req.retries,
+                                              headers=headers)
+            try:
+                sig.apply_async()
+            except Exception as publish_exc:  # noqa: BLE001 - a failed publish must not lose the task
+                # Celery's own retry() would Reject(requeue=False) here and drop the message:
+                # when the broker is the Redis that is down, wait in this process instead.
+                emit("lock.backend_unavailable", self.name, **fields, policy="wait_in_process",
+                     reason=f"publish failed: {publish_exc.__class__.__name__}")
+            else:
+                raise Retry(exc=exc, when=countdown, sig=sig)
+        time.sleep(countdown)  # eager calls are synchronous; a failed publish leaves nowhere else to wait
+        req.headers = headers
+        return self.__call__(*args, **kwargs)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Release the lease before Celery publishes the retry, so the retry never waits on us."""

@@ -47,3 +47,137 @@ def test_duplicates_across_workers_never_overlap_while_other_keys_run_in_paralle
     assert len(set(fences)) == 8
     all_spans = intervals([x for x in records(r, cfg["prefix"]) if x["key"].startswith((hot, cold))])
     assert overlapping(all_spans), "different keys should have run in parallel"
+
+
+def test_short_ttl_lease_survives_a_long_body_and_excludes_others(shared_fleet: Any) -> None:
+    app, cfg = shared_fleet
+    r = redis.Redis.from_url(cfg["lock_url"], decode_responses=True)
+    key = f"long-{uuid.uuid4().hex[:6]}"
+    res = app.tasks["short_ttl"].delay(key, 4.0, "long")
+    name = lock_name(cfg["prefix"], f"res:{key}")
+    wait_for(lambda: r.exists(name), 30, what="lease to be taken")
+    got = L.acquire(r, cfg["prefix"], f"res:{key}", ttl_ms=1000, task_id="probe", task_name="probe",
+                    digest="x", worker="test", fence_ttl_ms=60_000)
+    assert isinstance(got, L.Holder) and got.task_id == res.id
+    renewals: set[str] = set()
+
+    def renewed_three_ttls_on() -> bool:
+        # every sample: the lease is present and still the task's, whatever the TTL was at start
+        assert r.hget(name, "task_id") == res.id, "lease vanished or changed hands during the body"
+        renewals.add(r.hget(name, "renewed_at") or "")
+        return len(renewals) >= 9
+
+    wait_for(renewed_three_ttls_on, 6, interval=0.05, what="nine renewals (three TTLs) of the 1 s lease")
+    out = res.get(timeout=30)
+    assert out["held"] is True and out["lost"] is False
+    assert not r.exists(name)
+
+
+def test_different_work_waits_then_runs_identical_work_is_skipped(shared_fleet: Any) -> None:
+    app, cfg = shared_fleet
+    r = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
+    inv = int(uuid.uuid4().int % 10**9)
+    first = app.tasks["charge"].delay(inv, 100, 1.5)
+    wait_for(lambda: records(r, cfg["prefix"], f"invoice:{inv}"), 30, what="first charge to start")
+    other = app.tasks["charge"].delay(inv, 250, 0.1)
+    dup = app.tasks["charge"].delay(inv, 100, 1.5)
+    assert dup.get(timeout=30) is None and dup.state == "SUCCESS"
+    assert first.get(timeout=30)["tag"] == "charge:100"
+    assert other.get(timeout=60)["tag"] == "charge:250"
+    rows = records(r, cfg["prefix"], f"invoice:{inv}")
+    starts = [x["tag"] for x in rows if x["ev"] == "start"]
+    assert sorted(starts) == ["charge:100", "charge:250"]
+    spans = {x["tag"]: x["t"] for x in rows if x["ev"] == "end"}
+    start_250 = next(x["t"] for x in rows if x["ev"] == "start" and x["tag"] == "charge:250")
+    assert start_250 >= spans["charge:100"]
+
+
+def test_raise_policy_fails_visibly(shared_fleet: Any) -> None:
+    app, cfg = shared_fleet
+    r = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
+    key = f"raise-{uuid.uuid4().hex[:6]}"
+    first = app.tasks["hold_raise"].delay(key, 1.5)
+    wait_for(lambda: records(r, cfg["prefix"], key), 30, what="holder to start")
+    second = app.tasks["hold_raise"].delay(key, 0.1)
+    with pytest.raises(Exception) as err:
+        second.get(timeout=30)
+    assert type(err.value).__name__ == "LockContended" and second.state == "FAILURE"
+    assert first.get(timeout=30)["held"]
+
+
+def test_stolen_lease_is_reported_lost_and_release_spares_the_successor(shared_fleet: Any) -> None:
+    app, cfg = shared_fleet
+    r = redis.Redis.from_url(cfg["lock_url"], decode_responses=True)
+    key = f"steal-{uuid.uuid4().hex[:6]}"
+    name = lock_name(cfg["prefix"], f"res:{key}")
+    res = app.tasks["no_renew"].delay(key, 2.5, "victim")
+    wait_for(lambda: r.exists(name), 30, what="lease to be taken")
+    wait_for(lambda: not r.exists(name), 5, interval=0.01, what="unrenewed lease to expire")
+    successor = L.acquire(r, cfg["prefix"], f"res:{key}", ttl_ms=30_000, task_id="successor", task_name="s",
+                          digest="x", worker="test", fence_ttl_ms=60_000)
+    assert isinstance(successor, L.Lease)
+    out = res.get(timeout=30)
+    assert out["lost"] is True and out["held"] is False
+    assert r.hget(name, "token") == successor.token
+    assert successor.fence > out["fence"]
+
+
+def test_child_killed_mid_body_is_redelivered_and_completes(fleet: Any, redis_url: str, prefix: str) -> None:
+    from .conftest import make_cfg
+
+    cfg = make_cfg(prefix, redis_url, acks_late=True)
+    fleet.worker(cfg)
+    app = fleet.app(cfg)
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    res = app.tasks["crash_once"].delay("k1", "boom")
+    out = res.get(timeout=60)
+    assert out["attempt"] == 2
+    rows = records(r, prefix, "k1")
+    assert [x["attempt"] for x in rows if x["ev"] == "start"] == [1, 2]
+    assert [x["attempt"] for x in rows if x["ev"] == "end"] == [2]
+    assert not r.exists(lock_name(prefix, "res:k1"))
+
+
+def test_redelivery_of_a_running_task_is_dropped_not_run(fleet: Any, redis_url: str, prefix: str) -> None:
+    from .conftest import make_cfg
+
+    cfg = make_cfg(prefix, redis_url, acks_late=True, visibility_timeout=1)
+    worker = fleet.worker(cfg)
+    app = fleet.app(cfg)
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    res = app.tasks["hold_skip"].delay("redeliver", 5.0, "original")
+    wait_for(lambda: "redelivery_of_running_original" in worker.log(), 30, interval=0.2,
+             what="the redelivered copy to be dropped")
+    out = res.get(timeout=30)
+    assert out["tag"] == "original" and out["held"] is True
+    assert [x["ev"] for x in records(r, prefix, "redeliver")] == ["start", "end"]
+    assert res.state == "SUCCESS"
+
+
+def test_hard_time_limit_shortens_the_lease_from_the_main_process(fleet: Any, redis_url: str, prefix: str) -> None:
+    from .conftest import make_cfg
+
+    cfg = make_cfg(prefix, redis_url)
+    fleet.worker(cfg)
+    app = fleet.app(cfg)
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    name = lock_name(prefix, "res:tl")
+    res = app.tasks["limited"].delay("tl", 30, "limited")
+    wait_for(lambda: r.exists(name), 30, what="lease to be taken")
+    assert r.pttl(name) > 10_000
+    with pytest.raises(Exception) as err:
+        res.get(timeout=30)
+    assert "TimeLimitExceeded" in type(err.value).__name__
+    wait_for(lambda: r.pttl(name) <= 2000, 10, what="main process to shorten the lease to the grace")
+    wait_for(lambda: not r.exists(name), 5, what="lease to be free within the grace")
+
+
+def test_revoke_terminate_shortens_the_lease(shared_fleet: Any) -> None:
+    app, cfg = shared_fleet
+    r = redis.Redis.from_url(cfg["lock_url"], decode_responses=True)
+    key = f"revoke-{uuid.uuid4().hex[:6]}"
+    name = lock_name(cfg["prefix"], f"res:{key}")
+    res = app.tasks["hold_skip"].delay(key, 30, "revoked")
+    wait_for(lambda: r.exists(name), 30, what="lease to be taken")
+    app.control.revoke(res.id, terminate=True)
+    wait_for(lambda: 0 < r.pttl(name) <= 2000 or not r.exists(name), 15, what="lease shortened after terminate")

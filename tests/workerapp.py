@@ -104,6 +104,22 @@ def create_app(cfg: dict[str, Any]) -> Celery:
             raise self.retry()
         return {"retries": self.request.retries}
 
+    @app.task(base=LockedTask, bind=True, shared=False, name="limited", lock_key="res:{key}", lock_ttl=60,
+              time_limit=1.5)
+    def limited(self: Any, key: str, seconds: float = 30, tag: str = "") -> dict[str, Any]:
+        return body(self, key, seconds, tag)
+
+    def gated_key(key: str, gate: str, tag: str = "") -> str:
+        """Render only once the test opens ``gate`` (a file): lets a test act between delivery and acquire."""
+        deadline = time.monotonic() + 60
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return f"res:{key}"
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="gated", lock_key=gated_key, lock_ttl=5)
+    def gated(self: Any, key: str, gate: str, tag: str = "") -> dict[str, Any]:
+        return body(self, key, 0.1, tag)
+
     return app
 
 
