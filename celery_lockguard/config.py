@@ -160,6 +160,12 @@ class TaskOptions:
         return self.lock_key is not None or self.idempotency_key is not None
 
 
+def _static(task: Any, option: str) -> Any:
+    """An option as set, not as bound: a callable class attribute must not become a method."""
+    value = inspect.getattr_static(task, option, None)
+    return value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+
+
 def resolve_task_options(task: Any) -> TaskOptions:
     """Resolve a task's options against the app's settings, raising ``ConfigurationError``."""
     s = settings(task.app)
@@ -174,9 +180,10 @@ def resolve_task_options(task: Any) -> TaskOptions:
         signature = inspect.signature(task.run)
     except (TypeError, ValueError) as exc:  # pragma: no cover - builtins only
         raise ConfigurationError(f"task {name!r}: cannot read the signature of its body: {exc}") from exc
-    key_source = task.lock_key if task.lock_key is not None else s.keys.get(name)
+    own_key = _static(task, "lock_key")
+    key_source = own_key if own_key is not None else s.keys.get(name)
     lock_key = KeyRenderer(key_source, signature, name, "lock_key") if key_source is not None else None
-    idem_source = task.idempotency_key
+    idem_source = _static(task, "idempotency_key")
     idem = KeyRenderer(idem_source, signature, name, "idempotency_key") if idem_source is not None else None
     ttl = _positive("option", "lock_ttl", task.lock_ttl if task.lock_ttl is not None else s.default_ttl, name)
     hard_limit = task.time_limit if task.time_limit is not None else task.app.conf.get("task_time_limit")

@@ -88,3 +88,15 @@ def test_redis_url_defaults_only_to_a_redis_broker() -> None:
 def test_bad_settings_name_the_setting(name: str, value: Any) -> None:
     with pytest.raises(ConfigurationError, match=f"lockguard_{name}"):
         settings(make(**{f"lockguard_{name}": value}))
+
+
+def test_callable_lock_key_receives_the_task_arguments_only() -> None:
+    app = make()
+
+    def key_of(tenant_id: str, full: bool = False) -> str:
+        return f"tenant:{tenant_id}:{'full' if full else 'delta'}"
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="t.cb", lock_key=key_of)
+    def sync(self: Any, tenant_id: str, full: bool = False) -> None: ...
+
+    assert sync.lock_key_for("alpha", full=True) == "tenant:alpha:full"

@@ -181,3 +181,50 @@ def test_revoke_terminate_shortens_the_lease(shared_fleet: Any) -> None:
     wait_for(lambda: r.exists(name), 30, what="lease to be taken")
     app.control.revoke(res.id, terminate=True)
     wait_for(lambda: 0 < r.pttl(name) <= 2000 or not r.exists(name), 15, what="lease shortened after terminate")
+
+
+def _gate(tmp: Any) -> Any:
+    return tmp / f"gate-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.mark.parametrize("lock_is_broker", [False, True], ids=["lock-redis-only", "lock-redis-is-broker"])
+def test_fail_closed_runs_nothing_during_an_outage_and_runs_once_after(
+    fleet: Any, redis_url: str, prefix: str, tmp_path: Any, lock_is_broker: bool
+) -> None:
+    from celery_lockguard.testing import RedisServer
+
+    from .conftest import make_cfg
+
+    with RedisServer(persistent=True) as own:
+        broker = own.url if lock_is_broker else redis_url
+        cfg = make_cfg(prefix, broker, lock_url=own.url, record_url=redis_url, on_unavailable="fail_closed")
+        worker = fleet.worker(cfg)
+        app = fleet.app(cfg)
+        r = redis.Redis.from_url(redis_url, decode_responses=True)
+        gate = _gate(tmp_path)
+        res = app.tasks["gated"].delay("outage", str(gate), "closed")
+        wait_for(lambda: worker.log().count("gated[") >= 1, 30, interval=0.1, what="the task to be received")
+        own.stop()
+        gate.touch()
+        wait_for(lambda: "lock.backend_unavailable" in worker.log(), 30, interval=0.1, what="the outage to be seen")
+        assert records(r, prefix, "outage") == []
+        own.start()
+        out = res.get(timeout=90)
+        assert out["tag"] == "closed" and out["fence"] is not None
+        assert [x["ev"] for x in records(r, prefix, "outage")] == ["start", "end"]
+        worker.stop()
+
+
+def test_fail_open_runs_the_body_without_a_lease(fleet: Any, redis_url: str, prefix: str, tmp_path: Any) -> None:
+    from celery_lockguard.testing import RedisServer
+
+    from .conftest import make_cfg
+
+    with RedisServer() as own:
+        cfg = make_cfg(prefix, redis_url, lock_url=own.url, on_unavailable="fail_open")
+        worker = fleet.worker(cfg)
+        app = fleet.app(cfg)
+        own.stop()
+        out = app.tasks["hold_skip"].delay("open", 0.1, "open").get(timeout=60)
+        assert out == {"tag": "open", "fence": None, "lost": None, "held": None}
+        assert "lock.fail_open" in worker.log()
