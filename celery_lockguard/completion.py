@@ -41,8 +41,16 @@ class CheckpointNotSerializable(TypeError):
     """``fn`` returned a value JSON cannot hold; the step is recorded as done with no value."""
 
 
-def checkpoint(client: Any, prefix: str, scope: str, name: str, ttl_ms: int,
-               fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def checkpoint(
+    client: Any,
+    prefix: str,
+    scope: str,
+    name: str,
+    ttl_ms: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
     """Run ``fn`` once per (scope, name); replay the recorded JSON value afterwards.
 
     The value returned is always the JSON round trip of ``fn``'s result, so the

@@ -68,7 +68,9 @@ def load_settings(app: Any) -> Settings:
     """Read and validate the ``lockguard_*`` settings of ``app``."""
     key_prefix = str(setting(app, "key_prefix", "lockguard"))
     if not key_prefix or any(c in key_prefix for c in "{}") or any(c.isspace() for c in key_prefix):
-        raise ConfigurationError(f"setting lockguard_key_prefix={key_prefix!r} must be non-empty, without braces or spaces")
+        raise ConfigurationError(
+            f"setting lockguard_key_prefix={key_prefix!r} must be non-empty, without braces or spaces"
+        )
     on_locked = setting(app, "on_locked", "skip")
     if on_locked not in ON_LOCKED:
         raise ConfigurationError(f"setting lockguard_on_locked={on_locked!r} must be one of {ON_LOCKED}")
@@ -189,7 +191,9 @@ def resolve_task_options(task: Any) -> TaskOptions:
     hard_limit = task.time_limit if task.time_limit is not None else task.app.conf.get("task_time_limit")
     max_hold_src = task.lock_max_hold if task.lock_max_hold is not None else (hard_limit or 3600)
     max_hold = _positive("option", "lock_max_hold", max_hold_src, name)
-    queue_lock_ttl = _positive("option", "queue_lock_ttl", task.queue_lock_ttl if task.queue_lock_ttl is not None else 3600, name)
+    queue_lock_ttl = _positive(
+        "option", "queue_lock_ttl", task.queue_lock_ttl if task.queue_lock_ttl is not None else 3600, name
+    )
     completion_ttl_src = task.completion_ttl if task.completion_ttl is not None else s.completion_ttl
     ttl_task = _positive("option", "completion_ttl", completion_ttl_src or s.visibility_timeout, name)
     ttl_scope = _positive("option", "completion_ttl", completion_ttl_src or 86400, name)
@@ -209,7 +213,9 @@ def resolve_task_options(task: Any) -> TaskOptions:
         queue_lock_ttl=queue_lock_ttl,
         on_locked=choice("on_locked", task.on_locked if task.on_locked is not None else s.on_locked, ON_LOCKED),
         on_unavailable=choice(
-            "on_unavailable", task.on_unavailable if task.on_unavailable is not None else s.on_unavailable, ON_UNAVAILABLE
+            "on_unavailable",
+            task.on_unavailable if task.on_unavailable is not None else s.on_unavailable,
+            ON_UNAVAILABLE,
         ),
         completion=bool(task.completion),
         completion_ttl_task=ttl_task,

@@ -7,7 +7,8 @@ it safe to use as a lock name:
   non-alphanumeric character of the template's literal text, and ``% { } ~``,
   whitespace, control characters) is percent-encoded, and a template whose two
   fields are not parted by a separator is refused. The separators then mark
-  where each value ends, so parsing a key back is unambiguous. So ``"{a}:{b}"`` with ``("x:y", "z")`` and ``("x", "y:z")`` render
+  where each value ends, so parsing a key back is unambiguous. So
+  ``"{a}:{b}"`` with ``("x:y", "z")`` and ``("x", "y:z")`` render
   differently, and no value can forge the hash tag's closing brace.
 * Bounded: a value longer than :data:`MAX_PART` keeps a readable prefix and a
   SHA-256 digest; a whole key longer than :data:`MAX_KEY` is cut the same way.
@@ -92,7 +93,9 @@ class KeyRenderer:
         try:
             parsed = list(string.Formatter().parse(source))
         except ValueError as exc:
-            raise ConfigurationError(f"task {task_name!r}: option {option}={source!r} is not a valid template: {exc}") from exc
+            raise ConfigurationError(
+                f"task {task_name!r}: option {option}={source!r} is not a valid template: {exc}"
+            ) from exc
         for literal, field, spec, conversion in parsed:
             if "{" in literal or "}" in literal:
                 raise ConfigurationError(
@@ -137,7 +140,8 @@ class KeyRenderer:
             value = self.source(*args, **kwargs)
             if not isinstance(value, str) or not value:
                 raise ConfigurationError(
-                    f"task {self.task_name!r}: option {self.option} callable returned {value!r}, expected a non-empty str"
+                    f"task {self.task_name!r}: option {self.option} callable returned {value!r}, "
+                    "expected a non-empty str"
                 )
             return self._escape_callable(value)
         out = []

@@ -32,8 +32,9 @@ def drift_margin(ttl_ms: int) -> float:
 class Lease:
     """A held lease: key, token, fence and a locally computed validity."""
 
-    def __init__(self, key: str, prefix: str, token: str, fence: int, ttl_ms: int, sent_at: float,
-                 task_id: str, task_name: str) -> None:
+    def __init__(
+        self, key: str, prefix: str, token: str, fence: int, ttl_ms: int, sent_at: float, task_id: str, task_name: str
+    ) -> None:
         self.key = key
         self.redis_key = lock_name(prefix, key)
         self.token = token
@@ -109,29 +110,54 @@ def new_token() -> str:
     return secrets.token_hex(16)
 
 
-def acquire(client: Any, prefix: str, key: str, *, ttl_ms: int, task_id: str, task_name: str,
-            digest: str, worker: str, fence_ttl_ms: int, scope: str | None = None,
-            state: str = "running", replace_token: str = "", token: str | None = None) -> Lease | Holder | Done:
+def acquire(
+    client: Any,
+    prefix: str,
+    key: str,
+    *,
+    ttl_ms: int,
+    task_id: str,
+    task_name: str,
+    digest: str,
+    worker: str,
+    fence_ttl_ms: int,
+    scope: str | None = None,
+    state: str = "running",
+    replace_token: str = "",
+    token: str | None = None,
+) -> Lease | Holder | Done:
     """Try to take the lease on ``key``; check ``scope``'s completion record first."""
     token = token or new_token()
     keys = [lock_name(prefix, key), fence_name(prefix, key)]
     if scope is not None:
         keys.append(done_name(prefix, scope))
     sent_at = time.monotonic()
-    reply = scripts.acquire(client, keys, [token, ttl_ms, task_id, task_name, digest, HOST, os.getpid(), worker,
-                                           state, fence_ttl_ms, replace_token])
+    reply = scripts.acquire(
+        client,
+        keys,
+        [token, ttl_ms, task_id, task_name, digest, HOST, os.getpid(), worker, state, fence_ttl_ms, replace_token],
+    )
     kind = reply[0]
     if kind == "ok":
         return Lease(key, prefix, token, int(reply[1]), ttl_ms, sent_at, task_id, task_name)
     if kind == "done":
         return Done(reply[1])
-    return Holder(task_id=reply[1], task_name=reply[2], digest=reply[3], host=reply[4],
-                  pid=int(reply[5] or 0), state=reply[6], pttl_ms=int(reply[7]), ms_since_renewal=int(reply[8]),
-                  token=reply[9])
+    return Holder(
+        task_id=reply[1],
+        task_name=reply[2],
+        digest=reply[3],
+        host=reply[4],
+        pid=int(reply[5] or 0),
+        state=reply[6],
+        pttl_ms=int(reply[7]),
+        ms_since_renewal=int(reply[8]),
+        token=reply[9],
+    )
 
 
-def release(client: Any, lease: Lease, prefix: str, scope: str | None = None, record: str = "",
-            completion_ttl_ms: int = 0) -> tuple[int, int]:
+def release(
+    client: Any, lease: Lease, prefix: str, scope: str | None = None, record: str = "", completion_ttl_ms: int = 0
+) -> tuple[int, int]:
     """Release ``lease`` if it still owns the key; record completion of ``scope`` if given.
 
     Returns ``(released, recorded)`` as the RELEASE script does.
@@ -161,8 +187,9 @@ def shorten(client: Any, prefix: str, key: str, task_id: str, grace_ms: int, hos
 
 def force_release(client: Any, prefix: str, key: str, fence_ttl_ms: int) -> tuple[bool, int, str]:
     """Evict any holder of ``key`` and bump its fence; returns (deleted, new fence, evicted task id)."""
-    deleted, fence, holder = scripts.force_release(client, [lock_name(prefix, key), fence_name(prefix, key)],
-                                                   [fence_ttl_ms])
+    deleted, fence, holder = scripts.force_release(
+        client, [lock_name(prefix, key), fence_name(prefix, key)], [fence_ttl_ms]
+    )
     return bool(deleted), int(fence), holder
 
 

@@ -14,6 +14,8 @@ from typing import Any
 #: Upper bounds (ms) of the hold-time histogram buckets; the last is +inf.
 HOLD_BUCKETS_MS = (10, 50, 100, 500, 1000, 5000, 30000, 60000, 300000)
 
+_BUCKET_NAMES = [str(b) for b in HOLD_BUCKETS_MS] + ["+Inf"]
+
 _lock = threading.Lock()
 _counts: Counter[tuple[str, str]] = Counter()
 _hold: dict[str, list[float]] = {}
@@ -49,7 +51,7 @@ def snapshot() -> dict[str, dict[str, Any]]:
             out.setdefault(task, {})["hold"] = {
                 "count": int(row[0]),
                 "sum_ms": row[1],
-                "buckets": dict(zip([str(b) for b in HOLD_BUCKETS_MS] + ["+Inf"], [int(x) for x in row[2:]])),
+                "buckets": dict(zip(_BUCKET_NAMES, [int(x) for x in row[2:]], strict=True)),
             }
         return out
 

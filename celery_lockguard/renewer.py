@@ -87,8 +87,14 @@ class Renewer:
             if now >= e.deadline:
                 del self._entries[key]
                 if e.lease.mark_lost("max_hold"):
-                    emit("lock.max_hold_reached", e.lease.task_name, lock_key=e.lease.key, task_id=e.lease.task_id,
-                         fence=e.lease.fence, hold_ms=round(e.lease.hold_ms()))
+                    emit(
+                        "lock.max_hold_reached",
+                        e.lease.task_name,
+                        lock_key=e.lease.key,
+                        task_id=e.lease.task_id,
+                        fence=e.lease.fence,
+                        hold_ms=round(e.lease.hold_ms()),
+                    )
 
     def _tick(self, entries: list[_Entry]) -> None:
         leases = [e.lease for e in entries]
@@ -97,8 +103,12 @@ class Renewer:
             results = lease_ops.renew(entries[0].client, leases)
         except UNAVAILABLE_ERRORS as exc:
             results = None
-            emit("lock.backend_unavailable", None, reason=f"renew: {exc.__class__.__name__}: {exc}",
-                 lock_keys=[x.key for x in leases[:20]])
+            emit(
+                "lock.backend_unavailable",
+                None,
+                reason=f"renew: {exc.__class__.__name__}: {exc}",
+                lock_keys=[x.key for x in leases[:20]],
+            )
         lost: list[tuple[Lease, str]] = []
         with self._cond:
             for i, e in enumerate(entries):
@@ -115,8 +125,15 @@ class Renewer:
             emit("lock.renewed", None, leases=len(leases), lock_keys=[x.key for x in leases[:20]])
         for lease, reason in lost:
             if lease.mark_lost(reason):
-                emit("lock.lost", lease.task_name, lock_key=lease.key, task_id=lease.task_id, fence=lease.fence,
-                     hold_ms=round(lease.hold_ms()), reason=reason)
+                emit(
+                    "lock.lost",
+                    lease.task_name,
+                    lock_key=lease.key,
+                    task_id=lease.task_id,
+                    fence=lease.fence,
+                    hold_ms=round(lease.hold_ms()),
+                    reason=reason,
+                )
 
 
 def _jitter(interval: float) -> float:

@@ -1,9 +1,10 @@
 """Worker-side hooks, connected explicitly by :func:`install` (nothing at import).
 
 The worker's *main* process learns of a hard time limit or a terminate-revoke
-but never saw the lease token. It identifies the holder by task id and host and shortens the lease to a short grace instead of deleting it:
-billiard reports a hard timeout before the child is surely dead, so deleting
-could let a successor overlap a body still running.
+but never saw the lease token. It identifies the holder by task id and host
+and shortens the lease to a short grace instead of deleting it: billiard
+reports a hard timeout before the child is surely dead, so deleting could let
+a successor overlap a body still running.
 """
 
 from __future__ import annotations
@@ -29,8 +30,14 @@ def install() -> None:
         _installed = True
 
 
-def _on_failure(sender: Any = None, task_id: str | None = None, exception: BaseException | None = None,
-                args: Any = None, kwargs: Any = None, **_: Any) -> None:
+def _on_failure(
+    sender: Any = None,
+    task_id: str | None = None,
+    exception: BaseException | None = None,
+    args: Any = None,
+    kwargs: Any = None,
+    **_: Any,
+) -> None:
     if isinstance(exception, TimeLimitExceeded) and task_id:
         shorten_from_main(sender, task_id, args or (), kwargs or {}, "hard_time_limit")
 
@@ -62,6 +69,12 @@ def shorten_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason: s
         emit("lock.backend_unavailable", task.name, task_id=task_id, reason=f"{reason}: {exc.__class__.__name__}")
         return False
     if shortened:
-        emit("lock.force_released", task.name, lock_key=key, task_id=task_id, reason=reason,
-             grace_ms=int(s.shorten_grace * 1000))
+        emit(
+            "lock.force_released",
+            task.name,
+            lock_key=key,
+            task_id=task_id,
+            reason=reason,
+            grace_ms=int(s.shorten_grace * 1000),
+        )
     return shortened

@@ -36,7 +36,7 @@ _CHECKPOINTS = "_lockguard_checkpoints"
 class _Call:
     """One call's rendered names: entity K, scope S, args digest."""
 
-    __slots__ = ("key", "scope", "digest", "scope_is_task")
+    __slots__ = ("digest", "key", "scope", "scope_is_task")
 
     def __init__(self, key: str, scope: str, digest: str, scope_is_task: bool) -> None:
         self.key = key
@@ -147,14 +147,27 @@ class LockedTask(Task):
                 return self._unavailable(opts, call, args, kwargs, f"{exc.__class__.__name__}: {exc}")
             if isinstance(got, Done):
                 task_id, result = completion.decode_record(got.record)
-                emit("completion.skipped", self.name, lock_key=call.key, task_id=req.id, scope=call.scope,
-                     completed_by=task_id)
+                emit(
+                    "completion.skipped",
+                    self.name,
+                    lock_key=call.key,
+                    task_id=req.id,
+                    scope=call.scope,
+                    completed_by=task_id,
+                )
                 return result
             if isinstance(got, Holder):
                 if not replace_token and self._dead_here(got, req.id):
                     # A killed child of this host held it under our own id: take it over at once.
-                    emit("lock.contended", self.name, lock_key=call.key, task_id=req.id, holder_task_id=got.task_id,
-                         policy=opts.on_locked, reason="taking_over_dead_holder_of_own_id")
+                    emit(
+                        "lock.contended",
+                        self.name,
+                        lock_key=call.key,
+                        task_id=req.id,
+                        holder_task_id=got.task_id,
+                        policy=opts.on_locked,
+                        reason="taking_over_dead_holder_of_own_id",
+                    )
                     replace_token = got.token
                     continue
                 return self._contended(opts, call, got, args, kwargs)
@@ -163,17 +176,34 @@ class LockedTask(Task):
                 return self._unavailable(opts, call, args, kwargs, "acquire_slower_than_ttl")
             return self._run_locked(s, opts, call, client, got, args, kwargs)
 
-    def _acquire(self, s: Settings, opts: TaskOptions, call: _Call, client: Any,
-                 replace_token: str) -> Lease | Holder | Done:
+    def _acquire(
+        self, s: Settings, opts: TaskOptions, call: _Call, client: Any, replace_token: str
+    ) -> Lease | Holder | Done:
         req = self.request
         return lease_ops.acquire(
-            client, s.key_prefix, call.key, ttl_ms=opts.ttl_ms, task_id=req.id, task_name=self.name,
-            digest=call.digest, worker=req.hostname or "", fence_ttl_ms=int(s.fence_ttl * 1000),
-            scope=call.scope if opts.completion else None, replace_token=replace_token,
+            client,
+            s.key_prefix,
+            call.key,
+            ttl_ms=opts.ttl_ms,
+            task_id=req.id,
+            task_name=self.name,
+            digest=call.digest,
+            worker=req.hostname or "",
+            fence_ttl_ms=int(s.fence_ttl * 1000),
+            scope=call.scope if opts.completion else None,
+            replace_token=replace_token,
         )
 
-    def _run_locked(self, s: Settings, opts: TaskOptions, call: _Call, client: Any, lease: Lease,
-                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _run_locked(
+        self,
+        s: Settings,
+        opts: TaskOptions,
+        call: _Call,
+        client: Any,
+        lease: Lease,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
         req = self.request
         emit("lock.acquired", self.name, lock_key=call.key, task_id=req.id, fence=lease.fence)
         setattr(req, _LEASE, lease)
@@ -190,8 +220,9 @@ class LockedTask(Task):
         finally:
             self._release(s, opts, lease, done, result)
 
-    def _release(self, s: Settings, opts: TaskOptions, lease: Lease, done: _Call | None = None,
-                 result: Any = None) -> None:
+    def _release(
+        self, s: Settings, opts: TaskOptions, lease: Lease, done: _Call | None = None, result: Any = None
+    ) -> None:
         """Stop renewal, then release; record completion after a successful body.
 
         A failing release never turns a successful body into a failure: the
@@ -228,15 +259,21 @@ class LockedTask(Task):
 
     # -- policies ---------------------------------------------------------------
 
-    def _contended(self, opts: TaskOptions, call: _Call, holder: Holder, args: tuple[Any, ...],
-                   kwargs: dict[str, Any]) -> Any:
+    def _contended(
+        self, opts: TaskOptions, call: _Call, holder: Holder, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         req = self.request
         fields = {"lock_key": call.key, "task_id": req.id, "holder_task_id": holder.task_id}
         error = LockContended(call.key, holder.task_id, holder.pttl_ms)
         if holder.task_id == req.id:
             if self._holder_alive(opts, holder):
-                emit("lock.skipped_duplicate", self.name, **fields, policy=opts.on_locked,
-                     reason="redelivery_of_running_original")
+                emit(
+                    "lock.skipped_duplicate",
+                    self.name,
+                    **fields,
+                    policy=opts.on_locked,
+                    reason="redelivery_of_running_original",
+                )
                 raise Ignore()
             return self._wait(opts, args, kwargs, call, "holder_of_own_id_dead", error, holder.pttl_ms / 1000)
         emit("lock.contended", self.name, **fields, policy=opts.on_locked)
@@ -260,20 +297,35 @@ class LockedTask(Task):
             return lease_ops.pid_alive(holder.pid)
         return opts.renew and holder.ms_since_renewal < opts.ttl_ms * 0.6
 
-    def _unavailable(self, opts: TaskOptions, call: _Call, args: tuple[Any, ...],
-                     kwargs: dict[str, Any], reason: str) -> Any:
+    def _unavailable(
+        self, opts: TaskOptions, call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str
+    ) -> Any:
         req = self.request
         fields = {"lock_key": call.key, "task_id": req.id, "policy": opts.on_unavailable, "reason": reason}
         if opts.on_unavailable == "fail_open":
             emit("lock.fail_open", self.name, **fields)
             return super().__call__(*args, **kwargs)
         emit("lock.backend_unavailable", self.name, **fields)
-        return self._wait(opts, args, kwargs, call, "backend_unavailable",
-                          BackendUnavailable(f"task {self.name!r}: lock store unavailable for {call.key!r}: {reason}"),
-                          None)
+        return self._wait(
+            opts,
+            args,
+            kwargs,
+            call,
+            "backend_unavailable",
+            BackendUnavailable(f"task {self.name!r}: lock store unavailable for {call.key!r}: {reason}"),
+            None,
+        )
 
-    def _wait(self, opts: TaskOptions, args: tuple[Any, ...], kwargs: dict[str, Any], call: _Call,
-              reason: str, exc: LockGuardError, holder_ttl: float | None) -> Any:
+    def _wait(
+        self,
+        opts: TaskOptions,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        call: _Call,
+        reason: str,
+        exc: LockGuardError,
+        holder_ttl: float | None,
+    ) -> Any:
         """Re-deliver this call later without spending ``max_retries``; the budget is ``lock_max_waits``."""
         req = self.request
         waits = int((req.headers or {}).get(WAITS_HEADER) or req.get(WAITS_HEADER) or 0)
@@ -285,15 +337,21 @@ class LockedTask(Task):
         emit("lock.retry_scheduled", self.name, **fields, countdown=round(countdown, 3), policy=opts.on_locked)
         headers = {**(req.headers or {}), WAITS_HEADER: waits + 1}
         if not req.is_eager:
-            sig = self.signature_from_request(req, args, kwargs, countdown=countdown, retries=req.retries,
-                                              headers=headers)
+            sig = self.signature_from_request(
+                req, args, kwargs, countdown=countdown, retries=req.retries, headers=headers
+            )
             try:
                 sig.apply_async()
             except Exception as publish_exc:  # noqa: BLE001 - a failed publish must not lose the task
                 # Celery's own retry() would Reject(requeue=False) here and drop the message:
                 # when the broker is the Redis that is down, wait in this process instead.
-                emit("lock.backend_unavailable", self.name, **fields, policy="wait_in_process",
-                     reason=f"publish failed: {publish_exc.__class__.__name__}")
+                emit(
+                    "lock.backend_unavailable",
+                    self.name,
+                    **fields,
+                    policy="wait_in_process",
+                    reason=f"publish failed: {publish_exc.__class__.__name__}",
+                )
             else:
                 raise Retry(exc=exc, when=countdown, sig=sig)
         time.sleep(countdown)  # eager calls are synchronous; a failed publish leaves nowhere else to wait

@@ -61,9 +61,26 @@ class RedisServer:
         return redis.Redis(host="127.0.0.1", port=self.port, decode_responses=True, **kwargs)
 
     def start(self, timeout: float = 10.0) -> RedisServer:
-        args = [server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
-                "--save", "", "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning",
-                "--appendonly", "yes" if self.persistent else "no", *self.extra]
+        args = [
+            server_binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            self.dir,
+            "--save",
+            "",
+            "--protected-mode",
+            "no",
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
+            "--appendonly",
+            "yes" if self.persistent else "no",
+            *self.extra,
+        ]
         if self.persistent:
             args += ["--appendfsync", "always"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -38,8 +38,14 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.05, what: str =
 class Worker:
     """One ``celery worker`` process (prefork) for the app configured by ``cfg``."""
 
-    def __init__(self, app: Celery, cfg: dict[str, Any], name: str | None = None, concurrency: int = 2,
-                 log_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        app: Celery,
+        cfg: dict[str, Any],
+        name: str | None = None,
+        concurrency: int = 2,
+        log_dir: Path | None = None,
+    ) -> None:
         self.app = app
         self.cfg = cfg
         self.name = name or f"w{uuid.uuid4().hex[:6]}"
@@ -50,12 +56,32 @@ class Worker:
 
     def start(self, timeout: float = 30) -> Worker:
         env = {**os.environ, "LG_CONFIG": json.dumps(self.cfg), "PYTHONPATH": str(ROOT)}
-        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the subprocess
+        log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "tests.workerapp:app", "worker", "-P", "prefork",
-             "-c", str(self.concurrency), "-n", self.nodename, "--loglevel=INFO", "-Q", self.cfg["queue"],
-             "--without-gossip", "--without-mingle", "--without-heartbeat"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "tests.workerapp:app",
+                "worker",
+                "-P",
+                "prefork",
+                "-c",
+                str(self.concurrency),
+                "-n",
+                self.nodename,
+                "--loglevel=INFO",
+                "-Q",
+                self.cfg["queue"],
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         wait_for(self._pong, timeout, interval=0.2, what=f"worker {self.nodename} to answer ping\n{self.log()}")
         return self

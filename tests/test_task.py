@@ -33,10 +33,26 @@ def events(logs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return [e for e in logs if e["event"] == name]
 
 
-def hold_externally(r: redis.Redis, prefix: str, key: str, task_id: str = "other", task_name: str = "x",
-                    digest: str = "d", ttl_ms: int = 10_000) -> L.Lease:
-    got = L.acquire(r, prefix, key, ttl_ms=ttl_ms, task_id=task_id, task_name=task_name, digest=digest,
-                    worker="elsewhere", fence_ttl_ms=60_000)
+def hold_externally(
+    r: redis.Redis,
+    prefix: str,
+    key: str,
+    task_id: str = "other",
+    task_name: str = "x",
+    digest: str = "d",
+    ttl_ms: int = 10_000,
+) -> L.Lease:
+    got = L.acquire(
+        r,
+        prefix,
+        key,
+        ttl_ms=ttl_ms,
+        task_id=task_id,
+        task_name=task_name,
+        digest=digest,
+        worker="elsewhere",
+        fence_ttl_ms=60_000,
+    )
     assert isinstance(got, L.Lease)
     return got
 
@@ -183,7 +199,9 @@ def test_on_locked_raise(app: Celery, r: redis.Redis, prefix: str) -> None:
 def test_retry_releases_before_publishing(app: Celery, r: redis.Redis, prefix: str) -> None:
     tries = []
 
-    @app.task(base=LockedTask, bind=True, shared=False, name="tt.8", lock_key="k:{a}", max_retries=3, default_retry_delay=0)
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="tt.8", lock_key="k:{a}", max_retries=3, default_retry_delay=0
+    )
     def t(self: Any, a: int) -> int:
         tries.append(self.lock.fence)
         if len(tries) < 3:
@@ -231,7 +249,15 @@ def test_checkpoint_runs_once_and_replays_the_json_value(app: Celery) -> None:
         calls.append(x)
         return (x, "receipt")
 
-    @app.task(base=LockedTask, bind=True, shared=False, name="tt.11", idempotency_key="inv:{a}", max_retries=2, default_retry_delay=0)
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="tt.11",
+        idempotency_key="inv:{a}",
+        max_retries=2,
+        default_retry_delay=0,
+    )
     def t(self: Any, a: int) -> Any:
         got = self.checkpoint("charge", provider, a)
         if self.request.retries == 0:

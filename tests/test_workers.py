@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import uuid
 from typing import Any
@@ -29,7 +30,7 @@ def intervals(rows: list[dict[str, Any]]) -> list[tuple[float, float]]:
 
 def overlapping(spans: list[tuple[float, float]]) -> list[tuple[tuple[float, float], tuple[float, float]]]:
     spans = sorted(spans)
-    return [(a, b) for a, b in zip(spans, spans[1:]) if b[0] < a[1]]
+    return [(a, b) for a, b in itertools.pairwise(spans) if b[0] < a[1]]
 
 
 def test_duplicates_across_workers_never_overlap_while_other_keys_run_in_parallel(shared_fleet: Any) -> None:
@@ -56,8 +57,17 @@ def test_short_ttl_lease_survives_a_long_body_and_excludes_others(shared_fleet: 
     res = app.tasks["short_ttl"].delay(key, 4.0, "long")
     name = lock_name(cfg["prefix"], f"res:{key}")
     wait_for(lambda: r.exists(name), 30, what="lease to be taken")
-    got = L.acquire(r, cfg["prefix"], f"res:{key}", ttl_ms=1000, task_id="probe", task_name="probe",
-                    digest="x", worker="test", fence_ttl_ms=60_000)
+    got = L.acquire(
+        r,
+        cfg["prefix"],
+        f"res:{key}",
+        ttl_ms=1000,
+        task_id="probe",
+        task_name="probe",
+        digest="x",
+        worker="test",
+        fence_ttl_ms=60_000,
+    )
     assert isinstance(got, L.Holder) and got.task_id == res.id
     renewals: set[str] = set()
 
@@ -113,8 +123,17 @@ def test_stolen_lease_is_reported_lost_and_release_spares_the_successor(shared_f
     res = app.tasks["no_renew"].delay(key, 2.5, "victim")
     wait_for(lambda: r.exists(name), 30, what="lease to be taken")
     wait_for(lambda: not r.exists(name), 5, interval=0.01, what="unrenewed lease to expire")
-    successor = L.acquire(r, cfg["prefix"], f"res:{key}", ttl_ms=30_000, task_id="successor", task_name="s",
-                          digest="x", worker="test", fence_ttl_ms=60_000)
+    successor = L.acquire(
+        r,
+        cfg["prefix"],
+        f"res:{key}",
+        ttl_ms=30_000,
+        task_id="successor",
+        task_name="s",
+        digest="x",
+        worker="test",
+        fence_ttl_ms=60_000,
+    )
     assert isinstance(successor, L.Lease)
     out = res.get(timeout=30)
     assert out["lost"] is True and out["held"] is False
@@ -146,8 +165,12 @@ def test_redelivery_of_a_running_task_is_dropped_not_run(fleet: Any, redis_url: 
     app = fleet.app(cfg)
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     res = app.tasks["hold_skip"].delay("redeliver", 5.0, "original")
-    wait_for(lambda: "redelivery_of_running_original" in worker.log(), 30, interval=0.2,
-             what="the redelivered copy to be dropped")
+    wait_for(
+        lambda: "redelivery_of_running_original" in worker.log(),
+        30,
+        interval=0.2,
+        what="the redelivered copy to be dropped",
+    )
     out = res.get(timeout=30)
     assert out["tag"] == "original" and out["held"] is True
     assert [x["ev"] for x in records(r, prefix, "redeliver")] == ["start", "end"]

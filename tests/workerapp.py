@@ -54,18 +54,26 @@ def create_app(cfg: dict[str, Any]) -> Celery:
             time.sleep(0.02)
         lease = self.lock
         record(ev="end", key=key, tag=tag, task_id=self.request.id, lost=lease.lost if lease else None)
-        return {"tag": tag, "fence": lease.fence if lease else None, "lost": lease.lost if lease else None,
-                "held": lease.held if lease else None}
+        return {
+            "tag": tag,
+            "fence": lease.fence if lease else None,
+            "lost": lease.lost if lease else None,
+            "held": lease.held if lease else None,
+        }
 
     @app.task(base=LockedTask, bind=True, shared=False, name="hold_skip", lock_key="res:{key}", lock_ttl=5)
     def hold_skip(self: Any, key: str, seconds: float = 0.5, tag: str = "") -> dict[str, Any]:
         return body(self, key, seconds, tag)
 
-    @app.task(base=LockedTask, bind=True, shared=False, name="hold_wait", lock_key="res:{key}", lock_ttl=5, on_locked="retry")
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="hold_wait", lock_key="res:{key}", lock_ttl=5, on_locked="retry"
+    )
     def hold_wait(self: Any, key: str, seconds: float = 0.5, tag: str = "") -> dict[str, Any]:
         return body(self, key, seconds, tag)
 
-    @app.task(base=LockedTask, bind=True, shared=False, name="hold_raise", lock_key="res:{key}", lock_ttl=5, on_locked="raise")
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="hold_raise", lock_key="res:{key}", lock_ttl=5, on_locked="raise"
+    )
     def hold_raise(self: Any, key: str, seconds: float = 0.5, tag: str = "") -> dict[str, Any]:
         return body(self, key, seconds, tag)
 
@@ -73,7 +81,9 @@ def create_app(cfg: dict[str, Any]) -> Celery:
     def short_ttl(self: Any, key: str, seconds: float = 4, tag: str = "") -> dict[str, Any]:
         return body(self, key, seconds, tag)
 
-    @app.task(base=LockedTask, bind=True, shared=False, name="no_renew", lock_key="res:{key}", lock_ttl=1, lock_renew=False)
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="no_renew", lock_key="res:{key}", lock_ttl=1, lock_renew=False
+    )
     def no_renew(self: Any, key: str, seconds: float = 2, tag: str = "") -> dict[str, Any]:
         return body(self, key, seconds, tag)
 
@@ -81,8 +91,16 @@ def create_app(cfg: dict[str, Any]) -> Celery:
     def charge(self: Any, invoice_id: int, amount: int, seconds: float = 1.0) -> dict[str, Any]:
         return body(self, f"invoice:{invoice_id}", seconds, f"charge:{amount}")
 
-    @app.task(base=LockedTask, bind=True, shared=False, name="crash_once", lock_key="res:{key}", lock_ttl=30,
-              acks_late=True, reject_on_worker_lost=True)
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="crash_once",
+        lock_key="res:{key}",
+        lock_ttl=30,
+        acks_late=True,
+        reject_on_worker_lost=True,
+    )
     def crash_once(self: Any, key: str, tag: str = "") -> dict[str, Any]:
         attempt = rec.incr(f"{cfg['prefix']}:attempts:{key}")
         record(ev="start", key=key, tag=tag, attempt=attempt, task_id=self.request.id)
@@ -96,16 +114,24 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         record(ev="start", key=key, tag=tag, task_id=self.request.id)
         return {"tag": tag, "locked": self.lock is not None}
 
-    @app.task(base=LockedTask, bind=True, shared=False, name="retry_self", lock_key="res:{key}", max_retries=2,
-              default_retry_delay=0.1)
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="retry_self",
+        lock_key="res:{key}",
+        max_retries=2,
+        default_retry_delay=0.1,
+    )
     def retry_self(self: Any, key: str) -> dict[str, Any]:
         record(ev="start", key=key, retries=self.request.retries, task_id=self.request.id)
         if self.request.retries < 2:
             raise self.retry()
         return {"retries": self.request.retries}
 
-    @app.task(base=LockedTask, bind=True, shared=False, name="limited", lock_key="res:{key}", lock_ttl=60,
-              time_limit=1.5)
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="limited", lock_key="res:{key}", lock_ttl=60, time_limit=1.5
+    )
     def limited(self: Any, key: str, seconds: float = 30, tag: str = "") -> dict[str, Any]:
         return body(self, key, seconds, tag)
 
