@@ -14,7 +14,10 @@ from . import metrics
 
 logger = structlog.get_logger("celery_lockguard")
 
+#: Per-task routine events are debug (volume); anything an operator must see is info or above.
 _LEVELS = {
+    "lock.acquired": "debug",
+    "lock.released": "debug",
     "lock.renewed": "debug",
     "lock.lost": "warning",
     "lock.max_hold_reached": "warning",
