@@ -14,6 +14,7 @@ from .exceptions import (
     LockLost,
     StaleFence,
 )
+from .fencing import advance_fence, advisory_xact_lock, create_fence_table
 from .lease import Lease
 from .task import LockedTask
 
@@ -30,4 +31,7 @@ __all__ = [
     "LockedTask",
     "StaleFence",
     "__version__",
+    "advance_fence",
+    "advisory_xact_lock",
+    "create_fence_table",
 ]

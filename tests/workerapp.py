@@ -146,6 +146,27 @@ def create_app(cfg: dict[str, Any]) -> Celery:
     def gated(self: Any, key: str, gate: str, tag: str = "") -> dict[str, Any]:
         return body(self, key, 0.1, tag)
 
+    @app.task(base=LockedTask, bind=True, shared=False, name="fenced_write", lock_key="acct:{entity}", lock_ttl=1)
+    def fenced_write(self: Any, entity: str, value: str, gate: str, table: str) -> dict[str, Any]:
+        """Write ``value`` to the ledger under the lease's fence once ``gate`` (a file) exists."""
+        import psycopg
+
+        from celery_lockguard import advance_fence
+
+        record(ev="start", key=entity, tag=value, task_id=self.request.id)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with psycopg.connect(cfg["pg"]) as conn, conn.transaction():
+            advance_fence(conn, self.lock, table=f"{table}_fences")
+            conn.execute(
+                f"INSERT INTO {table}_ledger (entity, value) VALUES (%s, %s) "
+                "ON CONFLICT (entity) DO UPDATE SET value = excluded.value",
+                (entity, value),
+            )
+        record(ev="end", key=entity, tag=value, task_id=self.request.id)
+        return {"value": value, "fence": self.lock.fence}
+
     return app
 
 

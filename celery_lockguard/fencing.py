@@ -1,0 +1,107 @@
+"""Storage-side guardrails: fencing tokens and PostgreSQL advisory locks.
+
+A Redis lease cannot stop a paused or partitioned worker from writing after
+its lease expired. Storage can: :func:`advance_fence` records, inside the
+caller's transaction, the highest fence written for an entity and refuses a
+lower one, so the stale writer's transaction never commits.
+
+Works with a psycopg 3 connection and with a ``sqlite3`` connection. The fence
+row is upserted with a conditional ``DO UPDATE``: in PostgreSQL the row stays
+locked until the caller's transaction ends, so two writers of one entity
+serialize there, and the older one sees the newer fence once it may proceed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import sqlite3
+from typing import Any
+
+from .events import emit
+from .exceptions import BackendUnavailable, LockContended, StaleFence
+from .lease import Lease
+
+DEFAULT_TABLE = "lockguard_fences"
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?$")
+
+
+def _table(table: str) -> str:
+    if not _IDENT.match(table):
+        raise ValueError(f"fence table name {table!r} must be a plain SQL identifier (optionally schema-qualified)")
+    return table
+
+
+def fence_table_sql(table: str = DEFAULT_TABLE) -> str:
+    """DDL of the fence table (PostgreSQL and SQLite alike); see docs/fencing.md."""
+    return (
+        f"CREATE TABLE IF NOT EXISTS {_table(table)} ("
+        " lock_key TEXT PRIMARY KEY,"
+        " fence BIGINT NOT NULL,"
+        " updated_at TIMESTAMP NOT NULL DEFAULT CURRENT_TIMESTAMP)"
+    )
+
+
+def create_fence_table(conn: Any, table: str = DEFAULT_TABLE) -> None:
+    """Create the fence table if it does not exist (commit is the caller's)."""
+    conn.execute(fence_table_sql(table))
+
+
+def advance_fence(conn: Any, lease: Lease | None, table: str = DEFAULT_TABLE) -> int:
+    """Record ``lease.fence`` for its key inside the caller's open transaction.
+
+    Accepts a fence equal to the stored one (one lease, several transactions)
+    and raises :class:`StaleFence` for a lower one: the caller's write in the
+    same transaction must then not commit (let the exception propagate out of
+    the transaction block). ``lease=None`` (a fail-open run, or no lock) raises
+    :class:`BackendUnavailable`: fenced writes are correctness writes.
+    Returns the fence now stored.
+    """
+    if lease is None:
+        raise BackendUnavailable("advance_fence needs a lease: fenced writes are refused without one (fail-open run?)")
+    name = _table(table)
+    if isinstance(conn, sqlite3.Connection):
+        mark = "?"
+    else:
+        mark = "%s"
+    conn.execute(
+        f"INSERT INTO {name} (lock_key, fence) VALUES ({mark}, {mark}) "
+        f"ON CONFLICT (lock_key) DO UPDATE SET fence = excluded.fence, updated_at = CURRENT_TIMESTAMP "
+        f"WHERE {name}.fence <= excluded.fence",
+        (lease.key, lease.fence),
+    )
+    row = conn.execute(f"SELECT fence FROM {name} WHERE lock_key = {mark}", (lease.key,)).fetchone()
+    current = int(row[0])
+    if current != lease.fence:
+        emit(
+            "fence.stale",
+            lease.task_name,
+            lock_key=lease.key,
+            task_id=lease.task_id,
+            fence=lease.fence,
+            current=current,
+        )
+        raise StaleFence(lease.key, lease.fence, current)
+    return current
+
+
+def advisory_key(key: str) -> int:
+    """A stable signed 64-bit id for ``key`` (SHA-256 prefix; not PostgreSQL's undocumented hashtext)."""
+    return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big", signed=True)
+
+
+def advisory_xact_lock(conn: Any, key: str, wait: bool = True) -> None:
+    """Take a transaction-scoped PostgreSQL advisory lock on entity ``key``.
+
+    Released by PostgreSQL at commit or rollback, so it is safe behind a pooler
+    in transaction mode (PgBouncer): the lock never outlives the transaction
+    that owns the server connection. With ``wait=False`` a held lock raises
+    :class:`LockContended` at once. Call it inside an open transaction.
+    """
+    ident = advisory_key(key)
+    if wait:
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (ident,))
+        return
+    row = conn.execute("SELECT pg_try_advisory_xact_lock(%s)", (ident,)).fetchone()
+    if not row[0]:
+        raise LockContended(key, None, None)
