@@ -1,23 +1,36 @@
-"""Completion records and checkpoints in Redis.
+"""Completion records and checkpoints, in Redis or in PostgreSQL.
 
-A completion record says "the work of scope S ran and returned R". It is
-written by the RELEASE script and read by the ACQUIRE script, so it costs no
-round trip of its own. Checkpoints are per (scope, name) entries of one hash
-beside the record, written right after the wrapped call returns.
+A completion record says "the work of scope S ran and returned R".
+
+* Redis (default): the record is written by the RELEASE script and read by the
+  ACQUIRE script, so it costs no round trip of its own; checkpoints are fields
+  of one hash beside it.
+* PostgreSQL (``lockguard_completion_backend = "postgresql://..."``): rows in
+  one table with a primary key on (scope, name) — name ``""`` is the
+  completion record, any other name a checkpoint — written with
+  ``ON CONFLICT``, so the first writer wins. The body can write the record in
+  its own transaction (:meth:`PostgresStore.record_in`), so a crash never
+  leaves its effect without the record. Costs one query at start and one at
+  the end of each task.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 from .keys import checkpoint_name
 
 #: Largest JSON result kept in a completion record; larger results record ``None``.
 MAX_RECORD_BYTES = 1024
+DEFAULT_TABLE = "lockguard_completions"
 
 _NO_VALUE = '{"novalue":true}'
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?$")
 
 
 def encode_record(task_id: str, result: Any) -> tuple[str, str | None]:
@@ -41,9 +54,139 @@ class CheckpointNotSerializable(TypeError):
     """``fn`` returned a value JSON cannot hold; the step is recorded as done with no value."""
 
 
+class RedisStore:
+    """Completion records in Redis: checked and written inside the lease scripts."""
+
+    in_scripts = True
+
+    def __init__(self, client: Any, prefix: str) -> None:
+        self.client = client
+        self.prefix = prefix
+
+    def get_checkpoint(self, scope: str, name: str) -> str | None:
+        value: str | None = self.client.hget(checkpoint_name(self.prefix, scope), name)
+        return value
+
+    def put_checkpoint(self, scope: str, name: str, encoded: str, ttl_ms: int) -> None:
+        key = checkpoint_name(self.prefix, scope)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(key, name, encoded)
+        pipe.pexpire(key, ttl_ms)
+        pipe.execute()
+
+
+class PostgresStore:
+    """Completion records and checkpoints as rows of one PostgreSQL table."""
+
+    in_scripts = False
+
+    def __init__(self, dsn: str, table: str = DEFAULT_TABLE) -> None:
+        if not _IDENT.match(table):
+            raise ValueError(f"completion table name {table!r} must be a plain SQL identifier")
+        self.dsn = dsn
+        self.table = table
+        self._conn: Any = None
+        self._pid = 0
+        self._lock = threading.Lock()
+        self._ready = False
+
+    def schema_sql(self) -> str:
+        """DDL of the table; run by :meth:`create_table` on first use (see docs)."""
+        return (
+            f"CREATE TABLE IF NOT EXISTS {self.table} ("
+            " scope TEXT NOT NULL,"
+            " name TEXT NOT NULL,"
+            " value TEXT NOT NULL,"
+            " task_id TEXT,"
+            " created_at TIMESTAMPTZ NOT NULL DEFAULT now(),"
+            " expires_at TIMESTAMPTZ NOT NULL,"
+            " PRIMARY KEY (scope, name))"
+        )
+
+    def _insert_sql(self) -> str:
+        # First writer wins; a row past its expiry is replaced, as Redis would have dropped it.
+        return (
+            f"INSERT INTO {self.table} (scope, name, value, task_id, expires_at) "
+            "VALUES (%s, %s, %s, %s, now() + make_interval(secs => %s)) "
+            f"ON CONFLICT (scope, name) DO UPDATE SET value = excluded.value, task_id = excluded.task_id, "
+            f"created_at = now(), expires_at = excluded.expires_at WHERE {self.table}.expires_at <= now()"
+        )
+
+    def create_table(self, conn: Any = None) -> None:
+        """Create the table if missing (with ``conn``, or the store's own connection)."""
+        if conn is not None:
+            conn.execute(self.schema_sql())
+            return
+        self._run(lambda c: c.execute(self.schema_sql()))
+
+    def _connection(self) -> Any:
+        import psycopg
+
+        if self._conn is None or self._pid != os.getpid() or self._conn.closed:
+            self._conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=5)
+            self._pid = os.getpid()
+            if not self._ready:
+                self._conn.execute(self.schema_sql())
+                self._ready = True
+        return self._conn
+
+    def _run(self, fn: Callable[[Any], Any]) -> Any:
+        import psycopg
+
+        with self._lock:
+            try:
+                return fn(self._connection())
+            except psycopg.OperationalError:
+                self._conn = None  # reconnect once: the server may have restarted
+                return fn(self._connection())
+
+    def lookup(self, scope: str) -> str | None:
+        """The live completion record of ``scope``, or ``None``."""
+        row = self._run(
+            lambda c: c.execute(
+                f"SELECT value FROM {self.table} WHERE scope = %s AND name = '' AND expires_at > now()", (scope,)
+            ).fetchone()
+        )
+        return row[0] if row else None
+
+    def record(self, scope: str, task_id: str, record: str, ttl_ms: int) -> bool:
+        """Write the completion record unless a live one exists; True if written."""
+        cur = self._run(lambda c: c.execute(self._insert_sql(), (scope, "", record, task_id, ttl_ms / 1000)))
+        return bool(cur.rowcount)
+
+    def record_in(self, conn: Any, scope: str, task_id: str, record: str, ttl_ms: int) -> bool:
+        """Write the completion record with the caller's connection, inside its transaction."""
+        cur = conn.execute(self._insert_sql(), (scope, "", record, task_id, ttl_ms / 1000))
+        return bool(cur.rowcount)
+
+    def get_checkpoint(self, scope: str, name: str) -> str | None:
+        row = self._run(
+            lambda c: c.execute(
+                f"SELECT value FROM {self.table} WHERE scope = %s AND name = %s AND expires_at > now()",
+                (scope, "cp:" + name),
+            ).fetchone()
+        )
+        return row[0] if row else None
+
+    def put_checkpoint(self, scope: str, name: str, encoded: str, ttl_ms: int) -> None:
+        self._run(lambda c: c.execute(self._insert_sql(), (scope, "cp:" + name, encoded, None, ttl_ms / 1000)))
+
+    def forget(self, scope: str) -> int:
+        """Delete the record and checkpoints of ``scope``; returns rows deleted."""
+        cur = self._run(lambda c: c.execute(f"DELETE FROM {self.table} WHERE scope = %s", (scope,)))
+        return int(cur.rowcount)
+
+    def purge_expired(self) -> int:
+        """Delete expired rows (PostgreSQL has no TTL; run it from a periodic task)."""
+        cur = self._run(lambda c: c.execute(f"DELETE FROM {self.table} WHERE expires_at <= now()"))
+        return int(cur.rowcount)
+
+
+Store: TypeAlias = "RedisStore | PostgresStore"
+
+
 def checkpoint(
-    client: Any,
-    prefix: str,
+    store: Store,
     scope: str,
     name: str,
     ttl_ms: int,
@@ -56,25 +199,28 @@ def checkpoint(
     The value returned is always the JSON round trip of ``fn``'s result, so the
     first run and a replay see the same thing.
     """
-    key = checkpoint_name(prefix, scope)
-    stored = client.hget(key, name)
+    stored = store.get_checkpoint(scope, name)
     if stored is not None:
         return json.loads(stored).get("value")
     value = fn(*args, **kwargs)
     try:
         encoded = json.dumps({"value": value}, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
-        _store(client, key, name, _NO_VALUE, ttl_ms)
+        store.put_checkpoint(scope, name, _NO_VALUE, ttl_ms)
         raise CheckpointNotSerializable(
             f"checkpoint {name!r} of scope {scope!r}: result {type(value).__name__} is not JSON-serializable; "
             "recorded as done with no value so a retry will not repeat it"
         ) from exc
-    _store(client, key, name, encoded, ttl_ms)
+    store.put_checkpoint(scope, name, encoded, ttl_ms)
     return json.loads(encoded)["value"]
 
 
-def _store(client: Any, key: str, name: str, encoded: str, ttl_ms: int) -> None:
-    pipe = client.pipeline(transaction=True)
-    pipe.hset(key, name, encoded)
-    pipe.pexpire(key, ttl_ms)
-    pipe.execute()
+_pg_stores: dict[tuple[str, str], PostgresStore] = {}
+
+
+def postgres_store(dsn: str, table: str = DEFAULT_TABLE) -> PostgresStore:
+    """The process-wide store for ``dsn`` (its connection is re-made after fork)."""
+    store = _pg_stores.get((dsn, table))
+    if store is None:
+        store = _pg_stores[(dsn, table)] = PostgresStore(dsn, table)
+    return store

@@ -45,6 +45,7 @@ class Settings:
     on_locked: str
     on_unavailable: str
     completion_backend: str
+    completion_table: str
     completion_ttl: float | None
     redis_cluster: bool
     sentinels: list[Any] | None
@@ -96,7 +97,8 @@ def load_settings(app: Any) -> Settings:
         default_ttl=default_ttl,
         on_locked=on_locked,
         on_unavailable=on_unavailable,
-        completion_backend=str(setting(app, "completion_backend", "redis")),
+        completion_backend=_completion_backend(setting(app, "completion_backend", "redis")),
+        completion_table=str(setting(app, "completion_table", "lockguard_completions")),
         completion_ttl=completion_ttl,
         redis_cluster=bool(setting(app, "redis_cluster", False)),
         sentinels=setting(app, "sentinels", None),
@@ -107,6 +109,12 @@ def load_settings(app: Any) -> Settings:
         fence_ttl=_positive("setting", "lockguard_fence_ttl", setting(app, "fence_ttl", 30 * 86400)),
         shorten_grace=_positive("setting", "lockguard_shorten_grace", setting(app, "shorten_grace", 2.0)),
     )
+
+
+def _completion_backend(value: Any) -> str:
+    if value == "redis" or (isinstance(value, str) and value.startswith(("postgresql://", "postgres://"))):
+        return str(value)
+    raise ConfigurationError(f"setting lockguard_completion_backend={value!r} must be 'redis' or a 'postgresql://' DSN")
 
 
 def settings(app: Any) -> Settings:

@@ -17,6 +17,7 @@ from celery.exceptions import Ignore, Retry
 
 from . import completion, connection, keys, signals
 from . import lease as lease_ops
+from .completion import PostgresStore, RedisStore, Store
 from .config import Settings, TaskOptions, resolve_task_options, settings
 from .connection import UNAVAILABLE_ERRORS
 from .events import emit
@@ -29,7 +30,7 @@ from .renewer import renewer
 WAITS_HEADER = "lockguard_waits"
 
 _LEASE = "_lockguard_lease"
-_SCOPE = "_lockguard_scope"
+_CALL = "_lockguard_call"
 _CHECKPOINTS = "_lockguard_checkpoints"
 
 
@@ -110,22 +111,63 @@ class LockedTask(Task):
     @property
     def completion_scope(self) -> str | None:
         """The rendered completion scope; pass it on as an external idempotency key."""
-        return getattr(self.request, _SCOPE, None)
+        call: _Call | None = getattr(self.request, _CALL, None)
+        return call.scope if call is not None else None
 
     def checkpoint(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` once per (scope, name); replays return the recorded JSON value."""
         req = self.request
-        scope = getattr(req, _SCOPE, None)
-        if scope is None:
+        call: _Call | None = getattr(req, _CALL, None)
+        if call is None:
             return fn(*args, **kwargs)
         used: set[str] = getattr(req, _CHECKPOINTS)
         if name in used:
             raise ConfigurationError(f"task {self.name!r}: checkpoint name {name!r} used twice in one run")
         used.add(name)
         s = settings(self.app)
+        ttl_ms = self._completion_ttl_ms(call)
+        return completion.checkpoint(self._store(s), call.scope, name, ttl_ms, fn, args, kwargs)
+
+    def record_completion(self, conn: Any, result: Any = None) -> bool:
+        """Write this run's completion record inside the caller's PostgreSQL transaction.
+
+        With the PostgreSQL completion backend, the body's own write and the
+        record then commit together, so a crash can never leave one without the
+        other. The record written at the end of the task is then a no-op.
+        Returns True if this call wrote the record.
+        """
+        call: _Call | None = getattr(self.request, _CALL, None)
+        store = self._store(settings(self.app))
+        if not isinstance(store, PostgresStore):
+            raise ConfigurationError(
+                f"task {self.name!r}: record_completion needs lockguard_completion_backend = 'postgresql://...'"
+            )
+        if call is None:
+            return False
+        record, _ = completion.encode_record(self.request.id, result)
+        return store.record_in(conn, call.scope, self.request.id, record, self._completion_ttl_ms(call))
+
+    def _store(self, s: Settings) -> Store:
+        if s.completion_backend == "redis":
+            return RedisStore(connection.client(s), s.key_prefix)
+        return completion.postgres_store(s.completion_backend, s.completion_table)
+
+    def _completion_ttl_ms(self, call: _Call) -> int:
         opts = self.lockguard_options
-        ttl = opts.completion_ttl_scope if self.idempotency_key is not None else opts.completion_ttl_task
-        return completion.checkpoint(connection.client(s), s.key_prefix, scope, name, int(ttl * 1000), fn, args, kwargs)
+        return int((opts.completion_ttl_task if call.scope_is_task else opts.completion_ttl_scope) * 1000)
+
+    def _completed(self, call: _Call, record: str) -> Any:
+        """Skip a call whose scope already completed: return the recorded result."""
+        task_id, result = completion.decode_record(record)
+        emit(
+            "completion.skipped",
+            self.name,
+            lock_key=call.key,
+            task_id=self.request.id,
+            scope=call.scope,
+            completed_by=task_id,
+        )
+        return result
 
     # -- the call ---------------------------------------------------------------
 
@@ -139,23 +181,16 @@ class LockedTask(Task):
             return super().__call__(*args, **kwargs)
         call = self._names(opts, req.id, args, kwargs)
         client = connection.client(s)
+        store = self._store(s) if opts.completion else None
+        in_scripts = store is not None and store.in_scripts
         replace_token = ""
         while True:
             try:
-                got = self._acquire(s, opts, call, client, replace_token)
+                got = self._acquire(s, opts, call, client, replace_token, in_scripts)
             except UNAVAILABLE_ERRORS as exc:
-                return self._unavailable(opts, call, args, kwargs, f"{exc.__class__.__name__}: {exc}")
+                return self._unavailable(opts, call, store, args, kwargs, f"{exc.__class__.__name__}: {exc}")
             if isinstance(got, Done):
-                task_id, result = completion.decode_record(got.record)
-                emit(
-                    "completion.skipped",
-                    self.name,
-                    lock_key=call.key,
-                    task_id=req.id,
-                    scope=call.scope,
-                    completed_by=task_id,
-                )
-                return result
+                return self._completed(call, got.record)
             if isinstance(got, Holder):
                 if not replace_token and self._dead_here(got, req.id):
                     # A killed child of this host held it under our own id: take it over at once.
@@ -173,11 +208,16 @@ class LockedTask(Task):
                 return self._contended(opts, call, got, args, kwargs)
             if got.lost:  # the reply came back after the lease's validity: never run on it
                 self._release(s, opts, got)
-                return self._unavailable(opts, call, args, kwargs, "acquire_slower_than_ttl")
+                return self._unavailable(opts, call, store, args, kwargs, "acquire_slower_than_ttl")
+            if isinstance(store, PostgresStore):
+                record = store.lookup(call.scope)  # checked under the lease: a finisher recorded before releasing
+                if record is not None:
+                    self._release(s, opts, got)
+                    return self._completed(call, record)
             return self._run_locked(s, opts, call, client, got, args, kwargs)
 
     def _acquire(
-        self, s: Settings, opts: TaskOptions, call: _Call, client: Any, replace_token: str
+        self, s: Settings, opts: TaskOptions, call: _Call, client: Any, replace_token: str, check_done: bool
     ) -> Lease | Holder | Done:
         req = self.request
         return lease_ops.acquire(
@@ -190,7 +230,7 @@ class LockedTask(Task):
             digest=call.digest,
             worker=req.hostname or "",
             fence_ttl_ms=int(s.fence_ttl * 1000),
-            scope=call.scope if opts.completion else None,
+            scope=call.scope if check_done else None,
             replace_token=replace_token,
         )
 
@@ -207,7 +247,7 @@ class LockedTask(Task):
         req = self.request
         emit("lock.acquired", self.name, lock_key=call.key, task_id=req.id, fence=lease.fence)
         setattr(req, _LEASE, lease)
-        setattr(req, _SCOPE, call.scope)
+        setattr(req, _CALL, call)
         setattr(req, _CHECKPOINTS, set())
         if opts.renew:
             renewer().track(lease, client, opts.max_hold)
@@ -234,12 +274,12 @@ class LockedTask(Task):
         was_lost = lease.lost
         scope, record, ttl_ms = None, "", 0
         if done is not None and opts.completion:
-            scope = done.scope
-            record, dropped = completion.encode_record(lease.task_id, result)
-            if dropped:
-                emit("completion.result_dropped", self.name, task_id=lease.task_id, scope=scope, reason=dropped)
-            ttl = opts.completion_ttl_task if done.scope_is_task else opts.completion_ttl_scope
-            ttl_ms = int(ttl * 1000)
+            record, ttl_ms = self._record_for(done, lease.task_id, result)
+            store = self._store(s)
+            if isinstance(store, PostgresStore):
+                self._record_elsewhere(store, done, lease.task_id, record, ttl_ms)
+            else:
+                scope = done.scope
         fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence}
         try:
             released, _recorded = lease_ops.release(connection.client(s), lease, s.key_prefix, scope, record, ttl_ms)
@@ -256,6 +296,27 @@ class LockedTask(Task):
             if lease.mark_lost(reason):
                 emit("lock.lost", self.name, **fields, hold_ms=round(hold_ms), reason=reason)
             emit("lock.expired_before_release", self.name, **fields, hold_ms=round(hold_ms), reason=reason)
+
+    def _record_for(self, call: _Call, task_id: str, result: Any) -> tuple[str, int]:
+        record, dropped = completion.encode_record(task_id, result)
+        if dropped:
+            emit("completion.result_dropped", self.name, task_id=task_id, scope=call.scope, reason=dropped)
+        return record, self._completion_ttl_ms(call)
+
+    def _record_elsewhere(
+        self, store: PostgresStore, call: _Call, task_id: str, record: str, ttl_ms: int
+    ) -> None:
+        """Record completion in a store outside the lease scripts; a failure is logged, never raised."""
+        try:
+            store.record(call.scope, task_id, record, ttl_ms)
+        except Exception as exc:  # noqa: BLE001 - the body succeeded; say so loudly, do not fail it
+            emit(
+                "completion.record_failed",
+                self.name,
+                task_id=task_id,
+                scope=call.scope,
+                reason=f"{exc.__class__.__name__}: {exc}",
+            )
 
     # -- policies ---------------------------------------------------------------
 
@@ -298,13 +359,29 @@ class LockedTask(Task):
         return opts.renew and holder.ms_since_renewal < opts.ttl_ms * 0.6
 
     def _unavailable(
-        self, opts: TaskOptions, call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str
+        self,
+        opts: TaskOptions,
+        call: _Call,
+        store: Store | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        reason: str,
     ) -> Any:
         req = self.request
         fields = {"lock_key": call.key, "task_id": req.id, "policy": opts.on_unavailable, "reason": reason}
         if opts.on_unavailable == "fail_open":
             emit("lock.fail_open", self.name, **fields)
-            return super().__call__(*args, **kwargs)
+            if not isinstance(store, PostgresStore):
+                return super().__call__(*args, **kwargs)
+            # No lease, but the completion store is up: it still makes a duplicate harmless.
+            record = store.lookup(call.scope)
+            if record is not None:
+                return self._completed(call, record)
+            setattr(req, _CALL, call)
+            setattr(req, _CHECKPOINTS, set())
+            result = super().__call__(*args, **kwargs)
+            self._record_elsewhere(store, call, req.id, *self._record_for(call, req.id, result))
+            return result
         emit("lock.backend_unavailable", self.name, **fields)
         return self._wait(
             opts,
