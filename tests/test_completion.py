@@ -179,7 +179,7 @@ def test_body_write_and_completion_row_commit_in_one_transaction(pg_app: tuple[C
 
 
 def test_fail_open_with_postgres_backend_commits_one_effect(pg_app: tuple[Celery, str, str]) -> None:
-    app, dsn, table = pg_app
+    app, _dsn, _table = pg_app
     app.conf.lockguard_redis_url = f"redis://127.0.0.1:{free_port()}/0"  # the lock Redis is down
     app.conf.lockguard_on_unavailable = "fail_open"
     app.conf.lockguard_socket_timeout = 0.3
