@@ -41,6 +41,9 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         task_reject_on_worker_lost=cfg.get("acks_late", False),
         worker_hijack_root_logger=False,
     )
+    if cfg.get("completion_backend"):
+        app.conf.lockguard_completion_backend = cfg["completion_backend"]
+        app.conf.lockguard_completion_table = cfg.get("completion_table", "lockguard_completions")
     rec = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
     rec_key = f"{cfg['prefix']}:record"
 
@@ -166,6 +169,30 @@ def create_app(cfg: dict[str, Any]) -> Celery:
             )
         record(ev="end", key=entity, tag=value, task_id=self.request.id)
         return {"value": value, "fence": self.lock.fence}
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="idem_effect", idempotency_key="inv:{invoice_id}")
+    def idem_effect(self: Any, invoice_id: int) -> dict[str, Any]:
+        effects = rec.incr(f"{cfg['prefix']}:effects:{invoice_id}")
+        record(ev="start", key=f"inv:{invoice_id}", task_id=self.request.id)
+        return {"effects": effects, "by": self.request.id}
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="checkpoint_crash",
+        lock_key="res:{key}",
+        acks_late=True,
+        reject_on_worker_lost=True,
+    )
+    def checkpoint_crash(self: Any, key: str) -> dict[str, Any]:
+        """Charge through a checkpoint, then die once right after it: the charge must not repeat."""
+        attempt = rec.incr(f"{cfg['prefix']}:attempts:{key}")
+        charged = self.checkpoint("charge", rec.incr, f"{cfg['prefix']}:effects:{key}")
+        record(ev="start", key=key, attempt=attempt, task_id=self.request.id)
+        if attempt == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return {"attempt": attempt, "charged": charged}
 
     return app
 
