@@ -1,48 +1,114 @@
-"""In-process counters: every lock event counted per task, hold times bucketed.
+"""Lock metrics: counted in-process, flushed to Redis, aggregated across the fleet.
 
-Counting is a dict update, never a round trip. ``snapshot()`` returns what was
-counted since the process started; flushing to Redis for fleet-wide numbers is
-done by whoever owns a client (the CLI reads the flushed totals).
+Counting is a dict update, never a round trip: every event ``events.emit``
+logs is counted per task, and every released lease adds its hold time.
+The counts are flushed to Redis in **one pipeline per flush**:
+
+* periodically, by a small daemon thread started lazily in the process that
+  counts (a prefork child, or the main process of a solo/threads worker),
+  every ``lockguard_metrics_flush_interval`` seconds (default 10);
+* on ``worker_process_shutdown`` (a prefork child exiting) and
+  ``worker_shutdown`` (the main process).
+
+A child killed with SIGKILL runs neither, so it loses what it counted since
+its last flush: at most one flush interval of its events. Metrics are for
+operators, not for correctness; that bound is the trade for no round trip
+per task.
+
+Redis layout (every key shares the hash tag ``{fleet}``, so one flush is one
+MULTI/EXEC to one node, on Cluster too):
+
+* ``{prefix}:v1:metrics:{fleet}:total`` -- hash of running totals;
+* ``{prefix}:v1:metrics:{fleet}:min:<unix minute>`` -- the same fields for
+  the events counted in that minute, kept :data:`WINDOW_KEEP` seconds, so
+  ``lockguard stats`` can show recent windows.
+
+A field is ``<task name>|<counter>``: ``<counter>`` is an event name
+(``lock.acquired``) or a hold-time field (``hold.count``, ``hold.sum_ms``,
+``hold.le.<ms>``, non-cumulative buckets). Fields starting with ``@`` are
+bookkeeping (first and last flush time).
 """
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections import Counter
 from typing import Any
+
+import structlog
 
 #: Upper bounds (ms) of the hold-time histogram buckets; the last is +inf.
 HOLD_BUCKETS_MS = (10, 50, 100, 500, 1000, 5000, 30000, 60000, 300000)
 
+#: Seconds a per-minute bucket is kept in Redis (the longest window ``stats`` shows is an hour).
+WINDOW_KEEP = 2 * 3600
+
+#: Default seconds between two flushes of one process.
+DEFAULT_FLUSH_INTERVAL = 10.0
+
+#: The hash tag every metrics key carries: one slot, so one flush is one transaction.
+TAG = "{fleet}"
+
 _BUCKET_NAMES = [str(b) for b in HOLD_BUCKETS_MS] + ["+Inf"]
+
+logger = structlog.get_logger("celery_lockguard")
 
 _lock = threading.Lock()
 _counts: Counter[tuple[str, str]] = Counter()
 _hold: dict[str, list[float]] = {}
+#: Not yet flushed: (unix minute, task, field) -> amount.
+_pending: Counter[tuple[int, str, str]] = Counter()
+
+# The flush target of this process (bound by the worker signals) and its timer thread.
+_target: tuple[Any, float] | None = None  # (Settings, interval)
+_started = False
+_stop = threading.Event()
+_flush_lock = threading.Lock()
+
+
+def total_key(prefix: str) -> str:
+    """Redis key of the fleet's running totals."""
+    return f"{prefix}:v1:metrics:{TAG}:total"
+
+
+def minute_key(prefix: str, minute: int) -> str:
+    """Redis key of the counts of one unix minute (``int(time // 60)``)."""
+    return f"{prefix}:v1:metrics:{TAG}:min:{minute}"
+
+
+# -- counting (hot path: no I/O) -----------------------------------------------
 
 
 def count(task_name: str, name: str, n: int = 1) -> None:
     """Add ``n`` to counter ``name`` of ``task_name``."""
+    minute = int(time.time() // 60)
     with _lock:
         _counts[(task_name, name)] += n
+        _pending[(minute, task_name, name)] += n
+    if not _started and _target is not None:
+        _start_flusher()
 
 
 def observe_hold(task_name: str, hold_ms: float) -> None:
     """Record one lease's hold time (count, sum, histogram)."""
+    minute = int(time.time() // 60)
+    bucket = next((i for i, bound in enumerate(HOLD_BUCKETS_MS) if hold_ms <= bound), len(HOLD_BUCKETS_MS))
     with _lock:
         row = _hold.setdefault(task_name, [0.0, 0.0] + [0.0] * (len(HOLD_BUCKETS_MS) + 1))
         row[0] += 1
         row[1] += hold_ms
-        for i, bound in enumerate(HOLD_BUCKETS_MS):
-            if hold_ms <= bound:
-                row[2 + i] += 1
-                break
-        else:
-            row[-1] += 1
+        row[2 + bucket] += 1
+        _pending[(minute, task_name, "hold.count")] += 1
+        _pending[(minute, task_name, "hold.sum_ms")] += round(hold_ms)
+        _pending[(minute, task_name, f"hold.le.{_BUCKET_NAMES[bucket]}")] += 1
+    if not _started and _target is not None:
+        _start_flusher()
 
 
 def snapshot() -> dict[str, dict[str, Any]]:
-    """Per task: its counters and hold-time summary."""
+    """Per task: what this process counted since it started (flushed or not)."""
     with _lock:
         out: dict[str, dict[str, Any]] = {}
         for (task, name), n in _counts.items():
@@ -56,8 +122,168 @@ def snapshot() -> dict[str, dict[str, Any]]:
         return out
 
 
+def pending() -> int:
+    """How many counter cells wait for the next flush."""
+    with _lock:
+        return len(_pending)
+
+
 def clear() -> None:
-    """Drop every counter (tests)."""
+    """Drop every counter, flushed or not (tests)."""
     with _lock:
         _counts.clear()
         _hold.clear()
+        _pending.clear()
+
+
+# -- flushing ------------------------------------------------------------------
+
+
+def flush(client: Any, prefix: str) -> int:
+    """Write what was counted since the last flush in one MULTI/EXEC; returns the cells written.
+
+    On failure the counts are put back, to go with the next flush. (A flush
+    whose reply is lost after Redis applied it is then counted twice: the
+    price of never losing a flush to a blip.)
+    """
+    with _flush_lock:
+        with _lock:
+            batch = _pending.copy()
+            _pending.clear()
+        if not batch:
+            return 0
+        totals: Counter[str] = Counter()
+        minutes: dict[int, Counter[str]] = {}
+        for (minute, task, name), n in batch.items():
+            field = f"{task}|{name}"
+            totals[field] += n
+            minutes.setdefault(minute, Counter())[field] += n
+        now = time.time()
+        try:
+            pipe = client.pipeline(transaction=True)
+            tkey = total_key(prefix)
+            for field, n in totals.items():
+                pipe.hincrby(tkey, field, n)
+            for minute, fields in minutes.items():
+                mkey = minute_key(prefix, minute)
+                for field, n in fields.items():
+                    pipe.hincrby(mkey, field, n)
+                pipe.expire(mkey, WINDOW_KEEP)
+            pipe.hsetnx(tkey, "@first_flush_at", f"{now:.3f}")
+            pipe.hset(tkey, "@last_flush_at", f"{now:.3f}")
+            pipe.execute()
+        except BaseException:
+            with _lock:
+                _pending.update(batch)
+            raise
+        return len(batch)
+
+
+def flush_interval(app: Any) -> float:
+    """The app's ``lockguard_metrics_flush_interval`` in seconds, validated."""
+    from .config import setting
+    from .exceptions import ConfigurationError
+
+    value = setting(app, "metrics_flush_interval", DEFAULT_FLUSH_INTERVAL)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigurationError(f"setting lockguard_metrics_flush_interval={value!r} must be a number of seconds > 0")
+    return float(value)
+
+
+def bind(app: Any) -> None:
+    """Flush this process's counts to ``app``'s lock Redis from now on (worker signals call this).
+
+    The timer thread itself starts on the next count, in whichever process
+    counts: binding in a parent that then forks starts nothing there.
+    """
+    global _target
+    from .config import settings
+
+    try:
+        _target = (settings(app), flush_interval(app))
+    except Exception as exc:  # noqa: BLE001 - a bad setting is reported by the task itself; never break a worker
+        logger.warning("metrics.not_flushed", reason=f"{exc.__class__.__name__}: {exc}")
+
+
+def unbind() -> None:
+    """Stop the timer thread and forget the flush target (tests)."""
+    global _target, _started
+    _stop.set()
+    _target = None
+    _started = False
+
+
+def flush_bound() -> int:
+    """Flush to the bound target; logs and returns 0 when the lock Redis is unreachable."""
+    target = _target
+    if target is None:
+        return 0
+    from . import connection
+
+    s = target[0]
+    try:
+        return flush(connection.client(s), s.key_prefix)
+    except Exception as exc:  # noqa: BLE001 - metrics never fail a worker; the counts wait for the next flush
+        logger.warning("metrics.flush_failed", reason=f"{exc.__class__.__name__}: {exc}", pending=pending())
+        return 0
+
+
+def _start_flusher() -> None:
+    global _started, _stop
+    with _lock:
+        if _started or _target is None:
+            return
+        _started = True
+        _stop = threading.Event()
+        stop, interval = _stop, _target[1]
+    threading.Thread(target=_run, args=(stop, interval), name="lockguard-metrics", daemon=True).start()
+
+
+def _run(stop: threading.Event, interval: float) -> None:
+    while not stop.wait(interval):
+        flush_bound()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child is a new process: its counts start at zero and it has no timer thread yet."""
+    global _lock, _flush_lock, _started, _stop
+    _lock = threading.Lock()
+    _flush_lock = threading.Lock()
+    _counts.clear()
+    _hold.clear()
+    _pending.clear()
+    _started = False
+    _stop = threading.Event()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# -- worker signals --------------------------------------------------------------
+
+
+def _on_process_init(**_: Any) -> None:
+    from celery import current_app
+
+    bind(current_app._get_current_object())
+
+
+def _on_worker_ready(sender: Any = None, **_: Any) -> None:
+    app = getattr(sender, "app", None)
+    if app is not None:
+        bind(app)
+
+
+def _on_shutdown(**_: Any) -> None:
+    flush_bound()
+
+
+def connect_signals() -> None:
+    """Bind the flush target in every worker process and flush when a process exits."""
+    from celery import signals
+
+    signals.worker_process_init.connect(_on_process_init, weak=False, dispatch_uid="lockguard.metrics.init")
+    signals.worker_ready.connect(_on_worker_ready, weak=False, dispatch_uid="lockguard.metrics.ready")
+    signals.worker_process_shutdown.connect(_on_shutdown, weak=False, dispatch_uid="lockguard.metrics.child_exit")
+    signals.worker_shutdown.connect(_on_shutdown, weak=False, dispatch_uid="lockguard.metrics.shutdown")

@@ -15,6 +15,8 @@ from typing import Any
 from celery import signals
 from celery.exceptions import TimeLimitExceeded
 
+from . import metrics
+
 _installed = False
 _lock = threading.Lock()
 
@@ -27,6 +29,7 @@ def install() -> None:
             return
         signals.task_failure.connect(_on_failure, weak=False, dispatch_uid="lockguard.task_failure")
         signals.task_revoked.connect(_on_revoked, weak=False, dispatch_uid="lockguard.task_revoked")
+        metrics.connect_signals()  # flush target per worker process; flush on process and worker shutdown
         _installed = True
 
 
@@ -42,9 +45,41 @@ def _on_failure(
         shorten_from_main(sender, task_id, args or (), kwargs or {}, "hard_time_limit")
 
 
-def _on_revoked(sender: Any = None, request: Any = None, terminated: bool = False, **_: Any) -> None:
-    if terminated and request is not None:
-        shorten_from_main(sender, request.id, request.args or (), request.kwargs or {}, "terminated")
+def _on_revoked(
+    sender: Any = None, request: Any = None, terminated: bool = False, expired: bool = False, **_: Any
+) -> None:
+    if request is None:
+        return
+    args, kwargs = request.args or (), request.kwargs or {}
+    if terminated:
+        shorten_from_main(sender, request.id, args, kwargs, "terminated")
+    else:  # discarded before it ran: its queue claim will never be adopted
+        free_claim_from_main(sender, request.id, args, kwargs, "expired" if expired else "revoked")
+
+
+def free_claim_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason: str) -> bool:
+    """Free the queue claim of a message the worker discards (revoked or expired); True if it held one."""
+    from . import claims, connection
+    from . import lease as lease_ops
+    from .config import settings
+    from .connection import UNAVAILABLE_ERRORS
+    from .events import emit
+    from .task import LockedTask
+
+    if not isinstance(task, LockedTask):
+        return False
+    s, opts = settings(task.app), task.lockguard_options
+    if not s.enabled or not opts.locked or opts.mode == "while_running":
+        return False
+    try:
+        key = task._names(opts, task_id, tuple(args), dict(kwargs)).key
+        freed = lease_ops.release_claim(connection.client(s), claims.claim_key(s.key_prefix, key, opts.mode), task_id)
+    except UNAVAILABLE_ERRORS as exc:
+        emit("lock.backend_unavailable", task.name, task_id=task_id, reason=f"{reason}: {exc.__class__.__name__}")
+        return False
+    if freed:
+        emit("lock.released", task.name, lock_key=key, task_id=task_id, reason=f"claim freed: {reason}")
+    return freed
 
 
 def shorten_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason: str) -> bool:

@@ -1,0 +1,123 @@
+"""Metrics flushing against a real Redis: one transaction per flush, windows, failures, fork, settings."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_lockguard import metrics
+from celery_lockguard.config import reset
+from celery_lockguard.exceptions import ConfigurationError
+from celery_lockguard.testing import RedisServer
+
+from .harness import wait_for
+
+
+class CountingRedis(redis.Redis):
+    """A real client that counts the pipelines it hands out (one per flush is the contract)."""
+
+    pipelines = 0
+
+    def pipeline(self, *args: Any, **kwargs: Any) -> Any:
+        self.pipelines += 1
+        return super().pipeline(*args, **kwargs)
+
+
+def minute_sums(r: redis.Redis, prefix: str) -> tuple[Counter[str], list[int]]:
+    """Every minute bucket under ``prefix`` summed (a test may straddle a minute), and their TTLs."""
+    sums: Counter[str] = Counter()
+    ttls = []
+    for key in r.scan_iter(match=f"{prefix}:v1:metrics:*:min:*"):
+        sums.update({k: int(v) for k, v in r.hgetall(key).items()})
+        ttls.append(int(r.ttl(key)))
+    return sums, ttls
+
+
+@pytest.fixture
+def unbound() -> Iterator[None]:
+    yield
+    metrics.unbind()
+
+
+def test_flush_writes_totals_and_minute_buckets_in_one_pipeline(redis_url: str, prefix: str) -> None:
+    client = CountingRedis.from_url(redis_url, decode_responses=True)
+    for _ in range(3):
+        metrics.count("t.a", "lock.acquired")
+    metrics.count("t.b", "lock.contended")
+    metrics.observe_hold("t.a", 42.4)
+    metrics.observe_hold("t.a", 2000)
+    assert metrics.flush(client, prefix) > 0
+    assert client.pipelines == 1
+    total = client.hgetall(metrics.total_key(prefix))
+    assert total["t.a|lock.acquired"] == "3" and total["t.b|lock.contended"] == "1"
+    assert total["t.a|hold.count"] == "2" and total["t.a|hold.sum_ms"] == "2042"
+    assert total["t.a|hold.le.50"] == "1" and total["t.a|hold.le.5000"] == "1"
+    assert float(total["@first_flush_at"]) <= float(total["@last_flush_at"])
+    sums, ttls = minute_sums(client, prefix)
+    assert sums["t.a|lock.acquired"] == 3 and sums["t.a|hold.count"] == 2
+    assert ttls and all(0 < t <= metrics.WINDOW_KEEP for t in ttls)
+    # Nothing pending: no round trip at all.
+    assert metrics.flush(client, prefix) == 0
+    assert client.pipelines == 1
+    # A second flush (another process, or later) adds to the totals.
+    metrics.count("t.a", "lock.acquired")
+    metrics.flush(client, prefix)
+    assert client.hget(metrics.total_key(prefix), "t.a|lock.acquired") == "4"
+    assert metrics.snapshot()["t.a"]["lock.acquired"] == 4
+
+
+def test_a_failed_flush_keeps_its_counts_for_the_next(own_redis: RedisServer, prefix: str) -> None:
+    client = own_redis.client(socket_timeout=0.5, socket_connect_timeout=0.5)
+    metrics.count("t.a", "lock.acquired", 2)
+    own_redis.stop()
+    with pytest.raises(redis.exceptions.ConnectionError):
+        metrics.flush(client, prefix)
+    assert metrics.pending() == 1
+    metrics.count("t.a", "lock.acquired")
+    own_redis.start()
+    metrics.flush(client, prefix)
+    assert client.hget(metrics.total_key(prefix), "t.a|lock.acquired") == "3"
+    assert metrics.pending() == 0
+
+
+def test_bound_process_flushes_periodically_from_a_timer_thread(redis_url: str, prefix: str, unbound: None) -> None:
+    app = Celery("metricstest", broker=redis_url, set_as_current=False)
+    app.conf.lockguard_key_prefix = prefix
+    app.conf.lockguard_metrics_flush_interval = 0.2
+    metrics.bind(app)
+    metrics.count("t.timer", "lock.acquired")
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    wait_for(lambda: r.hget(metrics.total_key(prefix), "t.timer|lock.acquired") == "1", 10, what="a timed flush")
+    metrics.count("t.timer", "lock.acquired")
+    wait_for(lambda: r.hget(metrics.total_key(prefix), "t.timer|lock.acquired") == "2", 10, what="a second flush")
+
+
+def test_flush_interval_setting_is_validated_in_both_spellings(redis_url: str) -> None:
+    app = Celery("metricstest", broker=redis_url, set_as_current=False)
+    assert metrics.flush_interval(app) == metrics.DEFAULT_FLUSH_INTERVAL
+    app.conf.CELERY_LOCKGUARD_METRICS_FLUSH_INTERVAL = 2.5
+    assert metrics.flush_interval(app) == 2.5
+    app.conf.lockguard_metrics_flush_interval = 0
+    reset(app)
+    with pytest.raises(ConfigurationError, match="lockguard_metrics_flush_interval=0"):
+        metrics.flush_interval(app)
+
+
+def test_a_forked_child_starts_with_nothing_to_flush() -> None:
+    """A prefork child must not flush what its parent counted (the parent flushes that itself)."""
+    metrics.count("t.parent", "lock.acquired")
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit code only
+        ok = metrics.pending() == 0 and metrics.snapshot() == {}
+        metrics.count("t.child", "lock.acquired")
+        ok = ok and metrics.pending() == 1
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert metrics.pending() == 1 and "t.child" not in metrics.snapshot()
