@@ -183,6 +183,11 @@ def fence_name(prefix: str, key: str) -> str:
     return f"{prefix}:v1:{{{key}}}:fence"
 
 
+def claim_name(prefix: str, key: str) -> str:
+    """Redis key of entity K's until_started queue claim (same slot as its lease)."""
+    return f"{prefix}:v1:{{{key}}}:claim"
+
+
 def done_name(prefix: str, scope: str) -> str:
     """Redis key of scope S's completion record."""
     return f"{prefix}:v1:{{{scope}}}:done"

@@ -19,7 +19,7 @@ from typing import Any
 
 from . import scripts
 from .exceptions import LockLost
-from .keys import done_name, fence_name, lock_name
+from .keys import claim_name, done_name, fence_name, lock_name
 
 HOST = socket.gethostname()
 
@@ -125,17 +125,34 @@ def acquire(
     state: str = "running",
     replace_token: str = "",
     token: str | None = None,
+    claim_token: str = "",
 ) -> Lease | Holder | Done:
-    """Try to take the lease on ``key``; check ``scope``'s completion record first."""
+    """Try to take the lease on ``key``; check ``scope``'s completion record first.
+
+    ``claim_token`` frees this message's until_started claim in the same round trip.
+    """
     token = token or new_token()
-    keys = [lock_name(prefix, key), fence_name(prefix, key)]
+    keys = [lock_name(prefix, key), fence_name(prefix, key), claim_name(prefix, key)]
     if scope is not None:
         keys.append(done_name(prefix, scope))
     sent_at = time.monotonic()
     reply = scripts.acquire(
         client,
         keys,
-        [token, ttl_ms, task_id, task_name, digest, HOST, os.getpid(), worker, state, fence_ttl_ms, replace_token],
+        [
+            token,
+            ttl_ms,
+            task_id,
+            task_name,
+            digest,
+            HOST,
+            os.getpid(),
+            worker,
+            state,
+            fence_ttl_ms,
+            replace_token,
+            claim_token,
+        ],
     )
     kind = reply[0]
     if kind == "ok":
@@ -191,6 +208,40 @@ def force_release(client: Any, prefix: str, key: str, fence_ttl_ms: int) -> tupl
         client, [lock_name(prefix, key), fence_name(prefix, key)], [fence_ttl_ms]
     )
     return bool(deleted), int(fence), holder
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """CLAIM's answer: ``kind`` is ``ok`` (claimed), ``own`` (this task's already) or ``held``."""
+
+    kind: str
+    task_id: str = ""
+    task_name: str = ""
+    digest: str = ""
+    state: str = ""
+    pttl_ms: int = 0
+
+
+def claim(
+    client: Any, claim_key: str, *, token: str, ttl_ms: int, task_id: str, task_name: str, digest: str
+) -> Claimed:
+    """Take a queue-time claim on ``claim_key`` (a lease hash or a ``:claim`` hash) for a message."""
+    reply = scripts.claim(client, [claim_key], [token, ttl_ms, task_id, task_name, digest, HOST, os.getpid()])
+    if reply[0] != "held":
+        return Claimed(reply[0])
+    return Claimed("held", reply[1], reply[2], reply[3], reply[4], int(reply[5]))
+
+
+def release_claim(client: Any, claim_key: str, task_id: str) -> bool:
+    """Free ``task_id``'s queued claim (never a running lease)."""
+    return bool(scripts.release_claim(client, [claim_key], [task_id]))
+
+
+def handover(client: Any, lease: Lease, new_token: str, ttl_ms: int) -> bool:
+    """Turn ``lease`` into a queued claim carrying ``new_token`` (until_done retries)."""
+    handed = bool(scripts.handover(client, [lease.redis_key], [lease.token, new_token, ttl_ms]))
+    lease.released = True
+    return handed
 
 
 def pid_alive(pid: int) -> bool:

@@ -37,12 +37,15 @@ ACQUIRE = (
 -- checking the completion record first. One round trip.
 -- KEYS[1] lease hash       {prefix}:v1:{K}:lock
 -- KEYS[2] fence counter    {prefix}:v1:{K}:fence
--- KEYS[3] completion rec.  {prefix}:v1:{S}:done   (absent when completion is off)
+-- KEYS[3] queue claim      {prefix}:v1:{K}:claim  (until_started; deleted on success if ARGV[12] owns it)
+-- KEYS[4] completion rec.  {prefix}:v1:{S}:done   (absent when completion is off or stored elsewhere)
 -- ARGV[1] token (random per acquisition)   ARGV[2] ttl_ms
 -- ARGV[3] task_id  ARGV[4] task_name  ARGV[5] args digest
 -- ARGV[6] host  ARGV[7] pid  ARGV[8] worker nodename  ARGV[9] state (running|queued)
 -- ARGV[10] fence_ttl_ms
--- ARGV[11] replace_token: take over a lease that still carries this token ('' = never)
+-- ARGV[11] replace_token: take over a lease that still carries this token ('' = never);
+--          how the worker adopts its own queue claim (until_done) or a dead holder of its id
+-- ARGV[12] claim token: free the until_started claim in KEYS[3] once acquired ('' = none)
 -- Returns:
 --   {'done', record}     a completion record exists: nothing acquired
 --   {'ok', fence}        acquired; fence = max(previous + 1, server time in us)
@@ -51,8 +54,8 @@ ACQUIRE = (
     + _NOW
     + _NEXT_FENCE
     + """
-if KEYS[3] then
-  local rec = redis.call('GET', KEYS[3])
+if KEYS[4] then
+  local rec = redis.call('GET', KEYS[4])
   if rec then return {'done', rec} end
 end
 local cur = redis.call('HMGET', KEYS[1], 'token', 'task_id', 'task_name', 'digest', 'host', 'pid',
@@ -74,6 +77,9 @@ redis.call('HSET', KEYS[1], 'token', ARGV[1], 'task_id', ARGV[3], 'task_name', A
            'digest', ARGV[5], 'host', ARGV[6], 'pid', ARGV[7], 'worker', ARGV[8], 'state', ARGV[9],
            'acquired_at', now_ms, 'renewed_at', now_ms, 'ttl', ARGV[2], 'fence', fence)
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+if ARGV[12] ~= '' and redis.call('HGET', KEYS[3], 'token') == ARGV[12] then
+  redis.call('DEL', KEYS[3])
+end
 return {'ok', fence}
 """
 )
@@ -155,6 +161,59 @@ return {deleted, next_fence(KEYS[2], ARGV[1], now_us), holder}
 )
 
 
+CLAIM = """
+-- CLAIM: at publish time, claim entity K for a message about to be sent (until_started, until_done).
+-- KEYS[1] claim hash: the lease hash itself (until_done) or {prefix}:v1:{K}:claim (until_started)
+-- ARGV[1] token  ARGV[2] ttl_ms (queue_lock_ttl, plus the delay of a countdown/eta)
+-- ARGV[3] task_id  ARGV[4] task_name  ARGV[5] args digest  ARGV[6] host  ARGV[7] pid
+-- Returns:
+--   {'ok'}    claimed (state queued)
+--   {'own'}   already claimed or held by this task id (a retry or replace): TTL extended, never shortened
+--   {'held', task_id, task_name, digest, state, pttl_ms}
+local cur = redis.call('HMGET', KEYS[1], 'task_id', 'task_name', 'digest', 'state')
+if cur[1] then
+  if cur[1] == ARGV[3] then
+    if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+    return {'own'}
+  end
+  return {'held', cur[1], cur[2] or '', cur[3] or '', cur[4] or '', redis.call('PTTL', KEYS[1])}
+end
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('HSET', KEYS[1], 'token', ARGV[1], 'task_id', ARGV[3], 'task_name', ARGV[4], 'digest', ARGV[5],
+           'host', ARGV[6], 'pid', ARGV[7], 'worker', '', 'state', 'queued', 'acquired_at', now_ms,
+           'renewed_at', now_ms, 'ttl', ARGV[2], 'fence', '')
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return {'ok'}
+"""
+
+RELEASE_CLAIM = """
+-- RELEASE_CLAIM: free a queue-time claim that will never be adopted (revoked or expired message),
+-- from the worker's main process, which knows the task id but not the token.
+-- KEYS[1] claim hash (the lease hash for until_done, {prefix}:v1:{K}:claim for until_started)
+-- ARGV[1] task_id
+-- Returns 1 freed; 0 not a queued claim of that task (a running lease is never touched here)
+local cur = redis.call('HMGET', KEYS[1], 'task_id', 'state')
+if cur[1] == ARGV[1] and cur[2] == 'queued' then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
+
+HANDOVER = """
+-- HANDOVER: turn a running until_done lease back into a queued claim for its own retry message,
+-- so no identical copy can be queued between the retry's publish and its adoption.
+-- KEYS[1] lease hash
+-- ARGV[1] current token  ARGV[2] new claim token  ARGV[3] ttl_ms
+-- Returns 1 handed over; 0 the lease is no longer ours (nothing written)
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'token', ARGV[2], 'state', 'queued')
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+
 class Script:
     """A named Lua script run by raw EVALSHA, reloaded on NOSCRIPT.
 
@@ -183,3 +242,6 @@ release = Script("RELEASE", RELEASE)
 renew = Script("RENEW", RENEW)
 shorten = Script("SHORTEN", SHORTEN)
 force_release = Script("FORCE_RELEASE", FORCE_RELEASE)
+claim = Script("CLAIM", CLAIM)
+release_claim = Script("RELEASE_CLAIM", RELEASE_CLAIM)
+handover = Script("HANDOVER", HANDOVER)

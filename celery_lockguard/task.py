@@ -12,16 +12,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from celery import Task
+from celery import Task, uuid
 from celery.exceptions import Ignore, Retry
 
-from . import completion, connection, keys, signals
+from . import claims, completion, connection, keys, signals
 from . import lease as lease_ops
 from .completion import PostgresStore, RedisStore, Store
 from .config import Settings, TaskOptions, resolve_task_options, settings
 from .connection import UNAVAILABLE_ERRORS
 from .events import emit
-from .exceptions import BackendUnavailable, ConfigurationError, LockContended, LockGuardError
+from .exceptions import AlreadyQueued, BackendUnavailable, ConfigurationError, LockContended, LockGuardError
 from .lease import Done, Holder, Lease
 from .metrics import observe_hold
 from .renewer import renewer
@@ -183,17 +183,23 @@ class LockedTask(Task):
         client = connection.client(s)
         store = self._store(s) if opts.completion else None
         in_scripts = store is not None and store.in_scripts
-        replace_token = ""
+        claim_token = str(claims.header(req, claims.CLAIM_HEADER) or "")
+        # until_done: adopt our own queue claim (fresh token, state running); until_started: free it on start.
+        replace_token = claim_token if opts.mode == "until_done" else ""
+        start_claim = claim_token if opts.mode == "until_started" else ""
         while True:
             try:
-                got = self._acquire(s, opts, call, client, replace_token, in_scripts)
+                got = self._acquire(s, opts, call, client, replace_token, in_scripts, start_claim)
             except UNAVAILABLE_ERRORS as exc:
                 return self._unavailable(opts, call, store, args, kwargs, f"{exc.__class__.__name__}: {exc}")
             if isinstance(got, Done):
                 return self._completed(call, got.record)
             if isinstance(got, Holder):
-                if not replace_token and self._dead_here(got, req.id):
-                    # A killed child of this host held it under our own id: take it over at once.
+                if got.token != replace_token and (
+                    (got.task_id == req.id and got.state == "queued") or self._dead_here(got, req.id)
+                ):
+                    # Our own queue claim, or a killed child of this host that held our id: take it over now.
+                    reason = "adopting_own_claim" if got.state == "queued" else "taking_over_dead_holder_of_own_id"
                     emit(
                         "lock.contended",
                         self.name,
@@ -201,7 +207,7 @@ class LockedTask(Task):
                         task_id=req.id,
                         holder_task_id=got.task_id,
                         policy=opts.on_locked,
-                        reason="taking_over_dead_holder_of_own_id",
+                        reason=reason,
                     )
                     replace_token = got.token
                     continue
@@ -217,7 +223,14 @@ class LockedTask(Task):
             return self._run_locked(s, opts, call, client, got, args, kwargs)
 
     def _acquire(
-        self, s: Settings, opts: TaskOptions, call: _Call, client: Any, replace_token: str, check_done: bool
+        self,
+        s: Settings,
+        opts: TaskOptions,
+        call: _Call,
+        client: Any,
+        replace_token: str,
+        check_done: bool,
+        claim_token: str = "",
     ) -> Lease | Holder | Done:
         req = self.request
         return lease_ops.acquire(
@@ -232,6 +245,7 @@ class LockedTask(Task):
             fence_ttl_ms=int(s.fence_ttl * 1000),
             scope=call.scope if check_done else None,
             replace_token=replace_token,
+            claim_token=claim_token,
         )
 
     def _run_locked(
@@ -303,9 +317,7 @@ class LockedTask(Task):
             emit("completion.result_dropped", self.name, task_id=task_id, scope=call.scope, reason=dropped)
         return record, self._completion_ttl_ms(call)
 
-    def _record_elsewhere(
-        self, store: PostgresStore, call: _Call, task_id: str, record: str, ttl_ms: int
-    ) -> None:
+    def _record_elsewhere(self, store: PostgresStore, call: _Call, task_id: str, record: str, ttl_ms: int) -> None:
         """Record completion in a store outside the lease scripts; a failure is logged, never raised."""
         try:
             store.record(call.scope, task_id, record, ttl_ms)
@@ -435,12 +447,99 @@ class LockedTask(Task):
         req.headers = headers
         return self.__call__(*args, **kwargs)
 
-    def retry(self, *args: Any, **kwargs: Any) -> Any:
-        """Release the lease before Celery publishes the retry, so the retry never waits on us."""
+    # -- publishing -------------------------------------------------------------
+
+    def apply_async(
+        self, args: Any = None, kwargs: Any = None, task_id: str | None = None, link: Any = None, **options: Any
+    ) -> Any:
+        """Publish; in ``until_started``/``until_done`` mode, claim the entity first.
+
+        A duplicate of queued (or, ``until_done``, running) identical work is
+        answered with the holder's ``AsyncResult`` (``skip``) or
+        ``AlreadyQueued`` (``raise``). Different work, canvas members and a
+        task's own republish (retry, replace, waits) are never deduplicated.
+        """
+        opts = self.lockguard_options
+        s = settings(self.app)
+        if opts.mode == "while_running" or not s.enabled or not opts.locked or self.app.conf.task_always_eager:
+            return super().apply_async(args, kwargs, task_id, link=link, **options)
+        task_id = task_id or uuid()
+        call = self._names(opts, task_id, tuple(args or ()), dict(kwargs or {}))
+        token = lease_ops.new_token()
+        ttl_ms = claims.claim_ttl_ms(opts.queue_lock_ttl, options.get("countdown"), options.get("eta"))
+        fields = {"lock_key": call.key, "task_id": task_id, "policy": opts.on_locked}
+        try:
+            got = lease_ops.claim(
+                connection.client(s),
+                claims.claim_key(s.key_prefix, call.key, opts.mode),
+                token=token,
+                ttl_ms=ttl_ms,
+                task_id=task_id,
+                task_name=self.name,
+                digest=call.digest,
+            )
+        except UNAVAILABLE_ERRORS as exc:
+            emit("lock.backend_unavailable", self.name, **fields, reason=f"publish without claim: {exc}")
+            return super().apply_async(args, kwargs, task_id, link=link, **options)
+        if got.kind == "ok":
+            options["headers"] = {**(options.get("headers") or {}), claims.CLAIM_HEADER: token}
+        elif got.kind == "held":
+            duplicate = got.task_name == self.name and got.digest == call.digest
+            ours = got.task_id == claims.publishing_task_id()
+            if duplicate and not ours and not claims.in_canvas(options, link) and opts.on_locked != "retry":
+                if opts.on_locked == "raise":
+                    raise AlreadyQueued(call.key, got.task_id)
+                emit(
+                    "lock.skipped_duplicate",
+                    self.name,
+                    **fields,
+                    holder_task_id=got.task_id,
+                    reason=f"identical_work_{got.state or 'queued'}",
+                )
+                return self.AsyncResult(got.task_id)
+        return super().apply_async(args, kwargs, task_id, link=link, **options)
+
+    def retry(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        exc: Any = None,
+        throw: bool = True,
+        eta: Any = None,
+        countdown: Any = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Any:
+        """Free the lease before Celery publishes the retry, so the retry never waits on us.
+
+        ``until_done`` hands the lease over to the retry message as its queue
+        claim instead, unless retries are exhausted (then nothing is left behind).
+        """
         lease = self.lock
-        if lease is not None and not lease.released and self.lockguard_options.mode == "while_running":
-            self._release(settings(self.app), self.lockguard_options, lease)
-        return super().retry(*args, **kwargs)
+        if lease is not None and not lease.released:
+            s, opts, req = settings(self.app), self.lockguard_options, self.request
+            limit = self.max_retries if max_retries is None else max_retries
+            exhausted = limit is not None and req.retries + 1 > limit
+            if opts.mode == "until_done" and not exhausted:
+                token = lease_ops.new_token()
+                delay = countdown if countdown is not None or eta is not None else self.default_retry_delay
+                renewer().untrack(lease)
+                try:
+                    lease_ops.handover(
+                        connection.client(s), lease, token, claims.claim_ttl_ms(opts.queue_lock_ttl, delay, eta)
+                    )
+                    options["headers"] = {**(req.headers or {}), claims.CLAIM_HEADER: token}
+                except UNAVAILABLE_ERRORS as err:
+                    emit(
+                        "lock.backend_unavailable",
+                        self.name,
+                        lock_key=lease.key,
+                        task_id=req.id,
+                        reason=f"handover: {err.__class__.__name__}",
+                    )
+            else:
+                self._release(s, opts, lease)
+        return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
 
 
 def wait_countdown(waits: int, holder_ttl: float | None) -> float:
