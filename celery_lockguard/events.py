@@ -10,7 +10,7 @@ from typing import Any
 
 import structlog
 
-from . import metrics
+from . import metrics, tracing
 
 logger = structlog.get_logger("celery_lockguard")
 
@@ -32,5 +32,6 @@ _LEVELS = {
 def emit(event: str, task_name: str | None = None, **fields: Any) -> None:
     """Log ``event`` with its fields and count it for ``task_name``."""
     metrics.count(task_name or "-", event)
+    tracing.span_event(event, task_name, fields)
     level = _LEVELS.get(event, "info")
     getattr(logger, level)(event, task_name=task_name, **fields)

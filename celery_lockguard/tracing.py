@@ -1,0 +1,77 @@
+"""Lock events as OpenTelemetry span events, when OpenTelemetry is installed.
+
+A trace should answer "why did this job do nothing?": the task's span (the
+current span while the body's ``__call__`` runs, as opentelemetry's Celery
+instrumentation sets it) gets one event per lock decision -- acquired,
+skipped, waited, lost, released -- with the lock key and fence.
+
+OpenTelemetry is optional (``pip install celery-lockguard[otel]``). The
+import is tried once, on the first event; without it, or without a recording
+span, an event costs a global lookup and a call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Events put on the current span. ``lock.renewed`` is left out: it comes from
+#: the renewer thread, outside any task's span, and would only be noise.
+SPAN_EVENTS = frozenset(
+    {
+        "lock.acquired",
+        "lock.skipped_duplicate",
+        "completion.skipped",
+        "lock.contended",
+        "lock.retry_scheduled",
+        "lock.wait_budget_exhausted",
+        "lock.lost",
+        "lock.max_hold_reached",
+        "lock.expired_before_release",
+        "lock.released",
+        "lock.force_released",
+        "lock.fail_open",
+        "lock.backend_unavailable",
+        "fence.stale",
+    }
+)
+
+_UNSET: Any = object()
+_trace: Any = _UNSET
+
+
+def _api() -> Any:
+    """``opentelemetry.trace``, or ``None`` when OpenTelemetry is not installed (tried once)."""
+    global _trace
+    if _trace is _UNSET:
+        api: Any = None
+        try:
+            from opentelemetry import trace as api
+        except ImportError:
+            pass
+        _trace = api
+    return _trace
+
+
+def _value(value: Any) -> Any:
+    """An attribute value OpenTelemetry accepts: str, bool, int, float, or a list of one of those."""
+    if isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [str(v) for v in value]
+    return str(value)
+
+
+def span_event(event: str, task_name: str | None, fields: dict[str, Any]) -> None:
+    """Add ``event`` to the current span, with the event's fields as ``lockguard.*`` attributes."""
+    if event not in SPAN_EVENTS:
+        return
+    trace = _api()
+    if trace is None:
+        return
+    span = trace.get_current_span()
+    if not span.is_recording():
+        return
+    attributes = {f"lockguard.{k}": _value(v) for k, v in fields.items() if v is not None}
+    if task_name:
+        attributes["lockguard.task_name"] = task_name
+    span.add_event(event, attributes)
