@@ -42,7 +42,14 @@ def span_events(exporter: InMemorySpanExporter) -> list[tuple[str, dict[str, Any
 
 def hold(r: redis.Redis, prefix: str, key: str, task_name: str = "other", dig: str = "d") -> L.Lease:
     got = L.acquire(
-        r, prefix, key, ttl_ms=10_000, task_id="holder-1", task_name=task_name, digest=dig, worker="w",
+        r,
+        prefix,
+        key,
+        ttl_ms=10_000,
+        task_id="holder-1",
+        task_name=task_name,
+        digest=dig,
+        worker="w",
         fence_ttl_ms=60_000,
     )
     assert isinstance(got, L.Lease)
