@@ -41,6 +41,10 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         task_reject_on_worker_lost=cfg.get("acks_late", False),
         worker_hijack_root_logger=False,
     )
+    if cfg.get("metrics_flush_interval"):
+        app.conf.lockguard_metrics_flush_interval = cfg["metrics_flush_interval"]
+    if cfg.get("soft_time_limit"):
+        app.conf.task_soft_time_limit = cfg["soft_time_limit"]
     if cfg.get("completion_backend"):
         app.conf.lockguard_completion_backend = cfg["completion_backend"]
         app.conf.lockguard_completion_table = cfg.get("completion_table", "lockguard_completions")
@@ -193,6 +197,22 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         if attempt == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         return {"attempt": attempt, "charged": charged}
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="hold_gate", lock_key="res:{key}", lock_ttl=5)
+    def hold_gate(self: Any, key: str, gate: str, tag: str = "") -> dict[str, Any]:
+        """Hold the lease until the test creates ``gate`` (a file), at most 60 s: a holder a test controls."""
+        record(ev="start", key=key, tag=tag, task_id=self.request.id)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        lease = self.lock
+        return {"tag": tag, "fence": lease.fence, "lost": lease.lost, "held": lease.held}
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="idem_step", idempotency_key="order:{order}")
+    def idem_step(self: Any, order: int) -> dict[str, Any]:
+        """One checkpointed step under an idempotency scope (for ``lockguard completions``)."""
+        charged = self.checkpoint("charge", rec.incr, f"{cfg['prefix']}:charges:{order}")
+        return {"order": order, "charged": charged}
 
     return app
 

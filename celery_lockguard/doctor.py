@@ -1,0 +1,311 @@
+"""``lockguard doctor``: set-ups that break locks quietly, found before they do.
+
+Each check returns findings with a stable ``code`` (for scripts) and a
+message that says what goes wrong and what to change. Checks that need the
+server are skipped when it cannot be reached (that is a finding itself).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from . import connection
+from .config import Settings, settings
+from .connection import UNAVAILABLE_ERRORS
+from .exceptions import ConfigurationError
+
+#: Keys sampled from the lock database to look for cache traffic.
+SAMPLE_KEYS = 1000
+#: Foreign keys in the sample that make a finding: at least this many, and this share of the sample.
+FOREIGN_MIN, FOREIGN_SHARE = 20, 0.1
+
+_CELERY_PATTERNS = (
+    "_kombu.*",
+    "unacked*",
+    "celery-task-meta-*",
+    "celery-taskset-meta-*",
+    "chord-unlock*",
+    "*.reply.celery.pidbox",
+    "*.celery.pidbox",
+    "celery*",
+)
+_REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+socket", "socket")
+
+
+@dataclass
+class Finding:
+    """One problem: a stable code, what is wrong and what to do, and the tasks concerned."""
+
+    code: str
+    message: str
+    tasks: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "tasks": self.tasks}
+
+
+def redact(url: str | None) -> str:
+    """A URL with its password replaced, for messages."""
+    if not url:
+        return str(url)
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def server_of(url: str | None) -> tuple[str, ...] | None:
+    """Which server a Redis URL names (db and credentials aside), or ``None`` if not a plain Redis URL."""
+    if not url:
+        return None
+    parts = urlsplit(str(url).split(";")[0].strip())
+    if parts.scheme not in _REDIS_SCHEMES:
+        return None
+    if parts.scheme in ("unix", "redis+socket", "socket"):
+        return ("unix", parts.path)
+    host = parts.hostname or "localhost"
+    if host in ("localhost", "::1"):
+        host = "127.0.0.1"
+    return ("tcp", host, str(parts.port or 6379))
+
+
+def db_of(url: str | None) -> int:
+    if not url:
+        return 0
+    parts = urlsplit(str(url).split(";")[0].strip())
+    path = parts.path.strip("/")
+    return int(path) if path.isdigit() else 0
+
+
+def _broker_url(app: Any) -> str:
+    url = app.conf.get("broker_url") or ""
+    if isinstance(url, (list, tuple)):
+        url = url[0] if url else ""
+    return str(url).split(";")[0].strip()
+
+
+def locked_tasks(app: Any) -> list[Any]:
+    """The app's ``LockedTask`` instances, sorted by name (task modules imported first)."""
+    from .task import LockedTask
+
+    app.loader.import_default_modules()
+    return sorted((t for t in app.tasks.values() if isinstance(t, LockedTask)), key=lambda t: t.name)
+
+
+def run(app: Any) -> list[Finding]:
+    """Every finding for ``app``; an empty list means nothing to report."""
+    try:
+        s = settings(app)
+    except ConfigurationError as exc:
+        return [Finding("configuration", f"lockguard settings are invalid: {exc}")]
+    findings: list[Finding] = []
+    tasks = locked_tasks(app)
+    findings += _task_findings(app, s, tasks)
+    try:
+        client = connection.client(s)
+        client.ping()
+    except ConfigurationError as exc:
+        return [*findings, Finding("configuration", str(exc))]
+    except UNAVAILABLE_ERRORS as exc:
+        return [
+            Finding(
+                "redis_unreachable",
+                f"the lock Redis {redact(s.redis_url)} cannot be reached ({exc.__class__.__name__}: {exc}). "
+                "While it is down, fail_closed tasks wait and fail_open tasks run with no lock at all.",
+            ),
+            *findings,
+        ]
+    findings += _server_findings(app, s, client)
+    return findings
+
+
+# -- per-task configuration ------------------------------------------------------------
+
+
+def _limit(task: Any, app: Any, which: str) -> float | None:
+    value = getattr(task, which, None)
+    if value is None:
+        value = app.conf.get(f"task_{which}")
+    return float(value) if value else None
+
+
+def _task_findings(app: Any, s: Settings, tasks: list[Any]) -> list[Finding]:
+    out: list[Finding] = []
+    broker = _broker_url(app)
+    broker_server = server_of(broker)
+    lock_server = None if s.sentinels else server_of(s.redis_url)
+    shares_broker = broker_server is not None and broker_server == lock_server
+    visibility_applies = urlsplit(broker).scheme in (*_REDIS_SCHEMES, "sentinel", "sqs")
+    sharing: list[str] = []
+    for task in tasks:
+        try:
+            opts = task.lockguard_options
+        except ConfigurationError as exc:
+            out.append(Finding("configuration", str(exc), [task.name]))
+            continue
+        if not opts.locked:
+            continue
+        soft, hard = _limit(task, app, "soft_time_limit"), _limit(task, app, "time_limit")
+        body_limit = soft or hard
+        if not opts.renew and body_limit and opts.ttl < body_limit:
+            which = "soft time limit" if soft else "time limit"
+            out.append(
+                Finding(
+                    "ttl_below_time_limit",
+                    f"task {task.name!r}: lock_ttl={opts.ttl:g}s is shorter than its {which} ({body_limit:g}s) "
+                    "and lock_renew is off, so a body allowed to run that long outlives its lease and a second "
+                    "copy can start beside it. Turn lock_renew on, or raise lock_ttl above the limit.",
+                    [task.name],
+                )
+            )
+        acks_late = bool(getattr(task, "acks_late", False))
+        task_limit = hard or soft
+        if acks_late and visibility_applies and task_limit and s.visibility_timeout < task_limit:
+            out.append(
+                Finding(
+                    "visibility_timeout_below_time_limit",
+                    f"task {task.name!r}: acks_late with the broker's visibility_timeout={s.visibility_timeout:g}s, "
+                    f"shorter than its time limit ({task_limit:g}s): the broker redelivers the message while the "
+                    "first copy still runs, so every long run is delivered twice. Raise "
+                    "broker_transport_options['visibility_timeout'] above the longest time limit.",
+                    [task.name],
+                )
+            )
+        if shares_broker and opts.on_unavailable == "fail_closed" and not acks_late:
+            sharing.append(task.name)
+    if sharing:
+        out.append(
+            Finding(
+                "fail_closed_shares_broker",
+                f"{len(sharing)} fail_closed task(s) keep their locks on the broker's Redis "
+                f"({redact(s.redis_url)}) without acks_late. When that Redis is down the task must wait, but its "
+                "wait cannot be republished to the same dead Redis, so the worker waits in-process holding a "
+                "message it already acknowledged: a worker lost then loses the task. Set acks_late=True "
+                "(with task_reject_on_worker_lost) on these tasks, or give the locks their own Redis "
+                "(lockguard_redis_url).",
+                sharing,
+            )
+        )
+    return out
+
+
+# -- the server ---------------------------------------------------------------------------
+
+
+def _info(client: Any, section: str) -> dict[str, Any]:
+    info = client.info(section)
+    if info and all(isinstance(v, dict) for v in info.values()) and not section.startswith("keyspace"):
+        merged: dict[str, Any] = {}  # Cluster: one dict per node
+        for node_info in info.values():
+            merged.update(node_info)
+        return merged
+    return dict(info or {})
+
+
+def _server_findings(app: Any, s: Settings, client: Any) -> list[Finding]:
+    out: list[Finding] = []
+    memory = _info(client, "memory")
+    policy = memory.get("maxmemory_policy")
+    if policy is None:
+        try:
+            policy = (client.config_get("maxmemory-policy") or {}).get("maxmemory-policy")
+        except Exception:  # noqa: BLE001 - CONFIG is often disabled on managed Redis
+            policy = None
+    if policy is not None and policy != "noeviction":
+        why = (
+            "every lease, fence and completion record carries a TTL, so volatile-* evicts exactly them, first"
+            if str(policy).startswith("volatile")
+            else "under memory pressure it may evict any key, leases, fences and completion records included"
+        )
+        out.append(
+            Finding(
+                "maxmemory_policy",
+                f"the lock Redis has maxmemory-policy={policy}: {why}. An evicted lease lets a second copy run; "
+                "an evicted fence or record lets a stale writer or a duplicate through. Set "
+                "maxmemory-policy noeviction (writes then fail loudly instead).",
+            )
+        )
+    stats = _info(client, "stats")
+    evicted = int(stats.get("evicted_keys") or 0)
+    if evicted:
+        out.append(
+            Finding(
+                "evictions",
+                f"the lock Redis has evicted {evicted} keys since it started: leases or records may have been "
+                "among them. Give it more memory, move other traffic off it, and set noeviction.",
+            )
+        )
+    out += _foreign_traffic(app, s, client)
+    return out
+
+
+def _known_patterns(app: Any, s: Settings) -> list[str]:
+    """Key patterns that belong on a lock Redis: lockguard's own, and the broker's and result backend's."""
+    patterns = [f"{s.key_prefix}:*"]
+    prefixes = [""]
+    for opts_name in ("broker_transport_options", "result_backend_transport_options"):
+        p = (app.conf.get(opts_name) or {}).get("global_keyprefix")
+        if p:
+            prefixes.append(str(p))
+    queues = []
+    try:
+        queues = list(app.amqp.queues.keys())
+    except Exception:  # noqa: BLE001 - an app without queues configured still gets the default patterns
+        queues = [app.conf.get("task_default_queue") or "celery"]
+    for p in prefixes:
+        patterns += [p + pat for pat in _CELERY_PATTERNS]
+        patterns += [p + q + "*" for q in queues]
+    return patterns
+
+
+def _foreign_traffic(app: Any, s: Settings, client: Any) -> list[Finding]:
+    """Cache traffic on the lock Redis, where detectable: unknown keys in the lock db, other busy dbs."""
+    if s.redis_cluster:
+        return []
+    out: list[Finding] = []
+    patterns = _known_patterns(app, s)
+    sampled, foreign = 0, []
+    for key in client.scan_iter(count=200):
+        sampled += 1
+        if not any(fnmatch.fnmatchcase(key, p) for p in patterns):
+            foreign.append(key)
+        if sampled >= SAMPLE_KEYS:
+            break
+    if len(foreign) >= FOREIGN_MIN and len(foreign) >= FOREIGN_SHARE * sampled:
+        examples = ", ".join(repr(k) for k in foreign[:3])
+        out.append(
+            Finding(
+                "cache_traffic",
+                f"{len(foreign)} of {sampled} sampled keys in the lock database are neither lockguard's nor "
+                f"Celery's (e.g. {examples}): another application, probably a cache, shares this Redis. It "
+                "competes for memory and, under any eviction policy but noeviction, for survival with the "
+                "leases. Give locks their own Redis (lockguard_redis_url).",
+            )
+        )
+    own_db = int(client.connection_pool.connection_kwargs.get("db", 0))
+    lock_server = server_of(s.redis_url)
+    related_dbs = {own_db}
+    for url in (_broker_url(app), str(app.conf.get("result_backend") or "")):
+        if lock_server is not None and server_of(url) == lock_server:
+            related_dbs.add(db_of(url))
+    keyspace = client.info("keyspace") or {}
+    busy = {
+        name: int(v.get("keys", 0))
+        for name, v in keyspace.items()
+        if isinstance(v, dict) and name.startswith("db") and name[2:].isdigit() and int(name[2:]) not in related_dbs
+    }
+    busy = {k: v for k, v in busy.items() if v >= FOREIGN_MIN}
+    if busy:
+        listed = ", ".join(f"{k} ({v} keys)" for k, v in sorted(busy.items()))
+        out.append(
+            Finding(
+                "shared_server",
+                f"other databases on the lock Redis hold keys: {listed}. Memory and eviction are per server, "
+                "so that traffic (a cache?) shares the leases' fate. Give locks their own Redis.",
+            )
+        )
+    return out

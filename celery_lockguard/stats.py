@@ -1,0 +1,233 @@
+"""Reading the fleet's flushed metrics: the four numbers, recent windows, readings, Prometheus text.
+
+The four numbers per task, for each window (last 1, 5, 15 and 60 minutes)
+and in total:
+
+* **acquisition rate** -- leases taken per minute (``lock.acquired``);
+* **contention rate** -- contended attempts / (acquired + contended);
+* **average hold time** -- mean ms between acquire and release;
+* **expired-lock rate** -- leases that expired (or were taken) before their
+  release / leases that ended (released + expired before release).
+
+A window is the sum of its per-minute buckets, the current (partial) minute
+included; its rate divides by the seconds the window really covers. The
+total's rate divides by the time since the fleet's first flush.
+
+The readings are plain-language hints computed from those numbers; their
+thresholds are below, so an operator can check why one fired.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+from .metrics import _BUCKET_NAMES, HOLD_BUCKETS_MS, minute_key, total_key
+
+#: Recent windows, in minutes (the longest must fit in ``metrics.WINDOW_KEEP``).
+WINDOWS = (1, 5, 15, 60)
+
+#: Contention at or above this share of attempts is "high".
+HIGH_CONTENTION = 0.3
+#: An average hold below this is "short" (ms).
+SHORT_HOLD_MS = 1000.0
+#: Fewer attempts than this in a window are too few to read anything into.
+MIN_ATTEMPTS = 10
+#: An expired-lock rate at or above this is worth a reading even when steady.
+NOTABLE_EXPIRED = 0.01
+#: Acquisitions in the last 5 minutes below this share of the hour's rate are "falling".
+FALLING = 0.5
+
+_WAIT_EVENTS = ("lock.retry_scheduled",)
+
+
+def read(client: Any, prefix: str, now: float | None = None) -> dict[str, Any]:
+    """Totals and the last hour's minute buckets, in one pipeline."""
+    now = time.time() if now is None else now
+    this_minute = int(now // 60)
+    minutes = list(range(this_minute - max(WINDOWS) + 1, this_minute + 1))
+    pipe = client.pipeline(transaction=False)
+    pipe.hgetall(total_key(prefix))
+    for m in minutes:
+        pipe.hgetall(minute_key(prefix, m))
+    replies = pipe.execute()
+    return {"now": now, "total": replies[0] or {}, "minutes": dict(zip(minutes, replies[1:], strict=True))}
+
+
+def _split(fields: dict[str, str]) -> dict[str, Counter[str]]:
+    out: dict[str, Counter[str]] = {}
+    for field, value in fields.items():
+        if field.startswith("@") or "|" not in field:
+            continue
+        task, name = field.rsplit("|", 1)
+        out.setdefault(task, Counter())[name] += int(float(value))
+    return out
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def numbers(counts: Counter[str], seconds: float | None) -> dict[str, Any]:
+    """The four numbers (and what they are made of) for one task over one window."""
+    acquired = counts["lock.acquired"]
+    contended = counts["lock.contended"]
+    expired = counts["lock.expired_before_release"]
+    ended = counts["lock.released"] + expired
+    hold_count = counts["hold.count"]
+    per_min = (lambda n: n * 60.0 / seconds) if seconds else (lambda n: None)
+    return {
+        "seconds": round(seconds, 1) if seconds else None,
+        "acquisitions": acquired,
+        "acquisition_rate_per_min": per_min(acquired),
+        "attempts": acquired + contended,
+        "contended": contended,
+        "contention_rate": _ratio(contended, acquired + contended),
+        "hold_count": hold_count,
+        "avg_hold_ms": _ratio(counts["hold.sum_ms"], hold_count),
+        "expired": expired,
+        "expired_rate": _ratio(expired, ended),
+        "skipped_duplicates": counts["lock.skipped_duplicate"],
+        "waits": sum(counts[e] for e in _WAIT_EVENTS),
+        "wait_rate_per_min": per_min(sum(counts[e] for e in _WAIT_EVENTS)),
+        "events": {k: v for k, v in sorted(counts.items()) if not k.startswith("hold.")},
+    }
+
+
+def summarize(raw: dict[str, Any], templates: dict[str, str] | None = None) -> dict[str, Any]:
+    """Per task: the four numbers per window and in total, and the readings that apply."""
+    now = raw["now"]
+    this_minute = int(now // 60)
+    into_minute = now - this_minute * 60
+    total = raw["total"]
+    first = float(total["@first_flush_at"]) if "@first_flush_at" in total else None
+    last = float(total["@last_flush_at"]) if "@last_flush_at" in total else None
+    per_task_total = _split(total)
+    per_minute = {m: _split(f or {}) for m, f in raw["minutes"].items()}
+    tasks: dict[str, Any] = {}
+    for task in sorted(per_task_total):
+        windows: dict[str, Any] = {}
+        for w in WINDOWS:
+            counts: Counter[str] = Counter()
+            for m in range(this_minute - w + 1, this_minute + 1):
+                counts.update(per_minute.get(m, {}).get(task, Counter()))
+            windows[f"{w}m"] = numbers(counts, (w - 1) * 60 + into_minute)
+        windows["total"] = numbers(per_task_total[task], (now - first) if first else None)
+        entry: dict[str, Any] = {"windows": windows, "readings": readings(windows)}
+        if templates and task in templates:
+            entry["key_template"] = templates[task]
+        tasks[task] = entry
+    return {"generated_at": now, "first_flush_at": first, "last_flush_at": last, "tasks": tasks}
+
+
+def readings(w: dict[str, dict[str, Any]]) -> list[str]:
+    """Plain-language hints for one task's windows (empty when nothing stands out)."""
+    out: list[str] = []
+    total, recent, hour = w["total"], w["5m"], w["60m"]
+    basis, label = (recent, "last 5 min") if recent["attempts"] >= MIN_ATTEMPTS else (total, "in total")
+    contention, hold = basis["contention_rate"], basis["avg_hold_ms"]
+    if basis["attempts"] >= MIN_ATTEMPTS and contention is not None and contention >= HIGH_CONTENTION:
+        if hold is not None and hold < SHORT_HOLD_MS:
+            out.append(
+                f"high contention ({contention:.0%} of attempts, {label}) with short holds ({hold:.0f} ms): "
+                "the key is probably too broad -- unrelated calls share one entity key; make lock_key name "
+                "the smallest object the side effect touches"
+            )
+        else:
+            out.append(
+                f"high contention ({contention:.0%} of attempts, {label}) with long holds: work on the same "
+                "entity queues behind long bodies; expected for a hot entity, otherwise shorten the locked section"
+            )
+    if total["expired"]:
+        rate_total, rate_recent = total["expired_rate"] or 0.0, recent["expired_rate"]
+        if recent["expired"] and rate_recent is not None and rate_recent > rate_total:
+            out.append(
+                f"rising expired-lock rate ({rate_recent:.1%} in the last 5 min vs {rate_total:.1%} in total): "
+                "the TTL is too short or the workers too slow (paused, overloaded, renewal off); raise lock_ttl "
+                "or keep lock_renew on"
+            )
+        elif rate_total >= NOTABLE_EXPIRED:
+            out.append(
+                f"expired-lock rate {rate_total:.1%} ({total['expired']} leases expired before release): "
+                "the TTL is too short or the workers too slow; raise lock_ttl or keep lock_renew on"
+            )
+    hour_rate, recent_rate = hour["acquisition_rate_per_min"], recent["acquisition_rate_per_min"]
+    if (
+        hour["acquisitions"] >= MIN_ATTEMPTS
+        and hour_rate
+        and recent_rate is not None
+        and recent_rate < FALLING * hour_rate
+        and (recent["wait_rate_per_min"] or 0) > max(recent_rate, (hour["wait_rate_per_min"] or 0))
+    ):
+        out.append(
+            f"falling acquisitions ({recent_rate:.1f}/min in the last 5 min vs {hour_rate:.1f}/min over the hour) "
+            f"while waits grow ({recent['wait_rate_per_min']:.1f}/min): back-pressure -- calls queue up behind "
+            "held keys; find the slow holders (lockguard locks) or add capacity"
+        )
+    ev = total["events"]
+    if total["skipped_duplicates"]:
+        stuck = ev.get("lock.expired_before_release", 0) + ev.get("lock.max_hold_reached", 0)
+        out.append(
+            f"{total['skipped_duplicates']} duplicates skipped because identical work held the lock"
+            + (
+                f"; {stuck} leases ended by expiry or max-hold, so some skips may be behind a stuck holder"
+                if stuck
+                else " (no lease expired: none were behind a stuck lock)"
+            )
+        )
+    if ev.get("lock.wait_budget_exhausted"):
+        out.append(
+            f"{ev['lock.wait_budget_exhausted']} calls gave up waiting (lock_max_waits spent): raise "
+            "lock_max_waits or find the holder that does not finish (lockguard locks)"
+        )
+    if ev.get("lock.max_hold_reached"):
+        out.append(f"{ev['lock.max_hold_reached']} leases reached lock_max_hold: bodies ran longer than allowed")
+    if ev.get("lock.fail_open"):
+        out.append(f"{ev['lock.fail_open']} bodies ran with no lock (fail_open while the lock Redis was unreachable)")
+    if ev.get("lock.force_released"):
+        out.append(f"{ev['lock.force_released']} leases were force-released (operator or hard time limit)")
+    return out
+
+
+# -- Prometheus text exposition ----------------------------------------------------
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def prometheus(raw: dict[str, Any]) -> str:
+    """The fleet's totals in Prometheus text format 0.0.4 (counters and a hold-time histogram)."""
+    total = raw["total"]
+    per_task = _split(total)
+    lines = [
+        "# HELP lockguard_events_total Lock events per task, summed over every worker that flushed.",
+        "# TYPE lockguard_events_total counter",
+    ]
+    for task, counts in sorted(per_task.items()):
+        for name, n in sorted(counts.items()):
+            if not name.startswith("hold."):
+                lines.append(f'lockguard_events_total{{task="{_label(task)}",event="{_label(name)}"}} {n}')
+    lines += [
+        "# HELP lockguard_hold_seconds Time between acquiring and releasing a lease.",
+        "# TYPE lockguard_hold_seconds histogram",
+    ]
+    for task, counts in sorted(per_task.items()):
+        if not counts["hold.count"]:
+            continue
+        t = _label(task)
+        cumulative = 0
+        for bound, name in zip([*HOLD_BUCKETS_MS, None], _BUCKET_NAMES, strict=True):
+            cumulative += counts[f"hold.le.{name}"]
+            le = "+Inf" if bound is None else repr(bound / 1000)
+            lines.append(f'lockguard_hold_seconds_bucket{{task="{t}",le="{le}"}} {cumulative}')
+        lines.append(f'lockguard_hold_seconds_sum{{task="{t}"}} {counts["hold.sum_ms"] / 1000}')
+        lines.append(f'lockguard_hold_seconds_count{{task="{t}"}} {counts["hold.count"]}')
+    if "@last_flush_at" in total:
+        lines += [
+            "# HELP lockguard_metrics_last_flush_timestamp_seconds When a worker last flushed its counts.",
+            "# TYPE lockguard_metrics_last_flush_timestamp_seconds gauge",
+            f"lockguard_metrics_last_flush_timestamp_seconds {float(total['@last_flush_at'])}",
+        ]
+    return "\n".join(lines) + "\n"
