@@ -286,7 +286,7 @@ def stats_(ctx: click.Context, as_json: bool, prometheus: bool, **_: Any) -> Non
     """
     s = _settings(ctx)
     with _redis(s) as client:
-        raw = stats.read(client, s.key_prefix)
+        raw = stats.read(client, s.key_prefix, windows=not prometheus)
     if prometheus:
         click.echo(stats.prometheus(raw), nl=False)
         return
@@ -587,7 +587,7 @@ def _handler(s: Settings) -> type[BaseHTTPRequestHandler]:
                 self.send_error(404)
                 return
             try:
-                body = stats.prometheus(stats.read(connection.client(s), s.key_prefix)).encode()
+                body = stats.prometheus(stats.read(connection.client(s), s.key_prefix, windows=False)).encode()
                 code = 200
             except UNAVAILABLE_ERRORS as exc:
                 body, code = f"lock Redis unreachable: {exc.__class__.__name__}\n".encode(), 503

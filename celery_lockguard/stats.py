@@ -9,8 +9,9 @@ and in total:
 * **expired-lock rate** -- leases that expired (or were taken) before their
   release / leases that ended (released + expired before release).
 
-A window is the sum of its per-minute buckets, the current (partial) minute
-included; its rate divides by the seconds the window really covers. The
+A window of N minutes is the sum of the last N full per-minute buckets and
+the current (partial) one; its rate divides by the seconds that really
+covers, so a fresh minute does not make a rate jump. The
 total's rate divides by the time since the fleet's first flush.
 
 The readings are plain-language hints computed from those numbers; their
@@ -42,11 +43,11 @@ FALLING = 0.5
 _WAIT_EVENTS = ("lock.retry_scheduled",)
 
 
-def read(client: Any, prefix: str, now: float | None = None) -> dict[str, Any]:
-    """Totals and the last hour's minute buckets, in one pipeline."""
+def read(client: Any, prefix: str, now: float | None = None, windows: bool = True) -> dict[str, Any]:
+    """Totals and (unless ``windows=False``, enough for Prometheus) the last hour's minute buckets: one pipeline."""
     now = time.time() if now is None else now
     this_minute = int(now // 60)
-    minutes = list(range(this_minute - max(WINDOWS) + 1, this_minute + 1))
+    minutes = list(range(this_minute - max(WINDOWS), this_minute + 1)) if windows else []
     pipe = client.pipeline(transaction=False)
     pipe.hgetall(total_key(prefix))
     for m in minutes:
@@ -110,9 +111,9 @@ def summarize(raw: dict[str, Any], templates: dict[str, str] | None = None) -> d
         windows: dict[str, Any] = {}
         for w in WINDOWS:
             counts: Counter[str] = Counter()
-            for m in range(this_minute - w + 1, this_minute + 1):
+            for m in range(this_minute - w, this_minute + 1):
                 counts.update(per_minute.get(m, {}).get(task, Counter()))
-            windows[f"{w}m"] = numbers(counts, (w - 1) * 60 + into_minute)
+            windows[f"{w}m"] = numbers(counts, w * 60 + into_minute)
         windows["total"] = numbers(per_task_total[task], (now - first) if first else None)
         entry: dict[str, Any] = {"windows": windows, "readings": readings(windows)}
         if templates and task in templates:
@@ -134,7 +135,7 @@ def readings(w: dict[str, dict[str, Any]]) -> list[str]:
                 "the key is probably too broad -- unrelated calls share one entity key; make lock_key name "
                 "the smallest object the side effect touches"
             )
-        else:
+        elif hold is not None:
             out.append(
                 f"high contention ({contention:.0%} of attempts, {label}) with long holds: work on the same "
                 "entity queues behind long bodies; expected for a hot entity, otherwise shorten the locked section"
