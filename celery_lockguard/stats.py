@@ -12,7 +12,7 @@ and in total:
 A window of N minutes is the sum of the last N full per-minute buckets and
 the current (partial) one; its rate divides by the seconds that really
 covers, so a fresh minute does not make a rate jump. The
-total's rate divides by the time since the fleet's first flush.
+total's rate divides by the time since the fleet's first flush (at least a minute).
 
 The readings are plain-language hints computed from those numbers; their
 thresholds are below, so an operator can check why one fired.
@@ -114,7 +114,8 @@ def summarize(raw: dict[str, Any], templates: dict[str, str] | None = None) -> d
             for m in range(this_minute - w, this_minute + 1):
                 counts.update(per_minute.get(m, {}).get(task, Counter()))
             windows[f"{w}m"] = numbers(counts, w * 60 + into_minute)
-        windows["total"] = numbers(per_task_total[task], (now - first) if first else None)
+        # Counts reach Redis up to a flush interval after they happen: never read a rate off less than a minute.
+        windows["total"] = numbers(per_task_total[task], max(now - first, 60.0) if first else None)
         entry: dict[str, Any] = {"windows": windows, "readings": readings(windows)}
         if templates and task in templates:
             entry["key_template"] = templates[task]
