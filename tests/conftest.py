@@ -18,10 +18,11 @@ import redis
 from celery_lockguard import connection, metrics
 from celery_lockguard.testing import RedisServer, delete_prefix, env_flag
 
-from .harness import Worker
+from .harness import Beat, Worker
 from .workerapp import create_app
 
 REQUIRE = env_flag("LOCKGUARD_REQUIRE_SERVICES")
+AMQP_URL = os.environ.get("LOCKGUARD_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
 
 @pytest.fixture(scope="session")
@@ -88,23 +89,39 @@ def make_cfg(prefix: str, redis_url: str, **over: Any) -> dict[str, Any]:
 
 
 class Fleet:
-    """Apps and workers of one test; everything stopped at teardown."""
+    """Apps, workers and beats of one test; everything stopped (and AMQP queues deleted) at teardown."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.workers: list[Worker] = []
+        self.beats: list[Beat] = []
+        self.amqp_queues: set[tuple[str, str]] = set()
+
+    def beat(self, cfg: dict[str, Any]) -> Beat:
+        b = Beat(cfg, self.tmp)
+        self.beats.append(b)
+        return b.start()
 
     def app(self, cfg: dict[str, Any]) -> Any:
         return create_app(cfg)
 
     def worker(self, cfg: dict[str, Any], concurrency: int = 2, start: bool = True) -> Worker:
+        if cfg["broker"].startswith("amqp"):
+            self.amqp_queues.add((cfg["broker"], cfg["queue"]))
         w = Worker(create_app(cfg), cfg, concurrency=concurrency, log_dir=self.tmp)
         self.workers.append(w)
         return w.start() if start else w
 
     def close(self) -> None:
+        for b in self.beats:
+            b.stop()
         for w in self.workers:
             w.stop()
+        for url, queue in self.amqp_queues:
+            from kombu import Connection
+
+            with Connection(url) as conn:
+                conn.default_channel.queue_delete(queue)
 
 
 @pytest.fixture
@@ -112,6 +129,29 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
     f = Fleet(tmp_path)
     yield f
     f.close()
+
+
+def amqp_available() -> bool:
+    from kombu import Connection
+
+    try:
+        with Connection(AMQP_URL, connect_timeout=2) as conn:
+            conn.ensure_connection(max_retries=1)
+        return True
+    except Exception:  # noqa: BLE001 - any failure means "not reachable"
+        return False
+
+
+@pytest.fixture(params=["redis", "amqp"])
+def broker_cfg(request: pytest.FixtureRequest, redis_url: str, prefix: str) -> dict[str, Any]:
+    """Worker config on the Redis broker or on RabbitMQ (results and locks stay on Redis)."""
+    if request.param == "redis":
+        return make_cfg(prefix, redis_url)
+    if not amqp_available():
+        if REQUIRE:
+            pytest.fail(f"LOCKGUARD_REQUIRE_SERVICES=1 but RabbitMQ is not reachable at {AMQP_URL}")
+        pytest.skip("RabbitMQ is not reachable")
+    return make_cfg(prefix, redis_url, broker=AMQP_URL, backend=redis_url)
 
 
 @pytest.fixture(scope="session")

@@ -133,3 +133,52 @@ class Worker:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class Beat:
+    """A ``celery beat`` process for the app configured by ``cfg`` (stopped by SIGTERM)."""
+
+    def __init__(self, cfg: dict[str, Any], log_dir: Path) -> None:
+        self.cfg = cfg
+        self.dir = log_dir
+        self.log_path = log_dir / f"beat-{uuid.uuid4().hex[:6]}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30) -> Beat:
+        env = {**os.environ, "LG_CONFIG": json.dumps(self.cfg), "PYTHONPATH": str(ROOT)}
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "tests.workerapp:app",
+                "beat",
+                "--loglevel=INFO",
+                "-s",
+                str(self.dir / "beat-schedule"),
+                "--pidfile",
+                "",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        wait_for(
+            lambda: "Sending due task" in self.log_path.read_text(errors="replace"),
+            timeout,
+            interval=0.1,
+            what="beat to send its first task",
+        )
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)

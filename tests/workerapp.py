@@ -214,6 +214,89 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         charged = self.checkpoint("charge", rec.incr, f"{cfg['prefix']}:charges:{order}")
         return {"order": order, "charged": charged}
 
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="until_started",
+        lock_key="res:{key}",
+        lock_mode="until_started",
+        lock_ttl=5,
+    )
+    def until_started(self: Any, key: str, seconds: float = 0.5, tag: str = "") -> dict[str, Any]:
+        return body(self, key, seconds, tag)
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="until_done",
+        lock_key="res:{key}",
+        lock_mode="until_done",
+        lock_ttl=5,
+        queue_lock_ttl=2,
+    )
+    def until_done(self: Any, key: str, seconds: float = 0.5, tag: str = "") -> dict[str, Any]:
+        return body(self, key, seconds, tag)
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="until_done_raise",
+        lock_key="res:{key}",
+        lock_mode="until_done",
+        on_locked="raise",
+        lock_ttl=5,
+    )
+    def until_done_raise(self: Any, key: str, seconds: float = 0.5, tag: str = "") -> dict[str, Any]:
+        return body(self, key, seconds, tag)
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="until_done_retry",
+        lock_key="res:{key}",
+        lock_mode="until_done",
+        max_retries=2,
+        default_retry_delay=0.5,
+    )
+    def until_done_retry(self: Any, key: str, always: bool = False) -> dict[str, Any]:
+        record(ev="start", key=key, retries=self.request.retries, task_id=self.request.id)
+        if always or self.request.retries < 2:
+            raise self.retry()
+        return {"retries": self.request.retries}
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="until_done_autoretry",
+        lock_key="res:{key}",
+        lock_mode="until_done",
+        autoretry_for=(ValueError,),
+        retry_kwargs={"max_retries": 2, "countdown": 0.3},
+    )
+    def until_done_autoretry(self: Any, key: str) -> dict[str, Any]:
+        record(ev="start", key=key, retries=self.request.retries, task_id=self.request.id)
+        if self.request.retries < 2:
+            raise ValueError("transient")
+        return {"retries": self.request.retries}
+
+    @app.task(shared=False, name="echo")
+    def echo(value: Any = None) -> dict[str, Any]:
+        return {"got": value}
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="reindex_catalog", lock_key="catalog:reindex", lock_ttl=5)
+    def reindex_catalog(self: Any, seconds: float = 2.5) -> dict[str, Any]:
+        return body(self, "catalog:reindex", seconds, "beat")
+
+    if cfg.get("beat_every"):
+        app.conf.beat_schedule = {
+            "reindex": {"task": "reindex_catalog", "schedule": float(cfg["beat_every"]), "args": (2.5,)}
+        }
+
     return app
 
 
