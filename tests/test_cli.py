@@ -256,6 +256,17 @@ def test_doctor_flags_an_evicting_lock_redis(policy: str, redis_url: str, prefix
         assert "evicts exactly them" in message
 
 
+def test_doctor_reports_evictions_that_already_happened(redis_url: str, prefix: str) -> None:
+    with RedisServer(extra=["--maxmemory-policy", "allkeys-lru", "--maxmemory", "2mb"]) as server:
+        client = server.client()
+        for i in range(64):
+            client.set(f"{prefix}:filler:{i}", "x" * 65536)  # 4 MiB into a 2 MiB server
+        assert int(client.info("stats")["evicted_keys"]) > 0
+        found = codes(cli_json(make_cfg(prefix, redis_url, lock_url=server.url), "doctor", code=1))
+    assert set(found) == {"maxmemory_policy", "evictions"}
+    assert "has evicted" in found["evictions"]["message"]
+
+
 def test_doctor_reports_an_unreachable_redis(redis_url: str, prefix: str) -> None:
     cfg = make_cfg(prefix, redis_url, lock_url=f"redis://:secret@127.0.0.1:{free_port()}/0")
     out = cli(cfg, "doctor")
