@@ -33,11 +33,22 @@ test: lint typecheck unit docs
 demo: $(STAMP)
 	$(PY) -m example_app.demo
 
-bench: $(STAMP)
-	$(PY) -m bench.run --out docs/benchmarks.md
+# Benchmarks run in their own environment: the peers they measure never enter .venv.
+BENCH_VENV  := .bench/venv
+BENCH_PY    := $(BENCH_VENV)/bin/python
+BENCH_STAMP := $(BENCH_VENV)/.installed
 
-bench-quick: $(STAMP)
-	$(PY) -m bench.run --quick
+$(BENCH_STAMP): pyproject.toml bench/requirements.txt
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_PY) -m pip install -q --upgrade pip
+	$(BENCH_PY) -m pip install -q -e . -r bench/requirements.txt
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(BENCH_PY) -m bench.run --out docs/benchmarks.md
+
+bench-quick: $(BENCH_STAMP)
+	$(BENCH_PY) -m bench.run --quick
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache

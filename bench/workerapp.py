@@ -1,0 +1,149 @@
+"""The Celery app the benchmark runs in a real ``celery worker`` (prefork) subprocess.
+
+Configured from the JSON in ``LG_BENCH_CONFIG`` (broker URL, queue, key
+prefix); the driver builds the same app with :func:`create_app` to publish.
+
+* Throughput tasks (``tp_*``): one tiny body per library, ``ignore_result``
+  so the only Redis work a task adds is its lock's. Each body counts its run
+  in-process; ``tp_mark`` reports those counts and this process's round trips
+  (``bench.counting``) so the driver checks that every task ran exactly once
+  and reads round trips per task at the client, without a round trip per task.
+* Contention tasks (``hot_*``): one hot key, a 0.1 s body that records its
+  start and end, so the driver checks that no two bodies overlapped. Their
+  ``lock_ttl`` is 5 s: a waiter's back-off is capped by the holder's TTL, so
+  the default 30 s would only stretch the ``retry`` run's tail.
+
+structlog is configured as a production app would: below INFO is dropped
+(lockguard's per-task ``lock.acquired``/``lock.released`` are debug), and
+loggers are cached. Unconfigured structlog would print every debug event.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import Counter
+from typing import Any
+
+import redis
+import structlog
+from celery import Celery
+
+from celery_lockguard import LockedTask
+
+from . import counting, peers
+
+counting.install()
+structlog.configure(
+    wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+    cache_logger_on_first_use=True,
+)
+
+#: Bodies run in this process, per throughput variant (read by ``tp_mark``).
+RUNS: Counter[str] = Counter()
+
+#: Throughput variants: display name -> task name.
+TP_TASKS = {
+    "plain task": "tp_plain",
+    "LockedTask": "tp_locked",
+    "celery-once QueueOnce": "tp_once",
+    "celery-singleton Singleton": "tp_singleton",
+}
+
+#: Contention variants: display name -> task name.
+HOT_TASKS = {
+    "LockedTask on_locked=skip": "hot_skip",
+    "LockedTask on_locked=retry": "hot_retry",
+    "LockedTask on_locked=raise": "hot_raise",
+    "celery-once QueueOnce (graceful)": "hot_once",
+    "celery-singleton Singleton": "hot_singleton",
+}
+
+HOT_BODY_SECONDS = 0.1
+
+
+def create_app(cfg: dict[str, Any]) -> Celery:
+    """The benchmark app for ``cfg``: the worker and the driver build the same one."""
+    from celery_once import QueueOnce  # bench environment only
+    from celery_singleton import Singleton
+
+    peers.forget_clients()
+
+    url = cfg["broker"]
+    prefix = cfg["prefix"]
+    app = Celery("lockguard_bench", broker=url, backend=url)
+    app.conf.update(
+        task_default_queue=cfg["queue"],
+        lockguard_redis_url=url,
+        lockguard_key_prefix=prefix,
+        broker_transport_options={"global_keyprefix": f"{prefix}:kombu:"},
+        result_backend_transport_options={"global_keyprefix": f"{prefix}:results:"},
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        result_expires=900,
+        ONCE={"backend": "celery_once.backends.Redis", "settings": {"url": url, "default_timeout": 3600}},
+        singleton_backend_url=url,
+        singleton_key_prefix=f"{prefix}:singleton:",
+        singleton_lock_expiry=3600,
+    )
+    rec = redis.Redis.from_url(url, decode_responses=True)
+    marks = f"{prefix}:marks"
+    record_key = f"{prefix}:bodies"
+
+    # -- throughput -------------------------------------------------------------
+
+    @app.task(name="tp_plain", ignore_result=True, shared=False)
+    def tp_plain(i: int) -> None:
+        RUNS["tp_plain"] += 1
+
+    @app.task(name="tp_locked", base=LockedTask, lock_key="item:{i}", ignore_result=True, shared=False)
+    def tp_locked(i: int) -> None:
+        RUNS["tp_locked"] += 1
+
+    @app.task(name="tp_once", base=QueueOnce, once={"graceful": True}, ignore_result=True, shared=False)
+    def tp_once(i: int) -> None:
+        RUNS["tp_once"] += 1
+
+    @app.task(name="tp_singleton", base=Singleton, ignore_result=True, shared=False)
+    def tp_singleton(i: int) -> None:
+        RUNS["tp_singleton"] += 1
+
+    @app.task(name="tp_mark", ignore_result=True, shared=False)
+    def tp_mark(tag: str, gate: str | None = None) -> None:
+        """Report time, runs and round trips; with ``gate``, first wait until the driver opens it."""
+        if gate is not None:
+            if rec.blpop([gate], timeout=120) is None:
+                raise RuntimeError(f"gate {gate} never opened")
+        sent = counting.sent()
+        rec.rpush(marks, json.dumps({"tag": tag, "t": time.time(), "sent": sent, "runs": dict(RUNS)}))
+
+    # -- contention -------------------------------------------------------------
+
+    def hot_body(name: str, task_id: str, k: str) -> str:
+        rec.rpush(record_key, json.dumps({"ev": "start", "task": name, "id": task_id, "t": time.time()}))
+        time.sleep(HOT_BODY_SECONDS)  # the simulated work itself, not a synchronisation
+        rec.rpush(record_key, json.dumps({"ev": "end", "task": name, "id": task_id, "t": time.time()}))
+        return "ran"
+
+    def locked_hot(name: str, policy: str) -> None:
+        @app.task(name=name, base=LockedTask, bind=True, lock_key="hot:{k}", lock_ttl=5, on_locked=policy, shared=False)
+        def hot(self: Any, k: str) -> str:
+            return hot_body(name, self.request.id, k)
+
+    for name, policy in (("hot_skip", "skip"), ("hot_retry", "retry"), ("hot_raise", "raise")):
+        locked_hot(name, policy)
+
+    @app.task(name="hot_once", base=QueueOnce, bind=True, once={"graceful": True}, shared=False)
+    def hot_once(self: Any, k: str) -> str:
+        return hot_body("hot_once", self.request.id, k)
+
+    @app.task(name="hot_singleton", base=Singleton, bind=True, shared=False)
+    def hot_singleton(self: Any, k: str) -> str:
+        return hot_body("hot_singleton", self.request.id, k)
+
+    return app
+
+
+app = create_app(json.loads(os.environ["LG_BENCH_CONFIG"])) if "LG_BENCH_CONFIG" in os.environ else None
