@@ -1,0 +1,139 @@
+"""Fault tests, each with its pass criterion (issue 9): the lock store misbehaves under a running task."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from structlog.testing import capture_logs
+
+from celery_lockguard import BackendUnavailable, LockedTask
+from celery_lockguard import connection as conn_mod
+from celery_lockguard.keys import done_name, lock_name
+from celery_lockguard.renewer import renewer
+from celery_lockguard.testing import RedisServer
+
+from .harness import wait_for
+from .proxy import DelayProxy
+
+
+def make_app(url: str, prefix: str, **conf: Any) -> Celery:
+    app = Celery("faults", broker=url, set_as_current=False)
+    app.conf.lockguard_key_prefix = prefix
+    app.conf.lockguard_socket_timeout = 0.3
+    app.conf.update(conf)
+    return app
+
+
+def task(app: Celery, **opts: Any) -> Any:
+    def deco(fn: Any) -> Any:
+        return app.task(base=LockedTask, bind=True, shared=False, name=f"f.{uuid.uuid4().hex[:6]}", **opts)(fn)
+
+    return deco
+
+
+def names(logs: list[dict[str, Any]]) -> list[str]:
+    return [e["event"] for e in logs]
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    with RedisServer() as s:
+        yield s
+    conn_mod.forget_clients()
+
+
+def test_renewal_failing_while_redis_is_unreachable_tells_the_body(server: RedisServer, prefix: str) -> None:
+    """Pass: the body sees the lease lost within its TTL; after release nothing is renewed."""
+    app = make_app(server.url, prefix)
+
+    @task(app, lock_key="k:{a}", lock_ttl=0.6)
+    def t(self: Any, a: int) -> Any:
+        server.pause()
+        try:
+            wait_for(lambda: self.lock.lost, 3, interval=0.02, what="the body to be told the lease is lost")
+            return [self.lock.lost, self.lock.held]
+        finally:
+            server.resume()
+
+    with capture_logs() as logs:
+        assert t.apply(args=(1,), throw=True).get() == [True, False]
+    assert "lock.backend_unavailable" in names(logs)
+    assert any(e["event"] == "lock.lost" and e["reason"] == "expired" for e in logs)
+    assert renewer().tracked() == 0
+    calls = server.client().info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    wait_for(lambda: renewer().tracked() == 0, 1)
+    assert server.client().info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0) == calls
+
+
+def test_redis_restart_between_acquire_and_release(server: RedisServer, prefix: str) -> None:
+    """Pass: NOSCRIPT is handled, nothing leaks, the completion record stops a duplicate, fences still rise."""
+    app = make_app(server.url, prefix)
+    runs: list[int] = []
+
+    @task(app, lock_key="k:{a}", lock_ttl=2)
+    def t(self: Any, a: int) -> int:
+        runs.append(self.lock.fence)
+        if len(runs) == 1:
+            server.stop()
+            server.start()
+        return len(runs)
+
+    with capture_logs() as logs:
+        assert t.apply(args=(1,), task_id="same", throw=True).get() == 1
+    assert "lock.expired_before_release" in names(logs)
+    c = server.client()
+    assert c.exists(done_name(prefix, "task:same")) and not c.exists(lock_name(prefix, "k:1"))
+    assert t.apply(args=(1,), task_id="same", throw=True).get() == 1  # duplicate stopped by the record
+    assert t.apply(args=(1,), task_id="other", throw=True).get() == 2
+    assert runs[1] > runs[0]
+
+
+def test_evicted_lease_is_detected_as_lost(prefix: str) -> None:
+    """Pass: a lease evicted under maxmemory is reported lost to the body (token gone)."""
+    with RedisServer(extra=["--maxmemory", "3mb", "--maxmemory-policy", "allkeys-random"]) as server:
+        app = make_app(server.url, prefix)
+        c = server.client()
+
+        @task(app, lock_key="k:{a}", lock_ttl=0.9)
+        def t(self: Any, a: int) -> Any:
+            name = lock_name(prefix, "k:1")
+            i = 0
+            while c.exists(name):
+                c.set(f"junk:{i}", "x" * 20_000)
+                i += 1
+            wait_for(lambda: self.lock.lost, 3, interval=0.02, what="the eviction to be detected")
+            return self.lock.lost_reason
+
+        try:
+            assert t.apply(args=(1,), throw=True).get() in ("token_gone", "expired")
+        finally:
+            conn_mod.forget_clients()
+
+
+def test_latency_longer_than_the_ttl_during_acquire_means_not_acquired(server: RedisServer, prefix: str) -> None:
+    """Pass: a lease whose ACQUIRE reply arrives after its validity is never run on."""
+    proxy = DelayProxy(server.port).start()
+    try:
+        app = make_app(proxy.url, prefix, lockguard_socket_timeout=5, lockguard_max_waits=0)
+        ran: list[int] = []
+
+        @task(app, lock_key="k:{a}", lock_ttl=0.5)
+        def t(self: Any, a: int) -> None:
+            ran.append(a)
+
+        proxy.delay = 0.8
+        with capture_logs() as logs, pytest.raises(BackendUnavailable, match="acquire_slower_than_ttl"):
+            t.apply(args=(1,), throw=True)
+        assert ran == []
+        assert any(e.get("reason") == "acquire_slower_than_ttl" for e in logs)
+        proxy.delay = 0
+        assert t.apply(args=(1,), throw=True).get() is None and ran == [1]
+    finally:
+        proxy.close()
+        conn_mod.forget_clients()
+    assert redis.Redis(port=server.port).dbsize() >= 0
