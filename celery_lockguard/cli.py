@@ -483,15 +483,8 @@ def _show_pg(s: Settings, scope: str) -> dict[str, Any] | None:
     from .completion import postgres_store
 
     store = postgres_store(s.completion_backend, s.completion_table)
-    sql = (
-        f"SELECT name, value, (extract(epoch from expires_at - now()) * 1000)::bigint FROM {store.table} "
-        "WHERE scope = %s AND expires_at > now() ORDER BY name"
-    )
     try:
-        with psycopg.connect(s.completion_backend, autocommit=True, connect_timeout=5) as conn:
-            rows = conn.execute(sql, (scope,)).fetchall()
-    except psycopg.errors.UndefinedTable:
-        rows = []
+        rows = store.entries(scope)
     except psycopg.OperationalError as exc:
         raise CeleryCommandException(f"the completion database is unreachable: {exc}", EX_UNAVAILABLE) from exc
     if not rows:

@@ -171,6 +171,19 @@ class PostgresStore:
     def put_checkpoint(self, scope: str, name: str, encoded: str, ttl_ms: int) -> None:
         self._run(lambda c: c.execute(self._insert_sql(), (scope, "cp:" + name, encoded, None, ttl_ms / 1000)))
 
+    def entries(self, scope: str) -> list[tuple[str, str, int]]:
+        """Live rows of ``scope`` as (name, value, ms to expiry): ``""`` is the record, ``cp:<name>`` checkpoints."""
+        return [
+            (str(name), str(value), int(ttl))
+            for name, value, ttl in self._run(
+                lambda c: c.execute(
+                    f"SELECT name, value, (extract(epoch from expires_at - now()) * 1000)::bigint FROM {self.table} "
+                    "WHERE scope = %s AND expires_at > now() ORDER BY name",
+                    (scope,),
+                ).fetchall()
+            )
+        ]
+
     def forget(self, scope: str) -> int:
         """Delete the record and checkpoints of ``scope``; returns rows deleted."""
         cur = self._run(lambda c: c.execute(f"DELETE FROM {self.table} WHERE scope = %s", (scope,)))
