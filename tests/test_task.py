@@ -339,3 +339,29 @@ def test_settings_reset_picks_up_changes(app: Celery) -> None:
     app.conf.lockguard_default_ttl = 7
     reset(app)
     assert t.apply(args=(1,)).get() == 7_000
+
+
+def test_max_hold_stops_renewal_and_tells_the_body(app: Celery, r: redis.Redis, prefix: str) -> None:
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="tt.maxhold", lock_key="k:{a}", lock_ttl=0.3, lock_max_hold=0.6
+    )
+    def t(self: Any, a: int) -> list[Any]:
+        wait_for(lambda: self.lock.lost, 3, interval=0.02, what="max hold to cut the lease off")
+        wait_for(lambda: not r.exists(lock_name(prefix, "k:1")), 2, what="the unrenewed lease to expire")
+        return [self.lock.lost_reason, self.lock.hold_ms()]
+
+    with capture_logs() as logs:
+        reason, hold_ms = t.apply(args=(1,), throw=True).get()
+    assert reason == "max_hold" and hold_ms >= 600
+    cut = events(logs, "lock.max_hold_reached")
+    assert len(cut) == 1 and cut[0]["lock_key"] == "k:1" and cut[0]["hold_ms"] >= 600
+
+
+def test_max_hold_defaults_to_the_hard_time_limit(app: Celery) -> None:
+    @app.task(base=LockedTask, bind=True, shared=False, name="tt.limit", lock_key="k:{a}", time_limit=120)
+    def t(self: Any, a: int) -> None: ...
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="tt.nolimit", lock_key="k:{a}")
+    def u(self: Any, a: int) -> None: ...
+
+    assert t.lockguard_options.max_hold == 120 and u.lockguard_options.max_hold == 3600
