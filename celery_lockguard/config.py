@@ -159,10 +159,16 @@ class TaskOptions:
     completion_ttl_scope: float
     max_waits: int
     signature: inspect.Signature
+    replicas: int = 0
 
     @property
     def ttl_ms(self) -> int:
         return max(1, int(self.ttl * 1000))
+
+    @property
+    def replicas_timeout_ms(self) -> int:
+        """How long ``WAIT`` may block an acquisition: a tenth of the TTL, at most one second."""
+        return max(10, min(1000, self.ttl_ms // 10))
 
     @property
     def locked(self) -> bool:
@@ -208,6 +214,9 @@ def resolve_task_options(task: Any) -> TaskOptions:
     max_waits = task.lock_max_waits if task.lock_max_waits is not None else s.max_waits
     if not isinstance(max_waits, int) or isinstance(max_waits, bool) or max_waits < 0:
         raise ConfigurationError(f"task {name!r}: option lock_max_waits={max_waits!r} must be an int >= 0")
+    replicas = getattr(task, "lock_replicas", 0)
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+        raise ConfigurationError(f"task {name!r}: option lock_replicas={replicas!r} must be an int >= 0")
     if not isinstance(task.lock_renew, bool):
         raise ConfigurationError(f"task {name!r}: option lock_renew={task.lock_renew!r} must be True or False")
     return TaskOptions(
@@ -230,4 +239,5 @@ def resolve_task_options(task: Any) -> TaskOptions:
         completion_ttl_scope=ttl_scope,
         max_waits=max_waits,
         signature=signature,
+        replicas=replicas,
     )

@@ -12,6 +12,15 @@ it safe to use as a lock name:
   differently, and no value can forge the hash tag's closing brace.
 * Bounded: a value longer than :data:`MAX_PART` keeps a readable prefix and a
   SHA-256 digest; a whole key longer than :data:`MAX_KEY` is cut the same way.
+
+How a value becomes text (:func:`text`, the documented rule): a ``str`` is
+itself; ``dict``, ``list``, ``tuple``, ``set`` and ``frozenset`` render as
+compact JSON with dict keys sorted and sets sorted (so a set names the same
+entity in every process, whatever its hash seed); anything else is ``str()``.
+An object whose ``str()`` shows a memory address (``<Foo object at 0x...>``)
+names a different entity in every process, so a key refuses it with
+``ConfigurationError``. Lone surrogates (possible in JSON input) are
+percent-encoded like separators, so every key encodes as strict UTF-8.
 """
 
 from __future__ import annotations
@@ -28,19 +37,72 @@ from .exceptions import ConfigurationError
 
 MAX_PART = 64
 MAX_KEY = 200
+#: Longest holder metadata (task id, task name, worker, host) written into a lease hash.
+MAX_META = 256
 _DIGEST_CHARS = 32
 _ALWAYS_ESCAPED = "%{}~"
+_MAX_DEPTH = 64
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+>")
 
 KeySource = str | Callable[..., str]
 
 
-def text(value: Any) -> str:
-    """Render one argument as text: ``42`` and ``"42"`` name the same entity."""
+class UnstableText(ConfigurationError):
+    """An argument has no text form that is the same in every process."""
+
+
+def text(value: Any, strict: bool = True) -> str:
+    """Render one argument as text: ``42`` and ``"42"`` name the same entity.
+
+    ``strict`` refuses objects whose ``str()`` carries a memory address
+    (:class:`UnstableText`); the arguments digest passes ``False``, since such
+    a value there only means "never a duplicate", which is safe.
+    """
     if isinstance(value, str):
         return value
-    if isinstance(value, (dict, list, tuple)):
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-    return str(value)
+    if isinstance(value, (dict, list, tuple, set, frozenset)):
+        return _json(value, strict, 0)
+    out = str(value)
+    if strict and _ADDRESS.search(out):
+        raise UnstableText(
+            f"argument of type {type(value).__qualname__} renders as {out[:80]!r}, which differs in every "
+            "process; give it a __str__ or pass its id"
+        )
+    return out
+
+
+def _json(value: Any, strict: bool, depth: int) -> str:
+    """Compact JSON, dict keys sorted, sets sorted; ``str()`` for other leaves (``json.dumps(default=str)``)."""
+    if depth > _MAX_DEPTH:
+        raise UnstableText(f"argument nested deeper than {_MAX_DEPTH} levels")
+    if isinstance(value, dict):
+        try:
+            items = sorted(value.items(), key=lambda kv: kv[0])
+            pairs = [(_json_key(k, strict), v) for k, v in items]
+        except TypeError:  # keys json.dumps(sort_keys=True) cannot order (mixed types)
+            pairs = sorted(((_json_key(k, strict), v) for k, v in value.items()), key=lambda kv: kv[0])
+        return "{" + ",".join(f"{json.dumps(k)}:{_json(v, strict, depth + 1)}" for k, v in pairs) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_json(v, strict, depth + 1) for v in value) + "]"
+    if isinstance(value, (set, frozenset)):
+        return "[" + ",".join(sorted(_json(v, strict, depth + 1) for v in value)) + "]"
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return json.dumps(value)
+    return json.dumps(text(value, strict))
+
+
+def _json_key(key: Any, strict: bool) -> str:
+    """A dict key as ``json.dumps`` writes it (``True`` → ``true``), else its text."""
+    if isinstance(key, str):
+        return key
+    if key is None or isinstance(key, (bool, int, float)):
+        return json.dumps(key)
+    return text(key, strict)
+
+
+def meta(value: str, limit: int = MAX_META) -> str:
+    """Holder metadata bounded to ``limit`` characters (a readable prefix and a digest beyond)."""
+    return value if len(value) <= limit else _hashed(value, limit)
 
 
 def _hashed(value: str, limit: int) -> str:
@@ -50,7 +112,7 @@ def _hashed(value: str, limit: int) -> str:
 
 def _escaper(extra: str, limit: int = MAX_PART) -> Callable[[str], str]:
     chars = "".join(sorted(set(_ALWAYS_ESCAPED + extra)))
-    pattern = re.compile(f"[{re.escape(chars)}\\s\\x00-\\x1f\\x7f]")
+    pattern = re.compile(f"[{re.escape(chars)}\\s\\x00-\\x1f\\x7f\\ud800-\\udfff]")
 
     def encode(match: re.Match[str]) -> str:
         return "".join(f"%{b:02X}" for b in match.group().encode("utf-8", "surrogatepass"))
@@ -148,7 +210,12 @@ class KeyRenderer:
         for literal, field in self._parts:
             out.append(literal)
             if field is not None:
-                out.append(self._escape(text(arguments[field])))
+                try:
+                    out.append(self._escape(text(arguments[field])))
+                except UnstableText as exc:
+                    raise UnstableText(
+                        f"task {self.task_name!r}: option {self.option}: field {{{field}}}: {exc}"
+                    ) from None
         return bound("".join(out))
 
 
@@ -161,7 +228,9 @@ def bind(signature: inspect.Signature, args: tuple[Any, ...], kwargs: Mapping[st
 
 def digest(arguments: Mapping[str, Any]) -> str:
     """A short digest of the call's arguments: same task + same digest = duplicate work."""
-    canonical = json.dumps({k: text(v) for k, v in arguments.items()}, sort_keys=True, separators=(",", ":"))
+    canonical = json.dumps(
+        {k: text(v, strict=False) for k, v in arguments.items()}, sort_keys=True, separators=(",", ":")
+    )
     return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 

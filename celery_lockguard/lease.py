@@ -17,9 +17,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import scripts
+from redis.exceptions import AskError, MovedError, NoScriptError
+
+from . import cluster, scripts
 from .exceptions import LockLost
-from .keys import claim_name, done_name, fence_name, lock_name
+from .keys import claim_name, done_name, fence_name, lock_name, meta
 
 HOST = socket.gethostname()
 
@@ -46,6 +48,8 @@ class Lease:
         self.valid_until = sent_at + ttl_ms / 1000 - drift_margin(ttl_ms)
         self.released = False
         self.lost_reason: str | None = None
+        #: Replicas that acknowledged the acquisition (``WAIT``), or ``None`` when none were asked for.
+        self.replicas: int | None = None
         self._guard = threading.Lock()
 
     @property
@@ -126,37 +130,61 @@ def acquire(
     replace_token: str = "",
     token: str | None = None,
     claim_token: str = "",
+    replicas: int = 0,
+    replicas_timeout_ms: int = 0,
 ) -> Lease | Holder | Done:
     """Try to take the lease on ``key``; check ``scope``'s completion record first.
 
     ``claim_token`` frees this message's until_started claim in the same round trip.
+    ``replicas`` > 0 sends ``WAIT replicas replicas_timeout_ms`` in the same
+    round trip, on the same connection (WAIT counts that connection's writes);
+    the count that acknowledged is ``Lease.replicas``.
+
+    On Cluster, when the completion record lives in another slot than the lease,
+    it is read with its own GET *after* ACQUIRE: a finisher writes its record
+    before it frees the lease (:func:`release`), so whoever takes the lease next
+    sees that record. A record found then gives the fresh lease back (a third
+    round trip, only for a duplicate).
     """
     token = token or new_token()
-    keys = [lock_name(prefix, key), fence_name(prefix, key), claim_name(prefix, key)]
-    if scope is not None:
-        keys.append(done_name(prefix, scope))
+    lock_key = lock_name(prefix, key)
+    keys = [lock_key, fence_name(prefix, key), claim_name(prefix, key)]
+    done_key = done_name(prefix, scope) if scope is not None else None
+    split = done_key is not None and cluster.split_done(client, lock_key, done_key)
+    if done_key is not None and not split:
+        keys.append(done_key)
+    args: list[Any] = [
+        token,
+        ttl_ms,
+        meta(task_id),
+        meta(task_name),
+        meta(digest),
+        meta(HOST),
+        os.getpid(),
+        meta(worker),
+        state,
+        fence_ttl_ms,
+        replace_token,
+        claim_token,
+    ]
     sent_at = time.monotonic()
-    reply = scripts.acquire(
-        client,
-        keys,
-        [
-            token,
-            ttl_ms,
-            task_id,
-            task_name,
-            digest,
-            HOST,
-            os.getpid(),
-            worker,
-            state,
-            fence_ttl_ms,
-            replace_token,
-            claim_token,
-        ],
-    )
+    acked: int | None = None
+    if replicas > 0:
+        reply, acked = _acquire_and_wait(client, keys, args, replicas, replicas_timeout_ms)
+    else:
+        reply = scripts.acquire(client, keys, args)
     kind = reply[0]
+    if split and kind != "done":
+        assert done_key is not None
+        record = client.get(done_key)
+        if record is not None:
+            if kind == "ok":
+                scripts.release(client, [lock_key], [token, "", 0])
+            return Done(record)
     if kind == "ok":
-        return Lease(key, prefix, token, int(reply[1]), ttl_ms, sent_at, task_id, task_name)
+        lease = Lease(key, prefix, token, int(reply[1]), ttl_ms, sent_at, task_id, task_name)
+        lease.replicas = acked
+        return lease
     if kind == "done":
         return Done(reply[1])
     return Holder(
@@ -172,25 +200,59 @@ def acquire(
     )
 
 
+def _acquire_and_wait(
+    client: Any, keys: list[str], args: list[Any], replicas: int, timeout_ms: int
+) -> tuple[Any, int]:
+    """ACQUIRE then ``WAIT`` in one pipeline: one connection, one round trip (plus the wait)."""
+    on_cluster = cluster.is_cluster(client)
+    for attempt in range(3):
+        target = cluster.node_client(client, keys[0]) if on_cluster else client
+        pipe = target.pipeline(transaction=False)
+        pipe.evalsha(scripts.acquire.sha, len(keys), *keys, *args)
+        pipe.execute_command("WAIT", replicas, timeout_ms)
+        reply, acked = pipe.execute(raise_on_error=False)
+        if isinstance(reply, NoScriptError) and attempt < 2:
+            target.script_load(scripts.acquire.source)
+            continue
+        if on_cluster and isinstance(reply, (MovedError, AskError)) and attempt < 2:
+            client.nodes_manager.initialize()  # the slot moved: refresh the map, go to its new node
+            continue
+        for value in (reply, acked):
+            if isinstance(value, Exception):
+                raise value
+        return reply, int(acked)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 def release(
     client: Any, lease: Lease, prefix: str, scope: str | None = None, record: str = "", completion_ttl_ms: int = 0
 ) -> tuple[int, int]:
     """Release ``lease`` if it still owns the key; record completion of ``scope`` if given.
 
-    Returns ``(released, recorded)`` as the RELEASE script does.
+    Returns ``(released, recorded)`` as the RELEASE script does. On Cluster,
+    with the record in another slot, the record is written first (``SET NX
+    PX``), then the lease is released: never a moment where the lease is free
+    and the record missing.
     """
     keys = [lease.redis_key]
+    recorded = 0
     if scope is not None:
-        keys.append(done_name(prefix, scope))
-    released, recorded = scripts.release(client, keys, [lease.token, record, completion_ttl_ms])
+        done_key = done_name(prefix, scope)
+        if cluster.split_done(client, lease.redis_key, done_key):
+            recorded = 1 if client.set(done_key, record, nx=True, px=completion_ttl_ms) else 0
+        else:
+            keys.append(done_key)
+    released, recorded_here = scripts.release(client, keys, [lease.token, record, completion_ttl_ms])
     lease.released = True
-    return int(released), int(recorded)
+    return int(released), int(recorded_here) or recorded
 
 
 def renew(client: Any, leases: list[Lease]) -> list[int]:
-    """Renew every lease in one round trip; 1 renewed, 0 lost (token gone)."""
+    """Renew every lease in one round trip (on Cluster: one per node); 1 renewed, 0 lost (token gone)."""
     if not leases:
         return []
+    if cluster.is_cluster(client):
+        return cluster.renew(client, [(lease.redis_key, lease.token, lease.ttl_ms) for lease in leases])
     args: list[Any] = []
     for lease in leases:
         args += [lease.token, lease.ttl_ms]
@@ -199,7 +261,7 @@ def renew(client: Any, leases: list[Lease]) -> list[int]:
 
 def shorten(client: Any, prefix: str, key: str, task_id: str, grace_ms: int, host: str = HOST) -> bool:
     """From a process without the token: cut the lease ``task_id`` holds on ``host`` to ``grace_ms``."""
-    return bool(scripts.shorten(client, [lock_name(prefix, key)], [task_id, host, grace_ms]))
+    return bool(scripts.shorten(client, [lock_name(prefix, key)], [meta(task_id), meta(host), grace_ms]))
 
 
 def force_release(client: Any, prefix: str, key: str, fence_ttl_ms: int) -> tuple[bool, int, str]:
@@ -226,7 +288,9 @@ def claim(
     client: Any, claim_key: str, *, token: str, ttl_ms: int, task_id: str, task_name: str, digest: str
 ) -> Claimed:
     """Take a queue-time claim on ``claim_key`` (a lease hash or a ``:claim`` hash) for a message."""
-    reply = scripts.claim(client, [claim_key], [token, ttl_ms, task_id, task_name, digest, HOST, os.getpid()])
+    reply = scripts.claim(
+        client, [claim_key], [token, ttl_ms, meta(task_id), meta(task_name), meta(digest), meta(HOST), os.getpid()]
+    )
     if reply[0] != "held":
         return Claimed(reply[0])
     return Claimed("held", reply[1], reply[2], reply[3], reply[4], int(reply[5]))
@@ -234,7 +298,7 @@ def claim(
 
 def release_claim(client: Any, claim_key: str, task_id: str) -> bool:
     """Free ``task_id``'s queued claim (never a running lease)."""
-    return bool(scripts.release_claim(client, [claim_key], [task_id]))
+    return bool(scripts.release_claim(client, [claim_key], [meta(task_id)]))
 
 
 def handover(client: Any, lease: Lease, new_token: str, ttl_ms: int) -> bool:

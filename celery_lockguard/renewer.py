@@ -1,7 +1,8 @@
 """One renewal thread per worker process, started lazily after fork.
 
 Every tick renews *all* leases the process holds in one EVALSHA per client
-(one round trip per tick, whatever the number of leases), then sleeps until
+(one round trip per tick, whatever the number of leases; on Redis Cluster one
+per node, so a node that is down only delays its own leases), then sleeps until
 the earliest lease is due again (ttl/3 with jitter) or hits its max-hold.
 Renewing a long-TTL lease a little early costs nothing; an extra round trip
 per lease would.
@@ -20,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from . import cluster
 from . import lease as lease_ops
 from .connection import UNAVAILABLE_ERRORS
 from .events import emit
@@ -75,9 +77,10 @@ class Renewer:
                     self._cond.wait(due - now)
                     continue
                 self._cut_off(now)
-                groups: dict[int, list[_Entry]] = {}
+                groups: dict[tuple[int, str], list[_Entry]] = {}
                 for e in self._entries.values():
-                    groups.setdefault(id(e.client), []).append(e)
+                    node = cluster.node_name(e.client, e.lease.redis_key)
+                    groups.setdefault((id(e.client), node), []).append(e)
             for entries in groups.values():
                 self._tick(entries)
             self.ticks += 1

@@ -66,6 +66,7 @@ class LockedTask(Task):
     idempotency_key: Any = None
     completion: bool = True
     completion_ttl: float | None = None
+    lock_replicas: int = 0
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -196,7 +197,7 @@ class LockedTask(Task):
                 return self._completed(call, got.record)
             if isinstance(got, Holder):
                 if got.token != replace_token and (
-                    (got.task_id == req.id and got.state == "queued") or self._dead_here(got, req.id)
+                    (got.task_id == keys.meta(req.id) and got.state == "queued") or self._dead_here(got, req.id)
                 ):
                     # Our own queue claim, or a killed child of this host that held our id: take it over now.
                     reason = "adopting_own_claim" if got.state == "queued" else "taking_over_dead_holder_of_own_id"
@@ -246,6 +247,8 @@ class LockedTask(Task):
             scope=call.scope if check_done else None,
             replace_token=replace_token,
             claim_token=claim_token,
+            replicas=opts.replicas,
+            replicas_timeout_ms=opts.replicas_timeout_ms,
         )
 
     def _run_locked(
@@ -260,6 +263,17 @@ class LockedTask(Task):
     ) -> Any:
         req = self.request
         emit("lock.acquired", self.name, lock_key=call.key, task_id=req.id, fence=lease.fence)
+        if lease.replicas is not None and lease.replicas < opts.replicas:
+            # WAIT timed out: a failover now could lose this lease (fences and records still hold).
+            emit(
+                "lock.under_replicated",
+                self.name,
+                lock_key=call.key,
+                task_id=req.id,
+                fence=lease.fence,
+                replicas=lease.replicas,
+                wanted=opts.replicas,
+            )
         setattr(req, _LEASE, lease)
         setattr(req, _CALL, call)
         setattr(req, _CHECKPOINTS, set())
@@ -312,7 +326,7 @@ class LockedTask(Task):
             emit("lock.expired_before_release", self.name, **fields, hold_ms=round(hold_ms), reason=reason)
 
     def _record_for(self, call: _Call, task_id: str, result: Any) -> tuple[str, int]:
-        record, dropped = completion.encode_record(task_id, result)
+        record, dropped = completion.encode_record(keys.meta(task_id), result)
         if dropped:
             emit("completion.result_dropped", self.name, task_id=task_id, scope=call.scope, reason=dropped)
         return record, self._completion_ttl_ms(call)
@@ -338,7 +352,7 @@ class LockedTask(Task):
         req = self.request
         fields = {"lock_key": call.key, "task_id": req.id, "holder_task_id": holder.task_id}
         error = LockContended(call.key, holder.task_id, holder.pttl_ms)
-        if holder.task_id == req.id:
+        if holder.task_id == keys.meta(req.id):  # holder metadata is bounded (keys.MAX_META)
             if self._holder_alive(opts, holder):
                 emit(
                     "lock.skipped_duplicate",
@@ -362,7 +376,8 @@ class LockedTask(Task):
     @staticmethod
     def _dead_here(holder: Holder, task_id: str) -> bool:
         """The holder is this task id, on this host, and its process is gone."""
-        return holder.task_id == task_id and holder.host == lease_ops.HOST and not lease_ops.pid_alive(holder.pid)
+        own = holder.task_id == keys.meta(task_id)
+        return own and holder.host == lease_ops.HOST and not lease_ops.pid_alive(holder.pid)
 
     def _holder_alive(self, opts: TaskOptions, holder: Holder) -> bool:
         """Alive: on this host, its pid exists; elsewhere, its lease is still being renewed."""
@@ -485,7 +500,8 @@ class LockedTask(Task):
             options["headers"] = {**(options.get("headers") or {}), claims.CLAIM_HEADER: token}
         elif got.kind == "held":
             duplicate = got.task_name == self.name and got.digest == call.digest
-            ours = got.task_id == claims.publishing_task_id()
+            publisher = claims.publishing_task_id()
+            ours = publisher is not None and got.task_id == keys.meta(publisher)
             if duplicate and not ours and not claims.in_canvas(options, link) and opts.on_locked != "retry":
                 if opts.on_locked == "raise":
                     raise AlreadyQueued(call.key, got.task_id)

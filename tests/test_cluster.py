@@ -1,0 +1,281 @@
+"""Redis Cluster: a private three-master cluster, the full lifecycle, round trips counted on the servers.
+
+Round trips are read from each master's ``INFO commandstats`` (reset before
+the measured call), so "one EVALSHA per node per tick" and "two more round
+trips when S and K live in different slots" are measured, not assumed.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from structlog.testing import capture_logs
+
+from celery_lockguard import LockContended, LockedTask, connection
+from celery_lockguard import cluster as C
+from celery_lockguard import lease as L
+from celery_lockguard.config import settings
+from celery_lockguard.keys import checkpoint_name, claim_name, done_name, fence_name, lock_name, task_scope
+from celery_lockguard.renewer import Renewer
+
+from .harness import wait_for
+from .topologies import LocalCluster
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster() as c:
+        yield c
+    connection.forget_clients()
+
+
+@pytest.fixture
+def cprefix() -> str:
+    return f"lgc:{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def app(cluster: LocalCluster, cprefix: str) -> Celery:
+    a = Celery("clustertest", broker="memory://", set_as_current=False)
+    a.conf.lockguard_redis_url = cluster.url
+    a.conf.lockguard_redis_cluster = True
+    a.conf.lockguard_key_prefix = cprefix
+    a.conf.lockguard_socket_timeout = 2.0
+    connection.client(settings(a)).ping()  # load the slot map now, outside any measured call
+    return a
+
+
+@pytest.fixture
+def rc(cluster: LocalCluster) -> Any:
+    return cluster.client()
+
+
+def entities_on_distinct_slots(rc: Any, prefix: str, per_node: int) -> list[str]:
+    """Entity keys, ``per_node`` on every master, each in a slot of its own."""
+    chosen: dict[str, list[str]] = {}
+    slots: set[int] = set()
+    i = 0
+    while any(len(chosen.get(n.name, [])) < per_node for n in rc.get_primaries()):
+        key = f"e:{i}"
+        i += 1
+        name = lock_name(prefix, key)
+        node, slot = C.node_name(rc, name), C.slot(name)
+        if slot in slots or len(chosen.get(node, [])) >= per_node:
+            continue
+        slots.add(slot)
+        chosen.setdefault(node, []).append(key)
+    return [k for keys in chosen.values() for k in keys]
+
+
+def task_id_in_other_slot(prefix: str, key: str) -> str:
+    while True:
+        tid = str(uuid.uuid4())
+        if C.slot(done_name(prefix, task_scope(tid))) != C.slot(lock_name(prefix, key)):
+            return tid
+
+
+def test_every_key_of_an_entity_shares_its_slot_and_every_scope_key_its_own() -> None:
+    for k in ("invoice:42", "tenant:alpha:sync", "x%7Dy"):
+        assert len({C.slot(f(("lg"), k)) for f in (lock_name, fence_name, claim_name)}) == 1
+        assert C.slot(done_name("lg", k)) == C.slot(checkpoint_name("lg", k)) == C.slot(lock_name("lg", k))
+    assert C.slot(lock_name("lg", "a")) != C.slot(lock_name("lg", "b"))
+
+
+def test_full_lifecycle_in_process_with_round_trips_counted(
+    app: Celery, cluster: LocalCluster, rc: Any, cprefix: str
+) -> None:
+    seen: dict[str, Any] = {}
+    runs: list[int] = []
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="cl.charge", lock_key="invoice:{invoice_id}")
+    def charge(self: Any, invoice_id: int) -> dict[str, Any]:
+        runs.append(invoice_id)
+        if invoice_id == 0:  # the warm-up run; the measured run sends nothing of the test's own
+            seen["token"] = rc.hget(lock_name(cprefix, f"invoice:{invoice_id}"), "token")
+        seen["lease"] = self.lock
+        return {"paid": invoice_id}
+
+    tid = task_id_in_other_slot(cprefix, "invoice:7")
+    assert C.split_done(rc, lock_name(cprefix, "invoice:7"), done_name(cprefix, task_scope(tid)))
+    charge.apply(args=(0,))  # warm up: scripts loaded, connections open on every node
+    assert seen["token"] == seen["lease"].token and seen["lease"].released
+    with capture_logs() as logs:
+        result, sent = cluster.top_level_commands(lambda: charge.apply(args=(7,), task_id=tid).get())
+    assert result == {"paid": 7}
+    # ACQUIRE, then GET of the record (another slot); SET NX PX of the record, then RELEASE.
+    verbs = [cmd.split()[0].strip('"').upper() for _, cmd in sent]
+    assert verbs == ["EVALSHA", "GET", "SET", "EVALSHA"], sent
+    assert seen["lease"].key == "invoice:7" and seen["lease"].released
+    assert not rc.exists(lock_name(cprefix, "invoice:7"))
+    record = rc.get(done_name(cprefix, task_scope(tid)))
+    assert record is not None and '"paid":7' in record
+    assert 0 < rc.pttl(done_name(cprefix, task_scope(tid))) <= 3600_000
+    assert [e["event"] for e in logs if e["event"].startswith("lock.")] == ["lock.acquired", "lock.released"]
+
+    # A redelivery of the same id finds the record under its fresh lease and gives the lease back.
+    assert charge.apply(args=(7,), task_id=tid).get() == {"paid": 7}
+    assert runs == [0, 7]
+    assert not rc.exists(lock_name(cprefix, "invoice:7"))
+
+
+def test_scope_in_the_entity_slot_costs_no_extra_round_trip(app: Celery, cluster: LocalCluster, rc: Any) -> None:
+    @app.task(base=LockedTask, bind=True, shared=False, name="cl.sync", idempotency_key="tenant:{tenant}:sync")
+    def sync(self: Any, tenant: str) -> str:
+        return tenant
+
+    sync.apply(args=("warm-up",))
+    result, sent = cluster.top_level_commands(lambda: sync.apply(args=("alpha",)).get())
+    assert result == "alpha"
+    assert [cmd.split()[0].strip('"').upper() for _, cmd in sent] == ["EVALSHA", "EVALSHA"], sent
+    result, sent = cluster.top_level_commands(lambda: sync.apply(args=("alpha",)).get())
+    assert result == "alpha" and len(sent) == 1  # recorded: answered inside ACQUIRE
+
+
+def test_contended_holder_and_a_recorded_scope_while_held(app: Celery, rc: Any, cprefix: str) -> None:
+    ran: list[str] = []
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="cl.raise", lock_key="acct:{a}", on_locked="raise")
+    def t(self: Any, a: str) -> str:
+        ran.append(a)
+        return a
+
+    holder = L.acquire(
+        rc, cprefix, "acct:1", ttl_ms=10_000, task_id="other", task_name="x", digest="d", worker="w",
+        fence_ttl_ms=60_000,
+    )
+    assert isinstance(holder, L.Lease)
+    with pytest.raises(LockContended):
+        t.apply(args=("1",), task_id=task_id_in_other_slot(cprefix, "acct:1")).get()
+    # The scope of this id already completed: the record wins even while someone else holds the entity.
+    tid = task_id_in_other_slot(cprefix, "acct:1")
+    rc.set(done_name(cprefix, task_scope(tid)), '{"task_id":"earlier","result":"from-record"}')
+    assert t.apply(args=("1",), task_id=tid).get() == "from-record"
+    assert ran == []
+    assert rc.hget(lock_name(cprefix, "acct:1"), "token") == holder.token
+
+
+def test_record_is_written_before_the_lease_is_freed(rc: Any, cprefix: str) -> None:
+    got = L.acquire(
+        rc, cprefix, "inv:1", ttl_ms=10_000, task_id="t", task_name="n", digest="d", worker="w", fence_ttl_ms=60_000
+    )
+    assert isinstance(got, L.Lease)
+    scope = "scope-elsewhere"
+    assert C.split_done(rc, got.redis_key, done_name(cprefix, scope))
+    assert L.release(rc, got, cprefix, scope, '{"result":1}', 10_000) == (1, 1)
+    again = L.acquire(
+        rc, cprefix, "inv:1", ttl_ms=10_000, task_id="t2", task_name="n", digest="d", worker="w", fence_ttl_ms=60_000,
+        scope=scope,
+    )
+    assert isinstance(again, L.Done) and again.record == '{"result":1}'
+    assert not rc.exists(lock_name(cprefix, "inv:1"))  # the fresh lease was given back
+    # first record wins across the split too
+    late = L.Lease("inv:1", cprefix, "gone", 1, 1000, time.monotonic(), "t3", "n")
+    assert L.release(rc, late, cprefix, scope, '{"result":2}', 10_000) == (0, 0)
+    assert rc.get(done_name(cprefix, scope)) == '{"result":1}'
+
+
+def test_renew_is_one_evalsha_per_node_whatever_the_slots(cluster: LocalCluster, rc: Any, cprefix: str) -> None:
+    keys = entities_on_distinct_slots(rc, cprefix, per_node=3)
+    leases = []
+    for k in keys:
+        got = L.acquire(
+            rc, cprefix, k, ttl_ms=5_000, task_id="t", task_name="n", digest="d", worker="w", fence_ttl_ms=60_000
+        )
+        assert isinstance(got, L.Lease)
+        leases.append(got)
+    assert L.renew(rc, leases) == [1] * len(leases)  # first call: NOSCRIPT and SCRIPT LOAD on each node
+    rc.hset(leases[4].redis_key, "token", "stolen")
+    cluster.reset_stats()
+    results = L.renew(rc, leases)
+    assert results == [0 if i == 4 else 1 for i in range(len(leases))]
+    assert cluster.per_node("evalsha") == [1, 1, 1]
+    assert all(4_000 < rc.pttl(x.redis_key) <= 5_000 for i, x in enumerate(leases) if i != 4)
+
+
+def test_renewer_thread_ticks_once_per_node(app: Celery, cluster: LocalCluster, rc: Any, cprefix: str) -> None:
+    client = connection.client(settings(app))
+    keys = entities_on_distinct_slots(rc, cprefix, per_node=2)
+    leases = []
+    for k in keys:
+        got = L.acquire(
+            client, cprefix, k, ttl_ms=600, task_id="t", task_name="n", digest="d", worker="w", fence_ttl_ms=60_000
+        )
+        assert isinstance(got, L.Lease)
+        leases.append(got)
+    assert L.renew(client, leases) == [1] * len(leases)  # scripts loaded before counting
+    r = Renewer()
+    cluster.reset_stats()
+    for lease in leases:
+        r.track(lease, client, max_hold=60)
+    wait_for(lambda: r.ticks >= 4, 10, what="four renewal ticks")
+    for lease in leases:
+        r.untrack(lease)
+    # Every tick sent exactly one EVALSHA to each master, and kept every lease alive past its 600 ms TTL.
+    wait_for(lambda: cluster.per_node("evalsha") == [r.ticks] * 3, 5, what=f"one EVALSHA per node per tick ({r.ticks})")
+    assert all(lease.held for lease in leases)
+    assert all(rc.exists(lease.redis_key) for lease in leases)
+
+
+def test_renew_falls_back_to_one_call_per_slot_after_a_slot_moved(
+    cluster: LocalCluster, rc: Any, cprefix: str
+) -> None:
+    keys = entities_on_distinct_slots(rc, cprefix, per_node=2)[:2]  # two slots of one node
+    leases = []
+    for k in keys:
+        got = L.acquire(
+            rc, cprefix, k, ttl_ms=5_000, task_id="t", task_name="n", digest="d", worker="w", fence_ttl_ms=60_000
+        )
+        assert isinstance(got, L.Lease)
+        leases.append(got)
+    assert L.renew(rc, leases) == [1, 1]  # scripts loaded; rc's slot map is about to go stale
+    moving = leases[1].redis_key
+    slot = C.slot(moving)
+    source = rc.get_node_from_key(moving)
+    dest = next(n for n in rc.get_primaries() if n.name != source.name)
+    src_c, dst_c = rc.get_redis_connection(source), rc.get_redis_connection(dest)
+    src_id, dst_id = src_c.execute_command("CLUSTER", "MYID"), dst_c.execute_command("CLUSTER", "MYID")
+    # Move the slot the way redis-cli --cluster reshard does.
+    dst_c.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+    src_c.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+    src_c.execute_command("MIGRATE", "127.0.0.1", dest.port, "", 0, 5000, "KEYS", moving)
+    for c in cluster.node_clients():
+        c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+    assert dst_c.exists(moving)
+    rc.hset(leases[0].redis_key, "renewed_at", 0)
+    src_c.config_resetstat()
+    # rc still groups both leases on the source node: the node-wide script is refused there,
+    # and renewal goes on slot by slot (the moved one following MOVED to its new node).
+    assert L.renew(rc, leases) == [1, 1]
+    assert int(rc.hget(leases[0].redis_key, "renewed_at")) > 0
+    assert 4_000 < dst_c.pttl(moving) <= 5_000
+    assert C.node_name(rc, moving) == dest.name  # the map was refreshed on the way
+    refused = src_c.info("commandstats")["cmdstat_evalsha"]
+    assert int(refused["failed_calls"]) >= 1  # the node-wide try really was refused
+
+
+def test_scripts_reload_on_every_node_after_script_flush(app: Celery, cluster: LocalCluster) -> None:
+    @app.task(base=LockedTask, bind=True, shared=False, name="cl.flush", lock_key="f:{a}")
+    def t(self: Any, a: int) -> int:
+        return a
+
+    for c in cluster.node_clients():
+        c.script_flush()
+    assert [t.apply(args=(i,)).get() for i in range(12)] == list(range(12))
+
+
+def test_lock_replicas_on_cluster_counts_zero_replicas(app: Celery, cprefix: str) -> None:
+    @app.task(base=LockedTask, bind=True, shared=False, name="cl.repl", lock_key="r:{a}", lock_replicas=1, lock_ttl=2)
+    def t(self: Any, a: int) -> int | None:
+        return self.lock.replicas
+
+    with capture_logs() as logs:
+        assert t.apply(args=(1,)).get() == 0
+    under = [e for e in logs if e["event"] == "lock.under_replicated"]
+    assert len(under) == 1 and under[0]["replicas"] == 0 and under[0]["wanted"] == 1
