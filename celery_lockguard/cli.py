@@ -212,6 +212,14 @@ def release(ctx: click.Context, key: str, yes: bool, **_: Any) -> None:
     """
     s = _settings(ctx)
     entity = _entity(key, s.key_prefix)
+    if not entity or any(c in entity for c in "{}") or any(c.isspace() for c in entity):
+        # A rendered key never holds braces or whitespace (keys.py escapes them): refuse rather than
+        # touch a key no task uses, or keys of one name in two Cluster slots.
+        raise CeleryCommandException(
+            f"{key!r} is not an entity key: rendered keys never contain braces or whitespace "
+            "(copy it from `lockguard locks`)",
+            EX_USAGE,
+        )
     with _redis(s) as client:
         holder = client.hgetall(lock_name(s.key_prefix, entity))
         if not holder:

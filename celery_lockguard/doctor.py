@@ -196,26 +196,35 @@ def _task_findings(app: Any, s: Settings, tasks: list[Any]) -> list[Finding]:
 # -- the server ---------------------------------------------------------------------------
 
 
-def _info(client: Any, section: str) -> dict[str, Any]:
-    info = client.info(section)
-    if info and all(isinstance(v, dict) for v in info.values()) and not section.startswith("keyspace"):
-        merged: dict[str, Any] = {}  # Cluster: one dict per node
-        for node_info in info.values():
-            merged.update(node_info)
-        return merged
-    return dict(info or {})
+def _node_infos(client: Any, section: str) -> dict[str, dict[str, Any]]:
+    """INFO ``section`` of every master: one entry per node on Cluster (INFO goes to one node by default)."""
+    from .cluster import is_cluster
+
+    if not is_cluster(client):
+        return {"": dict(client.info(section) or {})}
+    info = client.info(section, target_nodes=client.PRIMARIES)
+    if info and all(isinstance(v, dict) for v in info.values()):
+        return {str(name): dict(v) for name, v in info.items()}
+    return {"": dict(info or {})}  # a cluster of one master
 
 
 def _server_findings(app: Any, s: Settings, client: Any) -> list[Finding]:
     out: list[Finding] = []
-    memory = _info(client, "memory")
-    policy = memory.get("maxmemory_policy")
-    if policy is None:
+    memories = _node_infos(client, "memory")
+    policies = {node: m.get("maxmemory_policy") for node, m in memories.items()}
+    if None in policies.values() and len(policies) == 1:
         try:
-            policy = (client.config_get("maxmemory-policy") or {}).get("maxmemory-policy")
+            policies = {"": (client.config_get("maxmemory-policy") or {}).get("maxmemory-policy")}
         except Exception:  # noqa: BLE001 - CONFIG is often disabled on managed Redis
-            policy = None
-    if policy is not None and policy != "noeviction":
+            pass
+    evicting = {node: p for node, p in policies.items() if p is not None and p != "noeviction"}
+    policy = next(iter(evicting.values()), None)
+    if policy is not None:
+        where = (
+            f" (on {len(evicting)} of {len(policies)} masters: {', '.join(sorted(evicting))})"
+            if len(policies) > 1
+            else ""
+        )
         why = (
             "every lease, fence and completion record carries a TTL, so volatile-* evicts exactly them, first"
             if str(policy).startswith("volatile")
@@ -224,13 +233,12 @@ def _server_findings(app: Any, s: Settings, client: Any) -> list[Finding]:
         out.append(
             Finding(
                 "maxmemory_policy",
-                f"the lock Redis has maxmemory-policy={policy}: {why}. An evicted lease lets a second copy run; "
+                f"the lock Redis has maxmemory-policy={policy}{where}: {why}. An evicted lease lets a second copy run; "
                 "an evicted fence or record lets a stale writer or a duplicate through. Set "
                 "maxmemory-policy noeviction (writes then fail loudly instead).",
             )
         )
-    stats = _info(client, "stats")
-    evicted = int(stats.get("evicted_keys") or 0)
+    evicted = sum(int(st.get("evicted_keys") or 0) for st in _node_infos(client, "stats").values())
     if evicted:
         out.append(
             Finding(
@@ -263,9 +271,11 @@ def _known_patterns(app: Any, s: Settings) -> list[str]:
 
 
 def _foreign_traffic(app: Any, s: Settings, client: Any) -> list[Finding]:
-    """Cache traffic on the lock Redis, where detectable: unknown keys in the lock db, other busy dbs."""
-    if s.redis_cluster:
-        return []
+    """Cache traffic on the lock Redis, where detectable: unknown keys in the lock db, other busy dbs.
+
+    On Cluster the sample is drawn from every master (SCAN goes to each) and
+    there are no other databases to look at.
+    """
     out: list[Finding] = []
     patterns = _known_patterns(app, s)
     sampled, foreign = 0, []
@@ -286,6 +296,8 @@ def _foreign_traffic(app: Any, s: Settings, client: Any) -> list[Finding]:
                 "leases. Give locks their own Redis (lockguard_redis_url).",
             )
         )
+    if s.redis_cluster:
+        return out
     own_db = int(client.connection_pool.connection_kwargs.get("db", 0))
     lock_server = server_of(s.redis_url)
     related_dbs = {own_db}

@@ -279,3 +279,77 @@ def test_lock_replicas_on_cluster_counts_zero_replicas(app: Celery, cprefix: str
         assert t.apply(args=(1,)).get() == 0
     under = [e for e in logs if e["event"] == "lock.under_replicated"]
     assert len(under) == 1 and under[0]["replicas"] == 0 and under[0]["wanted"] == 1
+
+
+# -- the CLI and a real worker on the cluster -----------------------------------------------------
+
+
+@pytest.mark.integration
+def test_cli_locks_stats_doctor_and_release_cover_every_master(
+    cluster: LocalCluster, rc: Any, prefix: str, redis_url: str
+) -> None:
+    from .conftest import make_cfg
+    from .test_cli import cli, cli_json
+
+    cfg = make_cfg(prefix, redis_url, lock_url=cluster.url, lock_cluster=True)
+    keys = entities_on_distinct_slots(rc, prefix, per_node=2)
+    for k in keys:
+        got = L.acquire(
+            rc, prefix, k, ttl_ms=60_000, task_id=f"id-{k}", task_name="n", digest="d", worker="w",
+            fence_ttl_ms=60_000,
+        )
+        assert isinstance(got, L.Lease)
+    rows = cli_json(cfg, "locks")
+    assert sorted(r["key"] for r in rows) == sorted(keys)
+    assert len({C.node_name(rc, r["redis_key"]) for r in rows}) == 3
+
+    from celery_lockguard import metrics
+
+    metrics.count("cl.task", "lock.acquired", 7)
+    metrics.flush(rc, prefix)
+    summary = cli_json(cfg, "stats")
+    assert summary["tasks"]["cl.task"]["windows"]["total"]["acquisitions"] == 7
+
+    evicting = cluster.node_clients()[2]
+    evicting.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        report = cli_json(cfg, "doctor", code=1)
+    finally:
+        evicting.config_set("maxmemory-policy", "noeviction")
+    policy = [f for f in report["findings"] if f["code"] == "maxmemory_policy"]
+    assert len(policy) == 1 and "1 of 3 masters" in policy[0]["message"], report
+
+    victim = keys[3]
+    out = cli(cfg, "release", victim, "--yes")
+    assert out.returncode == 0, out.stderr
+    assert sorted(r["key"] for r in cli_json(cfg, "locks")) == sorted(k for k in keys if k != victim)
+    bad = cli(cfg, "release", "x}y", "--yes")
+    assert bad.returncode == 64 and "not an entity key" in bad.stderr
+
+
+@pytest.mark.integration
+def test_real_worker_on_the_cluster_runs_duplicates_one_at_a_time(
+    fleet: Any, cluster: LocalCluster, rc: Any, prefix: str, redis_url: str
+) -> None:
+    import redis as redis_py
+
+    from .conftest import make_cfg
+    from .test_workers import intervals, overlapping, records
+
+    cfg = make_cfg(prefix, redis_url, lock_url=cluster.url, lock_cluster=True)
+    fleet.worker(cfg)
+    app = fleet.app(cfg)
+    hot = f"hot-{uuid.uuid4().hex[:6]}"
+    results = [app.tasks["hold_wait"].delay(hot, 0.2, f"d{i}") for i in range(4)]
+    results += [app.tasks["short_ttl"].delay(f"long-{hot}", 2.5, "long")]
+    outs = [res.get(timeout=90) for res in results]
+    assert all(o["held"] for o in outs), outs
+    spans = intervals(records(redis_py.Redis.from_url(redis_url, decode_responses=True), prefix, hot))
+    assert len(spans) == 4 and overlapping(spans) == []
+    fences = [o["fence"] for o in outs[:4]]
+    assert len(set(fences)) == 4
+    # The 1 s lease of the long body was renewed on its node through 2.5 s, then released.
+    assert not outs[4]["lost"]
+    assert not rc.exists(lock_name(prefix, f"res:long-{hot}"))
+    for res in results:  # every completion record landed in its own slot
+        assert rc.get(done_name(prefix, task_scope(res.id))) is not None

@@ -27,6 +27,7 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         lockguard_key_prefix=cfg["prefix"],
         lockguard_on_unavailable=cfg.get("on_unavailable", "fail_closed"),
         lockguard_socket_timeout=cfg.get("socket_timeout", 1.0),
+        lockguard_redis_cluster=cfg.get("lock_cluster", False),
         broker_transport_options={
             "visibility_timeout": cfg.get("visibility_timeout", 3600),
             "unacked_restore_interval": 1,
