@@ -23,6 +23,7 @@ UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
     redis.exceptions.ReadOnlyError,
+    redis.exceptions.OutOfMemoryError,  # noeviction and full: no lease can be written
     redis.exceptions.ClusterDownError,
     redis.exceptions.TryAgainError,
     OSError,

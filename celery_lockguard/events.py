@@ -26,6 +26,9 @@ _LEVELS = {
     "lock.fail_open": "warning",
     "lock.backend_unavailable": "warning",
     "fence.stale": "warning",
+    "lock.wait_budget_exhausted": "warning",
+    "lock.under_replicated": "warning",
+    "completion.record_failed": "warning",
 }
 
 

@@ -367,10 +367,14 @@ class LockedTask(Task):
         duplicate = holder.task_name == self.name and holder.digest == call.digest
         if opts.on_locked == "raise":
             raise error
-        if opts.on_locked == "skip" and duplicate and opts.mode != "until_started":
+        # Skip only behind a live holder: a dead one's work may never finish (no acks_late), so wait it out.
+        alive = self._holder_alive(opts, holder, presume=True)
+        if opts.on_locked == "skip" and duplicate and alive and opts.mode != "until_started":
             emit("lock.skipped_duplicate", self.name, **fields, policy="skip", reason="identical_work_running")
             return None
-        reason = "duplicate_waits" if duplicate else "different_work_on_entity"
+        reason = (
+            ("duplicate_waits" if alive else "duplicate_of_dead_holder") if duplicate else "different_work_on_entity"
+        )
         return self._wait(opts, args, kwargs, call, reason, error, holder.pttl_ms / 1000)
 
     @staticmethod
@@ -379,11 +383,16 @@ class LockedTask(Task):
         own = holder.task_id == keys.meta(task_id)
         return own and holder.host == lease_ops.HOST and not lease_ops.pid_alive(holder.pid)
 
-    def _holder_alive(self, opts: TaskOptions, holder: Holder) -> bool:
-        """Alive: on this host, its pid exists; elsewhere, its lease is still being renewed."""
+    def _holder_alive(self, opts: TaskOptions, holder: Holder, presume: bool = False) -> bool:
+        """Alive: on this host, its pid exists; elsewhere, its lease is still being renewed.
+
+        Without renewal a remote holder's liveness is unknown: ``presume`` says what to assume.
+        """
         if holder.host == lease_ops.HOST:
             return lease_ops.pid_alive(holder.pid)
-        return opts.renew and holder.ms_since_renewal < opts.ttl_ms * 0.6
+        if not opts.renew:
+            return presume
+        return holder.ms_since_renewal < opts.ttl_ms * 0.6
 
     def _unavailable(
         self,

@@ -365,3 +365,42 @@ def test_max_hold_defaults_to_the_hard_time_limit(app: Celery) -> None:
     def u(self: Any, a: int) -> None: ...
 
     assert t.lockguard_options.max_hold == 120 and u.lockguard_options.max_hold == 3600
+
+
+def test_a_duplicate_of_a_dead_holder_waits_instead_of_skipping(app: Celery, r: redis.Redis, prefix: str) -> None:
+    import subprocess
+    import sys
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="t.deaddup", lock_key="k:{a}", lock_max_waits=0)
+    def t(self: Any, a: int) -> int:
+        return a
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    hold_externally(r, prefix, "k:1", task_name="t.deaddup", digest=_digest(t, 1))
+    r.hset(lock_name(prefix, "k:1"), "pid", gone.pid)  # the holder's process on this host is gone
+    with capture_logs() as logs, pytest.raises(LockContended):
+        t.apply(args=(1,), throw=True)
+    assert events(logs, "lock.skipped_duplicate") == []
+    assert events(logs, "lock.wait_budget_exhausted")[0]["reason"] == "duplicate_of_dead_holder"
+
+
+def test_a_full_noeviction_server_follows_on_unavailable(prefix: str) -> None:
+    from celery_lockguard.testing import RedisServer
+
+    with RedisServer(extra=["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"]) as server:
+        c = server.client()
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            for i in range(10_000):
+                c.set(f"fill:{i}", "x" * 10_000)
+        app = Celery("oom", broker=server.url, set_as_current=False)
+        app.conf.lockguard_key_prefix = prefix
+        app.conf.lockguard_max_waits = 0
+
+        @app.task(base=LockedTask, bind=True, shared=False, name="t.oom", lock_key="k:{a}")
+        def t(self: Any, a: int) -> int:
+            return a
+
+        with capture_logs() as logs, pytest.raises(BackendUnavailable, match="OutOfMemoryError"):
+            t.apply(args=(1,), throw=True)
+        assert events(logs, "lock.backend_unavailable")[0]["policy"] == "fail_closed"
