@@ -5,6 +5,10 @@
 pipeline, a script call, kombu's BRPOP alike), and each is followed by a wait
 for the reply. Counting its calls counts round trips as the client pays them.
 
+*Values sent*: every command's arguments (its name, keys, values) pass
+through the serializer's ``pack``; counting them shows how much a client
+encodes per operation (redis-py's default serializer is pure Python).
+
 *Server commands*: ``INFO commandstats`` deltas on a private server, where
 nothing else runs. Commands that a Lua script calls are counted too, so a
 script shows what it really costs the server.
@@ -18,11 +22,13 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-from redis.connection import AbstractConnection
+from redis.connection import AbstractConnection, PythonRespSerializer
 
 _lock = threading.Lock()
 _sent = 0
+_values = 0
 _original_send = AbstractConnection.send_packed_command
+_original_pack = PythonRespSerializer.pack
 _installed = False
 
 
@@ -33,11 +39,19 @@ def _counting_send(self: Any, command: Any, check_health: bool = True) -> Any:
     return _original_send(self, command, check_health)
 
 
+def _counting_pack(self: Any, *args: Any) -> Any:
+    global _values
+    with _lock:
+        _values += len(args)
+    return _original_pack(self, *args)
+
+
 def install() -> None:
     """Count every round trip of this process from now on (idempotent; survives fork)."""
     global _installed
     if not _installed:
         AbstractConnection.send_packed_command = _counting_send  # type: ignore[method-assign]
+        PythonRespSerializer.pack = _counting_pack  # type: ignore[method-assign]
         _installed = True
 
 
@@ -45,12 +59,18 @@ def uninstall() -> None:
     global _installed
     if _installed:
         AbstractConnection.send_packed_command = _original_send  # type: ignore[method-assign]
+        PythonRespSerializer.pack = _original_pack  # type: ignore[method-assign]
         _installed = False
 
 
 def sent() -> int:
     """Round trips sent by this process since :func:`install`."""
     return _sent
+
+
+def values() -> int:
+    """Command arguments (name included) packed by this process since :func:`install`."""
+    return _values
 
 
 @contextlib.contextmanager

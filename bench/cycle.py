@@ -41,6 +41,7 @@ class CycleResult:
     rate: Summary
     ratio: Summary
     round_trips: float
+    values_sent: float
     server_commands: float
     server_breakdown: dict[str, float]
 
@@ -117,13 +118,15 @@ def variants(c: redis.Redis) -> dict[str, Cycle]:
 BASE = "raw SET NX PX + DEL"
 
 
-def _counted(admin: redis.Redis, cycle: Cycle, n: int) -> tuple[float, float, dict[str, float]]:
+def _counted(admin: redis.Redis, cycle: Cycle, n: int) -> tuple[float, float, float, dict[str, float]]:
     before = counting.commandstats(admin)
     with counting.counting() as box:
+        v0 = counting.values()
         for _ in range(n):
             cycle()
+        packed = counting.values() - v0
     server = counting.delta(counting.commandstats(admin), before)
-    return box[0] / n, sum(server.values()) / n, {k: v / n for k, v in sorted(server.items())}
+    return box[0] / n, packed / n, sum(server.values()) / n, {k: v / n for k, v in sorted(server.items())}
 
 
 def measure(url: str, rounds: int, cycles: int) -> list[CycleResult]:
@@ -150,7 +153,7 @@ def measure(url: str, rounds: int, cycles: int) -> list[CycleResult]:
     results = run_rounds(list(table), rounds, one)
     out = []
     for name, cycle in table.items():
-        rt, cmds, breakdown = _counted(admin, cycle, 300)
+        rt, packed, cmds, breakdown = _counted(admin, cycle, 300)
         out.append(
             CycleResult(
                 name=name,
@@ -158,6 +161,7 @@ def measure(url: str, rounds: int, cycles: int) -> list[CycleResult]:
                 rate=results[name]["rate"],
                 ratio=paired(results, name, BASE, "rate", lambda a, b: a / b),
                 round_trips=rt,
+                values_sent=packed,
                 server_commands=cmds,
                 server_breakdown=breakdown,
             )

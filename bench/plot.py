@@ -25,7 +25,7 @@ def _bars(ax: object, names: list[str], sums: list[Summary], target: float, titl
     ax.set_title(title, fontsize=10)  # type: ignore[attr-defined]
     ax.legend(loc="lower right", fontsize=8)  # type: ignore[attr-defined]
     for yi, m in zip(y, medians, strict=True):
-        ax.text(m + 0.01, yi, f"{m:.2f}", va="center", fontsize=8)  # type: ignore[attr-defined]
+        ax.text(0.02, yi, f"{m:.2f}", va="center", fontsize=8, color="white")  # type: ignore[attr-defined]
 
 
 def draw(res: Results, path: Path) -> None:

@@ -25,7 +25,7 @@ import structlog
 
 from celery_lockguard.testing import RedisServer, server_binary
 
-from . import contention, cycle, e2e, env, memory, renewal
+from . import breakdown, contention, cycle, e2e, env, memory, renewal
 from .e2e import BenchFailure
 
 #: Section parameters: (full, quick).
@@ -34,6 +34,8 @@ PARAMS: dict[str, tuple[Any, Any]] = {
     "cycle_n": (300, 100),
     "e2e_rounds": (11, 3),
     "e2e_n": (1000, 200),
+    "breakdown_rounds": (30, 6),
+    "breakdown_n": (300, 100),
     "hot_seconds": (10, 2),
     "renew_sizes": ([1, 10, 100, 1000], [1, 100, 1000]),
     "renew_window": (4.0, 1.5),
@@ -55,6 +57,7 @@ class Results:
     cycle: list[cycle.CycleResult] = field(default_factory=list)
     script_usec: float = 0.0
     e2e: list[e2e.E2EResult] = field(default_factory=list)
+    breakdown: list[breakdown.BreakdownRow] = field(default_factory=list)
     hot: list[contention.ContentionResult] = field(default_factory=list)
     renewal: list[renewal.RenewalResult] = field(default_factory=list)
     memory: list[memory.MemoryRow] = field(default_factory=list)
@@ -100,6 +103,9 @@ def run(quick: bool, command: str) -> Results:
         )
         res.checks.append(("every throughput task ran exactly once", True, "checked per round"))
 
+    def do_breakdown(srv: RedisServer) -> None:
+        res.breakdown = breakdown.measure(srv.url, p["breakdown_rounds"], p["breakdown_n"])
+
     def do_hot(srv: RedisServer) -> None:
         res.hot = contention.measure(srv.url, p["hot_seconds"])
         res.checks.append(("contention: lockguard bodies never overlapped; retry ran every call once", True, "checked"))
@@ -122,6 +128,7 @@ def run(quick: bool, command: str) -> Results:
     for name, fn in (
         ("lock cycle", do_cycle),
         ("end-to-end", do_e2e),
+        ("breakdown", do_breakdown),
         ("contention", do_hot),
         ("renewal", do_renewal),
         ("memory", do_memory),
@@ -136,9 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="short runs for CI: checks breakage, not speed")
     parser.add_argument("--out", type=Path, help="write the Markdown page here (and its plot beside it)")
     args = parser.parse_args(argv)
-    # As a production app would: lockguard's per-task events are debug and must not print.
+    # The driver publishes thousands of duplicates on purpose: their info events go nowhere,
+    # and anything louder goes to stderr, never into the page printed on stdout.
     structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO), cache_logger_on_first_use=True
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
     )
     command = "python -m bench.run" + (" --quick" if args.quick else "") + (f" --out {args.out}" if args.out else "")
     try:
@@ -151,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     page = report.render(res, plot_name=args.out.with_suffix(".png").name if args.out else None)
     if args.out:
         from . import plot
+
+        args.out.parent.mkdir(parents=True, exist_ok=True)
 
         plot.draw(res, args.out.with_suffix(".png"))
         args.out.write_text(page)

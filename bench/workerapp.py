@@ -48,6 +48,7 @@ RUNS: Counter[str] = Counter()
 TP_TASKS = {
     "plain task": "tp_plain",
     "LockedTask": "tp_locked",
+    "LockedTask until_done": "tp_until_done",
     "celery-once QueueOnce": "tp_once",
     "celery-singleton Singleton": "tp_singleton",
 }
@@ -57,6 +58,7 @@ HOT_TASKS = {
     "LockedTask on_locked=skip": "hot_skip",
     "LockedTask on_locked=retry": "hot_retry",
     "LockedTask on_locked=raise": "hot_raise",
+    "LockedTask lock_mode=until_done": "hot_until_done",
     "celery-once QueueOnce (graceful)": "hot_once",
     "celery-singleton Singleton": "hot_singleton",
 }
@@ -102,6 +104,17 @@ def create_app(cfg: dict[str, Any]) -> Celery:
     def tp_locked(i: int) -> None:
         RUNS["tp_locked"] += 1
 
+    @app.task(
+        name="tp_until_done",
+        base=LockedTask,
+        lock_key="item:{i}",
+        lock_mode="until_done",
+        ignore_result=True,
+        shared=False,
+    )
+    def tp_until_done(i: int) -> None:
+        RUNS["tp_until_done"] += 1
+
     @app.task(name="tp_once", base=QueueOnce, once={"graceful": True}, ignore_result=True, shared=False)
     def tp_once(i: int) -> None:
         RUNS["tp_once"] += 1
@@ -134,6 +147,18 @@ def create_app(cfg: dict[str, Any]) -> Celery:
 
     for name, policy in (("hot_skip", "skip"), ("hot_retry", "retry"), ("hot_raise", "raise")):
         locked_hot(name, policy)
+
+    @app.task(
+        name="hot_until_done",
+        base=LockedTask,
+        bind=True,
+        lock_key="hot:{k}",
+        lock_ttl=5,
+        lock_mode="until_done",
+        shared=False,
+    )
+    def hot_until_done(self: Any, k: str) -> str:
+        return hot_body("hot_until_done", self.request.id, k)
 
     @app.task(name="hot_once", base=QueueOnce, bind=True, once={"graceful": True}, shared=False)
     def hot_once(self: Any, k: str) -> str:
