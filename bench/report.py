@@ -170,7 +170,7 @@ def render(res: Results, plot_name: str | None) -> str:
         f"{server:.0f} µs is server time: its two scripts take {res.script_usec:.1f} µs per call on average "
         "(`commandstats` usec of EVALSHA) against ~1-2 µs for a bare `SET`/`DEL`, because they do what the "
         "raw cycle does not — read the completion record, read and advance the fence (floored by `TIME`), "
-        "write the holder record (hash of 13 fields), check the token on release, write the completion "
+        "write the holder record (a 12-field hash), check the token on release, write the completion "
         f"record. The remaining ~{max(extra - server, 0):.0f} µs is client CPU: redis-py's pure-Python "
         f"serializer encodes {lg.values_sent:.0f} values per cycle (*values sent*: command names, keys, "
         f"holder fields) against {raw.values_sent:.0f} for the raw cycle, and the client builds the token "
