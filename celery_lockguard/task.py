@@ -524,6 +524,17 @@ class LockedTask(Task):
                 return self.AsyncResult(got.task_id)
         return super().apply_async(args, kwargs, task_id, link=link, **options)
 
+    def on_replace(self, sig: Any) -> Any:
+        """Free the lease before the replacement is published under this task's id.
+
+        The replacement inherits the task id: found holding the lease, it would
+        look like a redelivery of a running original and be dropped.
+        """
+        lease = self.lock
+        if lease is not None and not lease.released:
+            self._release(settings(self.app), self.lockguard_options, lease)
+        return super().on_replace(sig)
+
     def retry(
         self,
         args: Any = None,

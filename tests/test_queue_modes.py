@@ -214,3 +214,17 @@ def test_beat_runs_that_overrun_their_interval_never_overlap(
     )
     sp = spans(rows(r, cfg["prefix"], "catalog:reindex"))
     assert sp and no_overlap(sp)
+
+
+@pytest.mark.parametrize("mode", ["while_running", "until_done"])
+def test_replace_hands_the_task_id_to_the_replacement(env: Any, mode: str) -> None:
+    app, r, cfg, _ = env
+    results = []
+    for _ in range(5):  # the replacement races the original's release: repeat to give the race a chance
+        k = key()
+        res = app.tasks["replacer"].delay(k, mode)
+        results.append((k, res))
+    for k, res in results:
+        assert res.get(timeout=60)["tag"] == "replaced"
+        assert [x["ev"] for x in rows(r, cfg["prefix"], k)] == ["replacer", "start", "end"]
+        wait_for(lambda k=k: not r.exists(lock_name(cfg["prefix"], f"res:{k}")), 10, what="nothing left held")

@@ -404,3 +404,16 @@ def test_a_full_noeviction_server_follows_on_unavailable(prefix: str) -> None:
         with capture_logs() as logs, pytest.raises(BackendUnavailable, match="OutOfMemoryError"):
             t.apply(args=(1,), throw=True)
         assert events(logs, "lock.backend_unavailable")[0]["policy"] == "fail_closed"
+
+
+def test_replace_releases_before_the_replacement_runs(app: Celery, r: redis.Redis, prefix: str) -> None:
+    @app.task(base=LockedTask, bind=True, shared=False, name="tt.replacement", lock_key="k:{a}")
+    def replacement(self: Any, a: int) -> str:
+        return f"replacement ran with fence {self.lock.fence > 0}"
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="tt.original", lock_key="k:{a}")
+    def original(self: Any, a: int) -> Any:
+        return self.replace(replacement.s(a))
+
+    assert original.apply(args=(1,), throw=True).get() == "replacement ran with fence True"
+    assert not r.exists(lock_name(prefix, "k:1"))

@@ -293,6 +293,13 @@ def create_app(cfg: dict[str, Any]) -> Celery:
     def reindex_catalog(self: Any, seconds: float = 2.5) -> dict[str, Any]:
         return body(self, "catalog:reindex", seconds, "beat")
 
+    @app.task(base=LockedTask, bind=True, shared=False, name="replacer", lock_key="res:{key}", lock_ttl=5)
+    def replacer(self: Any, key: str, mode: str = "while_running") -> Any:
+        """Replace itself with locked work on the same entity, under the same task id."""
+        record(ev="replacer", key=key, task_id=self.request.id)
+        target = "until_done" if mode == "until_done" else "hold_skip"
+        return self.replace(app.tasks[target].s(key, 0.2, "replaced"))
+
     if cfg.get("beat_every"):
         app.conf.beat_schedule = {
             "reindex": {"task": "reindex_catalog", "schedule": float(cfg["beat_every"]), "args": (2.5,)}
