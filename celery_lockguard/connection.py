@@ -3,12 +3,22 @@
 Short socket timeouts and no client-side retry loop: an unreachable Redis must
 surface quickly as ``BackendUnavailable`` so the task's ``on_unavailable``
 policy decides, rather than stalling a worker slot for tens of seconds.
+
+Sentinel: redis-py asks the sentinels for the master only when it opens a
+connection, and a master demoted by ``SENTINEL FAILOVER`` (or cut off by a
+partition) keeps answering writes until the sentinels reconfigure it -- many
+seconds in which renewals and releases would land on a server whose data is
+about to be thrown away. So at most every :data:`SENTINEL_CHECK_INTERVAL`
+seconds :func:`follow_failover` asks the sentinels again; when the master
+moved, idle connections are closed at once and busy ones when returned, and
+the next command goes to the new master.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 import redis
@@ -29,8 +39,12 @@ UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
 )
 
+#: Seconds between two "is the master still where we think?" questions to the sentinels.
+SENTINEL_CHECK_INTERVAL = 1.0
+
 _clients: dict[tuple[int, Settings], Any] = {}
 _lock = threading.Lock()
+_checked_at: dict[int, float] = {}
 
 
 def client(s: Settings) -> Any:
@@ -43,7 +57,30 @@ def client(s: Settings) -> Any:
             if c is None:
                 c = _make_client(s)
                 _clients[key] = c
+    if s.sentinels:
+        follow_failover(c)
     return c
+
+
+def follow_failover(c: Any) -> None:
+    """On a Sentinel client, re-ask the sentinels for the master (rate-limited); a no-op otherwise.
+
+    ``get_master_address`` closes the pool's idle connections when the answer
+    changed, and the pool drops busy ones as they come back. A sentinel that
+    cannot answer changes nothing: the command itself then says whether the
+    master is reachable.
+    """
+    pool = getattr(c, "connection_pool", None)
+    if pool is None or not hasattr(pool, "get_master_address"):
+        return
+    now = time.monotonic()
+    if now - _checked_at.get(id(pool), 0.0) < SENTINEL_CHECK_INTERVAL:
+        return
+    _checked_at[id(pool)] = now
+    try:
+        pool.get_master_address()
+    except Exception:  # noqa: BLE001 - MasterNotFoundError, timeouts: keep the current connection
+        pass
 
 
 def _make_client(s: Settings) -> Any:
@@ -59,7 +96,13 @@ def _make_client(s: Settings) -> Any:
             raise ConfigurationError("setting lockguard_sentinels needs lockguard_sentinel_master")
         from redis.sentinel import Sentinel
 
-        sentinel = Sentinel(s.sentinels, socket_timeout=s.socket_timeout)
+        sentinel = Sentinel(
+            [tuple(x) for x in s.sentinels],
+            sentinel_kwargs={
+                "socket_timeout": s.socket_timeout,
+                "socket_connect_timeout": common["socket_connect_timeout"],
+            },
+        )
         return sentinel.master_for(s.sentinel_master, **common)
     if not s.redis_url:
         raise ConfigurationError(

@@ -23,7 +23,7 @@ from typing import Any
 
 from . import cluster
 from . import lease as lease_ops
-from .connection import UNAVAILABLE_ERRORS
+from .connection import UNAVAILABLE_ERRORS, follow_failover
 from .events import emit
 from .lease import Lease
 
@@ -101,6 +101,7 @@ class Renewer:
 
     def _tick(self, entries: list[_Entry]) -> None:
         leases = [e.lease for e in entries]
+        follow_failover(entries[0].client)  # Sentinel: renew on the current master, not a demoted one
         sent_at = time.monotonic()
         try:
             results = lease_ops.renew(entries[0].client, leases)

@@ -248,7 +248,8 @@ class LockedTask(Task):
             replace_token=replace_token,
             claim_token=claim_token,
             replicas=opts.replicas,
-            replicas_timeout_ms=opts.replicas_timeout_ms,
+            # WAIT must answer well inside the socket timeout, or a slow replica reads as an outage.
+            replicas_timeout_ms=max(1, min(opts.replicas_timeout_ms, int(s.socket_timeout * 500))),
         )
 
     def _run_locked(

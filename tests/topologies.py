@@ -163,8 +163,9 @@ class SentinelSet:
 
     def __init__(self, down_after_ms: int = 800, sentinels: int = 3) -> None:
         self.down_after_ms = down_after_ms
-        self.master = RedisServer()
-        self.replica = RedisServer()
+        # No 5 s wait for more replicas before a full sync (the default diskless-sync delay).
+        self.master = RedisServer(extra=["--repl-diskless-sync-delay", "0"])
+        self.replica = RedisServer(extra=["--repl-diskless-sync-delay", "0"])
         self.sentinel_ports = [free_port() for _ in range(sentinels)]
         self.dir = Path(tempfile.mkdtemp(prefix="lockguard-sentinel-"))
         self.sentinel_procs: list[subprocess.Popen[bytes]] = []
@@ -176,17 +177,27 @@ class SentinelSet:
     def start(self) -> SentinelSet:
         try:
             self.master.start()
-            self.replica.extra = ["--replicaof", "127.0.0.1", str(self.master.port)]
+            self.replica.extra += ["--replicaof", "127.0.0.1", str(self.master.port)]
             self.replica.start()
             wait_for(self._replica_in_sync, 20, interval=0.05, what="the replica to sync")
+            # Each sentinel is told its own id, its peers and the replica up front, so the set is
+            # ready at once instead of after rounds of hello messages (every 2 s).
+            ids = {port: uuid.uuid4().hex + uuid.uuid4().hex[:8] for port in self.sentinel_ports}
             for port in self.sentinel_ports:
                 conf = self.dir / f"sentinel-{port}.conf"
+                peers = "".join(
+                    f"sentinel known-sentinel {self.NAME} 127.0.0.1 {p} {ids[p]}\n"
+                    for p in self.sentinel_ports
+                    if p != port
+                )
                 conf.write_text(
                     f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {self.dir}\n"
+                    f"sentinel myid {ids[port]}\n"
                     f"sentinel monitor {self.NAME} 127.0.0.1 {self.master.port} 2\n"
                     f"sentinel down-after-milliseconds {self.NAME} {self.down_after_ms}\n"
                     f"sentinel failover-timeout {self.NAME} 10000\n"
                     f"sentinel parallel-syncs {self.NAME} 1\n"
+                    f"sentinel known-replica {self.NAME} 127.0.0.1 {self.replica.port}\n" + peers
                 )
                 self.sentinel_procs.append(
                     subprocess.Popen(
@@ -205,8 +216,12 @@ class SentinelSet:
         return redis.Redis(host="127.0.0.1", port=self.sentinel_ports[i], decode_responses=True, socket_timeout=2)
 
     def _replica_in_sync(self) -> bool:
-        info = self.replica.client().info("replication")
-        return info.get("master_link_status") == "up"
+        """Linked, and acknowledging writes (WAIT sees it: the first ACK comes a moment after the sync)."""
+        if self.replica.client().info("replication").get("master_link_status") != "up":
+            return False
+        m = self.master.client()
+        m.set("topologies:probe", "1")
+        return int(m.execute_command("WAIT", 1, 100)) >= 1
 
     def _sentinels_agree(self) -> bool:
         for i in range(len(self.sentinel_ports)):
