@@ -147,7 +147,14 @@ def test_contended_holder_and_a_recorded_scope_while_held(app: Celery, rc: Any, 
         return a
 
     holder = L.acquire(
-        rc, cprefix, "acct:1", ttl_ms=10_000, task_id="other", task_name="x", digest="d", worker="w",
+        rc,
+        cprefix,
+        "acct:1",
+        ttl_ms=10_000,
+        task_id="other",
+        task_name="x",
+        digest="d",
+        worker="w",
         fence_ttl_ms=60_000,
     )
     assert isinstance(holder, L.Lease)
@@ -170,7 +177,15 @@ def test_record_is_written_before_the_lease_is_freed(rc: Any, cprefix: str) -> N
     assert C.split_done(rc, got.redis_key, done_name(cprefix, scope))
     assert L.release(rc, got, cprefix, scope, '{"result":1}', 10_000) == (1, 1)
     again = L.acquire(
-        rc, cprefix, "inv:1", ttl_ms=10_000, task_id="t2", task_name="n", digest="d", worker="w", fence_ttl_ms=60_000,
+        rc,
+        cprefix,
+        "inv:1",
+        ttl_ms=10_000,
+        task_id="t2",
+        task_name="n",
+        digest="d",
+        worker="w",
+        fence_ttl_ms=60_000,
         scope=scope,
     )
     assert isinstance(again, L.Done) and again.record == '{"result":1}'
@@ -223,9 +238,7 @@ def test_renewer_thread_ticks_once_per_node(app: Celery, cluster: LocalCluster, 
     assert all(rc.exists(lease.redis_key) for lease in leases)
 
 
-def test_renew_falls_back_to_one_call_per_slot_after_a_slot_moved(
-    cluster: LocalCluster, rc: Any, cprefix: str
-) -> None:
+def test_renew_falls_back_to_one_call_per_slot_after_a_slot_moved(cluster: LocalCluster, rc: Any, cprefix: str) -> None:
     keys = entities_on_distinct_slots(rc, cprefix, per_node=2)[:2]  # two slots of one node
     leases = []
     for k in keys:
@@ -295,7 +308,14 @@ def test_cli_locks_stats_doctor_and_release_cover_every_master(
     keys = entities_on_distinct_slots(rc, prefix, per_node=2)
     for k in keys:
         got = L.acquire(
-            rc, prefix, k, ttl_ms=60_000, task_id=f"id-{k}", task_name="n", digest="d", worker="w",
+            rc,
+            prefix,
+            k,
+            ttl_ms=60_000,
+            task_id=f"id-{k}",
+            task_name="n",
+            digest="d",
+            worker="w",
             fence_ttl_ms=60_000,
         )
         assert isinstance(got, L.Lease)

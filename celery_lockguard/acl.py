@@ -1,0 +1,67 @@
+"""The Redis commands celery-lockguard sends, for a least-privilege ACL user.
+
+Every lease operation is one Lua script run by EVALSHA (loaded with SCRIPT
+LOAD after a NOSCRIPT). A script runs as the calling user, so the commands it
+calls (:data:`IN_SCRIPTS`) must be granted too. The rest is listed by who
+sends it. Keys are all under ``{lockguard_key_prefix}:``, so one key pattern
+covers them.
+
+>>> rule("lockguard").split()[:3]
+['on', 'resetkeys', '~lockguard:*']
+"""
+
+from __future__ import annotations
+
+#: Connection set-up redis-py sends. CLIENT SETINFO (Redis 7.2+, Valkey) is refused quietly when
+#: not granted -- redis-py ignores the error -- but each refusal fills the ACL log.
+CONNECTION = ("hello", "client|setname", "ping")
+SETINFO = ("client|setinfo",)
+
+#: What the Lua scripts call (scripts.py, cluster.py): checked against the caller's ACL.
+IN_SCRIPTS = ("time", "get", "set", "hget", "hmget", "hset", "pexpire", "pttl", "del")
+
+#: Workers: scripts; completion records on Cluster (GET, SET); checkpoints (HGET, then HSET +
+#: PEXPIRE in MULTI/EXEC); metrics flushes (HINCRBY, EXPIRE, HSETNX, HSET in MULTI/EXEC);
+#: ``lock_replicas`` (WAIT).
+TASKS = (
+    "evalsha",
+    "script|load",
+    "get",
+    "set",
+    "hget",
+    "hset",
+    "hsetnx",
+    "hincrby",
+    "pexpire",
+    "expire",
+    "multi",
+    "exec",
+    "wait",
+)
+
+#: ``celery lockguard``: locks (SCAN, TIME, HGETALL, PTTL), release (HGETALL + a script), stats
+#: (HGETALL), doctor (INFO; CONFIG GET only when INFO lacks the policy, failure tolerated),
+#: completions show/forget (GET, PTTL, HGETALL, DEL).
+CLI = ("scan", "time", "hgetall", "pttl", "info", "config|get", "del")
+
+#: Redis Cluster clients also read the topology and the command table.
+CLUSTER = ("cluster|slots", "cluster|shards", "cluster|nodes", "command", "readonly")
+
+
+def commands(cli: bool = True, cluster: bool = False, setinfo: bool = True) -> tuple[str, ...]:
+    """Every command to grant: workers always, the operator CLI and Cluster discovery on request.
+
+    ``setinfo=False`` for servers before Redis 7.2, which reject the unknown name in ACL SETUSER.
+    """
+    out = CONNECTION + (SETINFO if setinfo else ()) + TASKS + IN_SCRIPTS
+    out += (CLI if cli else ()) + (CLUSTER if cluster else ())
+    return tuple(dict.fromkeys(out))
+
+
+def rule(prefix: str, cli: bool = True, cluster: bool = False, setinfo: bool = True) -> str:
+    """The ``ACL SETUSER <name>`` arguments for a user limited to ``prefix``'s keys and these commands.
+
+    Add ``>password`` (or ``#sha256``) yourself. No pub/sub channels are needed.
+    """
+    grants = " ".join(f"+{c}" for c in commands(cli, cluster, setinfo))
+    return f"on resetkeys ~{prefix}:* resetchannels -@all {grants}"
