@@ -104,6 +104,20 @@ class LockedTask(Task):
 
     # -- runtime, per request ---------------------------------------------------
 
+    def push_request(self, *args: Any, **kwargs: Any) -> None:
+        """Carry this call's lease, names and checkpoints into the request the body runs under.
+
+        ``Task.__call__`` pushes a fresh request for the body. Celery 5.5+
+        copies the caller's request into it; 5.3 and 5.4 do not, and the body
+        would see ``self.lock is None`` and checkpoints that never record.
+        """
+        parent = self.request.__dict__
+        carried = {name: parent[name] for name in (_LEASE, _CALL, _CHECKPOINTS) if name in parent}
+        super().push_request(*args, **kwargs)
+        if carried:
+            self.request.__dict__.update(carried)
+
+
     @property
     def lock(self) -> Lease | None:
         """The current request's lease, or ``None`` (no lock, fail-open, direct call)."""

