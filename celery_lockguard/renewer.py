@@ -14,6 +14,7 @@ so it cannot resurrect a released key either.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import threading
@@ -44,6 +45,7 @@ class Renewer:
         self._entries: dict[int, _Entry] = {}
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._wake_at = math.inf  # when the thread will next look at its leases (0: it is ticking now)
         self.ticks = 0
 
     def track(self, lease: Lease, client: Any, max_hold: float) -> None:
@@ -55,7 +57,10 @@ class Renewer:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="lockguard-renewer", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            elif min(entry.due, entry.deadline) < self._wake_at - 0.2 * interval:
+                # Wake the thread only if it would otherwise renew this lease late by more than a fifth of
+                # its interval: a wake-up per task costs more CPU than the whole tracking otherwise does.
+                self._cond.notify()
 
     def untrack(self, lease: Lease) -> None:
         """Stop renewing ``lease``; any reply still in flight for it is ignored."""
@@ -70,12 +75,15 @@ class Renewer:
         while True:
             with self._cond:
                 while not self._entries:
+                    self._wake_at = math.inf
                     self._cond.wait()
                 now = time.monotonic()
                 due = min(min(e.due, e.deadline) for e in self._entries.values())
                 if due > now:
+                    self._wake_at = due
                     self._cond.wait(due - now)
                     continue
+                self._wake_at = 0.0
                 self._cut_off(now)
                 groups: dict[tuple[int, str], list[_Entry]] = {}
                 for e in self._entries.values():
