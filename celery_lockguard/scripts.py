@@ -72,7 +72,7 @@ if cur[1] then
   end
 end
 local fence = next_fence(KEYS[2], ARGV[10], now_us)
-redis.call('DEL', KEYS[1])
+if cur[1] then redis.call('DEL', KEYS[1]) end  -- replacing: drop the old holder's fields
 redis.call('HSET', KEYS[1], 'token', ARGV[1], 'task_id', ARGV[3], 'task_name', ARGV[4],
            'digest', ARGV[5], 'host', ARGV[6], 'pid', ARGV[7], 'worker', ARGV[8], 'state', ARGV[9],
            'acquired_at', now_ms, 'renewed_at', now_ms, 'ttl', ARGV[2], 'fence', fence)
