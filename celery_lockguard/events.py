@@ -25,7 +25,6 @@ _LEVELS = {
     "lock.force_released": "warning",
     "lock.fail_open": "warning",
     "lock.backend_unavailable": "warning",
-    "lock.under_replicated": "warning",
     "fence.stale": "warning",
     "lock.wait_budget_exhausted": "warning",
     "lock.under_replicated": "warning",

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import Task, uuid
+from celery.app.task import Context
 from celery.exceptions import Ignore, Retry
 
 from . import claims, completion, connection, keys, signals
@@ -105,18 +106,14 @@ class LockedTask(Task):
     # -- runtime, per request ---------------------------------------------------
 
     def push_request(self, *args: Any, **kwargs: Any) -> None:
-        """Carry this call's lease, names and checkpoints into the request the body runs under.
+        """Start the body's request as a copy of the caller's: id, retries, lease, names, checkpoints.
 
-        ``Task.__call__`` pushes a fresh request for the body. Celery 5.5+
-        copies the caller's request into it; 5.3 and 5.4 do not, and the body
-        would see ``self.lock is None`` and checkpoints that never record.
+        ``Task.__call__`` pushes a new request for the body. Celery 5.5+ builds
+        it from the current one (this is that code); 5.3 and 5.4 start it
+        empty, so a body behind a custom ``__call__`` saw no ``request.id`` and
+        ``self.lock is None``.
         """
-        parent = self.request.__dict__
-        carried = {name: parent[name] for name in (_LEASE, _CALL, _CHECKPOINTS) if name in parent}
-        super().push_request(*args, **kwargs)
-        if carried:
-            self.request.__dict__.update(carried)
-
+        self.request_stack.push(Context(*args, **{**self.request.__dict__, **kwargs}))
 
     @property
     def lock(self) -> Lease | None:
