@@ -39,6 +39,9 @@ UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
 )
 
+#: redis-py runs MULTI/EXEC on Cluster (one slot) from 6.1 on; checkpoints and metrics flushes need it.
+CLUSTER_MIN_REDIS_PY = (6, 1)
+
 #: Seconds between two "is the master still where we think?" questions to the sentinels.
 SENTINEL_CHECK_INTERVAL = 1.0
 
@@ -112,9 +115,21 @@ def _make_client(s: Settings) -> Any:
     if s.redis_cluster:
         from redis.cluster import RedisCluster
 
+        if redis_py_version() < CLUSTER_MIN_REDIS_PY:
+            raise ConfigurationError(
+                f"setting lockguard_redis_cluster needs redis-py >= 6.1 (installed: {redis.__version__}): "
+                "checkpoints and metrics flushes are MULTI/EXEC transactions on one slot, which older "
+                "redis-py refuses on Cluster"
+            )
+
         common.pop("retry")
         return RedisCluster.from_url(s.redis_url, **common)
     return redis.Redis.from_url(s.redis_url, **common)
+
+
+def redis_py_version() -> tuple[int, ...]:
+    """The installed redis-py version as numbers (``(8, 1, 0)``)."""
+    return tuple(int(x) for x in redis.__version__.split(".")[:2] if x.isdigit())
 
 
 def forget_clients() -> None:

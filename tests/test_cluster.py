@@ -29,8 +29,13 @@ from .topologies import LocalCluster
 pytestmark = pytest.mark.cluster
 
 
+OLD_REDIS_PY = connection.redis_py_version() < connection.CLUSTER_MIN_REDIS_PY
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
+    if OLD_REDIS_PY:
+        pytest.skip("Cluster support needs redis-py >= 6.1 (see test_old_redis_py_refuses_cluster_clearly)")
     with LocalCluster() as c:
         yield c
     connection.forget_clients()
@@ -373,3 +378,31 @@ def test_real_worker_on_the_cluster_runs_duplicates_one_at_a_time(
     assert not rc.exists(lock_name(prefix, f"res:long-{hot}"))
     for res in results:  # every completion record landed in its own slot
         assert rc.get(done_name(prefix, task_scope(res.id))) is not None
+
+
+def test_checkpoints_and_metrics_flush_are_one_slot_transactions(app: Celery, rc: Any, cprefix: str) -> None:
+    from celery_lockguard import metrics, stats
+
+    calls: list[int] = []
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="cl.cp", lock_key="cp:{a}")
+    def t(self: Any, a: int) -> Any:
+        return self.checkpoint("step", lambda: calls.append(a) or [a, "x"])
+
+    assert t.apply(args=(1,), task_id="cp-1").get() == [1, "x"]
+    assert rc.hget(checkpoint_name(cprefix, task_scope("cp-1")), "step") == '{"value":[1,"x"]}'
+    metrics.count("cl.cp", "test.marker", 2)
+    assert metrics.flush(rc, cprefix) > 0  # MULTI/EXEC on the {fleet} slot
+    assert stats.read(rc, cprefix)["total"]["cl.cp|test.marker"] == "2"
+    assert calls == [1]
+
+
+@pytest.mark.skipif(not OLD_REDIS_PY, reason="this redis-py supports Cluster transactions")
+def test_old_redis_py_refuses_cluster_clearly() -> None:
+    from celery_lockguard import ConfigurationError
+
+    a = Celery("old", broker="memory://", set_as_current=False)
+    a.conf.lockguard_redis_url = "redis://127.0.0.1:1/0"
+    a.conf.lockguard_redis_cluster = True
+    with pytest.raises(ConfigurationError, match=r"redis-py >= 6\.1"):
+        connection.client(settings(a))
