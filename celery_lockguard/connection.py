@@ -35,6 +35,7 @@ UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     redis.exceptions.ReadOnlyError,
     redis.exceptions.OutOfMemoryError,  # noeviction and full: no lease can be written
     redis.exceptions.ClusterDownError,
+    redis.exceptions.SlotNotCoveredError,  # Cluster: no node serves the key's slot right now
     redis.exceptions.TryAgainError,
     OSError,
 )
