@@ -29,6 +29,8 @@ from .renewer import renewer
 
 #: Message header counting lock/outage waits, separate from ``request.retries``.
 WAITS_HEADER = "lockguard_waits"
+#: Message header marking a watch copy (see ``LockedTask._watch``), with how many watches came before.
+WATCH_HEADER = "lockguard_watch"
 
 _LEASE = "_lockguard_lease"
 _CALL = "_lockguard_call"
@@ -205,6 +207,8 @@ class LockedTask(Task):
             except UNAVAILABLE_ERRORS as exc:
                 return self._unavailable(opts, call, store, args, kwargs, f"{exc.__class__.__name__}: {exc}")
             if isinstance(got, Done):
+                if claims.header(req, WATCH_HEADER) is not None:
+                    raise Ignore()  # a watch copy: the original finished; leave its stored state alone
                 return self._completed(call, got.record)
             if isinstance(got, Holder):
                 if got.token != replace_token and (
@@ -373,6 +377,7 @@ class LockedTask(Task):
                     policy=opts.on_locked,
                     reason="redelivery_of_running_original",
                 )
+                self._watch(opts, args, kwargs, call, holder)
                 raise Ignore()
             return self._wait(opts, args, kwargs, call, "holder_of_own_id_dead", error, holder.pttl_ms / 1000)
         emit("lock.contended", self.name, **fields, policy=opts.on_locked)
@@ -388,6 +393,39 @@ class LockedTask(Task):
             ("duplicate_waits" if alive else "duplicate_of_dead_holder") if duplicate else "different_work_on_entity"
         )
         return self._wait(opts, args, kwargs, call, reason, error, holder.pttl_ms / 1000)
+
+    def _watch(
+        self, opts: TaskOptions, args: tuple[Any, ...], kwargs: dict[str, Any], call: _Call, holder: Holder
+    ) -> None:
+        """Before dropping a redelivered copy of a running task, leave a delayed watch copy behind.
+
+        Dropping the copy acknowledges it, and on the Redis transport that also
+        deletes the original's entry in ``unacked``: if the original's child
+        is then killed, its ``reject(requeue=True)`` restores nothing and the
+        job would be lost. The watch copy (same task id) comes back later: if
+        the original completed, it stores nothing (``Ignore``); if it still
+        runs, it watches again with a longer countdown; if it died, it takes
+        over and runs. It needs completion records to tell "finished" from
+        "died", so without them the copy is only dropped (documented).
+        """
+        req = self.request
+        if not opts.completion or req.is_eager:
+            return
+        watches = int(claims.header(req, WATCH_HEADER) or 0)
+        fields = {"lock_key": call.key, "task_id": req.id, "reason": "watching_running_original", "waits": watches}
+        if watches >= opts.max_waits:
+            emit("lock.wait_budget_exhausted", self.name, **fields, policy=opts.on_locked)
+            return
+        countdown = min(60.0, max(opts.ttl, 0.5 * 2**watches)) * random.uniform(1.0, 1.25)
+        headers = {**(req.headers or {}), WATCH_HEADER: watches + 1}
+        headers.pop(claims.CLAIM_HEADER, None)
+        sig = self.signature_from_request(req, args, kwargs, countdown=countdown, retries=req.retries, headers=headers)
+        try:
+            sig.apply_async()
+        except Exception as exc:  # noqa: BLE001 - the copy is dropped either way; say the watch is missing
+            emit("lock.backend_unavailable", self.name, **fields, policy="watch", reason=f"publish failed: {exc}")
+            return
+        emit("lock.retry_scheduled", self.name, **fields, countdown=round(countdown, 3), policy="watch")
 
     @staticmethod
     def _dead_here(holder: Holder, task_id: str) -> bool:

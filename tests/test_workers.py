@@ -251,3 +251,33 @@ def test_fail_open_runs_the_body_without_a_lease(fleet: Any, redis_url: str, pre
         out = app.tasks["hold_skip"].delay("open", 0.1, "open").get(timeout=60)
         assert out == {"tag": "open", "fence": None, "lost": None, "held": None}
         assert "lock.fail_open" in worker.log()
+
+
+def test_original_killed_after_its_redelivery_was_dropped_still_completes(
+    fleet: Any, redis_url: str, prefix: str
+) -> None:
+    """Dropping the redelivered copy acks it, which on Redis also deletes the original's unacked entry;
+    the watch copy left behind is what runs the job when the original then dies (found by the chaos soak)."""
+    import os
+    import signal
+
+    from .conftest import make_cfg
+
+    cfg = make_cfg(prefix, redis_url, acks_late=True, visibility_timeout=1)
+    worker = fleet.worker(cfg)
+    app = fleet.app(cfg)
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    res = app.tasks["hold_skip"].delay("watched", 4.0, "job")
+    wait_for(
+        lambda: "redelivery_of_running_original" in worker.log(),
+        30,
+        interval=0.1,
+        what="the redelivered copy to be dropped",
+    )
+    (first,) = [x for x in records(r, prefix, "watched") if x["ev"] == "start"]
+    os.kill(first["pid"], signal.SIGKILL)
+    out = res.get(timeout=90)
+    assert out["tag"] == "job" and out["held"] is True
+    rows = records(r, prefix, "watched")
+    assert [x["ev"] for x in rows].count("end") == 1
+    assert len([x for x in rows if x["ev"] == "start"]) == 2
