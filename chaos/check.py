@@ -73,6 +73,7 @@ class Verdict:
     unreported_losses: int = 0  # bodies that ran through a pause past the TTL and finished believing they held
     unended: int = 0  # executions with no end and no kill that explains it
     faults_missing: int = 0  # fault kinds asked for that never hit work in flight: the run proved less
+    broker_left: int = 0  # messages still queued or unacknowledged at the end: the system never went quiet
     examples: dict[str, list[Any]] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -86,6 +87,7 @@ class Verdict:
         ("unreported_losses", "leases lost in a pause but not reported"),
         ("unended", "executions that never ended (no kill explains it)"),
         ("faults_missing", "fault kinds asked for that never hit running work"),
+        ("broker_left", "messages left in the broker at the end"),
     )
 
     @property

@@ -1,26 +1,40 @@
-"""``python -m chaos.repro``: the smallest run that loses a job, reduced from a soak failure.
+"""``python -m chaos.repro [ignore-then-kill|watch-storm]``: one-job reductions of what the soak found.
 
-One job, no duplicates, two workers with one child each, Redis broker with
-``acks_late`` + ``reject_on_worker_lost`` and a ``visibility_timeout`` (1 s)
-shorter than the body (4 s):
+Both use the soak's app and environment (private Redis servers, PostgreSQL
+tables of their own, real prefork workers), exit 1 when the defect shows and
+0 when it does not, and clean up like the soak.
+
+``ignore-then-kill`` (a lost job; fixed in 77aad04 by a watch copy). Two
+workers with one child each, ``acks_late`` + ``reject_on_worker_lost``, a
+``visibility_timeout`` (1 s) shorter than the body (4 s):
 
 1. the body starts on a child of worker A and holds the lease ``acct:0``;
-2. the transport's visibility sweep moves the still-unacknowledged message
-   from ``unacked`` back to the queue; worker B receives the copy;
+2. the transport's visibility sweep puts the still-unacknowledged message back
+   in the queue, and worker B receives the copy;
 3. LockedTask sees its own task id holding a live lease and drops the copy
-   with ``Ignore`` (event ``lock.skipped_duplicate``, reason
-   ``redelivery_of_running_original``) -- Celery acknowledges it;
-4. the child running the body is killed (SIGKILL): worker A rejects the
-   original delivery with requeue, but the transport's ``reject`` restores
-   from ``unacked`` only, where step 2 removed it -- nothing is requeued;
+   with ``Ignore`` (``reason="redelivery_of_running_original"``), which
+   acknowledges it;
+4. the child running the body is killed. Worker A rejects the original
+   delivery with requeue, but the Redis transport's ``unacked`` entry for it
+   is already gone, so nothing is requeued;
 5. the broker is empty and the job never committed: lost.
 
-Exit status 1 when the job was lost (the defect reproduced), 0 when it
-committed. Every process and table is cleaned up as in the soak.
+``watch-storm`` (the watch copy multiplying). The same setup, but the lock TTL
+(8 s) is longer than the ``visibility_timeout`` (1 s), and the body takes
+20 s. Each dropped copy leaves a watch copy counted down for at least the TTL.
+The Redis transport holds such a countdown message unacknowledged, so the
+visibility sweep redelivers it before it is due, and every copy that arrives
+while the original runs leaves a watch of its own. The count grows
+geometrically. After the original commits, a watch copy briefly holds the
+lease while it reads the PostgreSQL completion record, and copies arriving in
+that window see "their own task id, alive" and leave further watches. The run
+reports deliveries and the broker backlog until the backlog drains, or for
+30 s after the commit.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import signal
@@ -38,6 +52,7 @@ from .app import TASK_NAME
 from .soak import Environment, Options, broker_backlog, default_pg, interrupt
 
 IGNORED = "lock.skipped_duplicate|redelivery_of_running_original"
+WATCHES = "lock.retry_scheduled|watching_running_original"
 
 
 def poll(what: str, predicate: Callable[[], Any], timeout: float) -> Any:
@@ -50,60 +65,127 @@ def poll(what: str, predicate: Callable[[], Any], timeout: float) -> Any:
     return value
 
 
+class Scenario:
+    """One job on a small fleet; ``say`` prints with the time since it was published."""
+
+    def __init__(self, env: Environment) -> None:
+        self.env = env
+        self.pg = psycopg.connect(env.opts.pg, autocommit=True)
+        self.t0 = time.monotonic()
+        self.task_id = f"{env.run_id}-job0"
+
+    def say(self, msg: str) -> None:
+        print(f"[{time.monotonic() - self.t0:6.2f}s] {msg}", flush=True)
+
+    def publish(self, work_ms: int) -> None:
+        self.t0 = time.monotonic()
+        self.env.app.tasks[TASK_NAME].apply_async((0, 0, work_ms), task_id=self.task_id)
+        opts = self.env.opts
+        self.say(
+            f"published job 0: a {work_ms / 1000:g} s body, lock TTL {opts.ttl:g} s,"
+            f" visibility_timeout {opts.visibility_timeout:g} s"
+        )
+
+    def committed(self) -> bool:
+        row = self.pg.execute(f"SELECT count(*) FROM {self.env.tables.effects} WHERE job_id = 0").fetchone()
+        return bool(row and row[0])
+
+    def backlog(self) -> int:
+        return broker_backlog(self.env.broker_server.client(), self.env.queue)
+
+    def log_lines(self, limit: int = 40) -> None:
+        print("\nthe workers' log lines about the job:", flush=True)
+        shown = 0
+        for w in self.env.workers:
+            for line in w.log_tail(100_000).splitlines():
+                if (self.task_id in line or "SIGKILL" in line) and shown < limit:
+                    shown += 1
+                    print(f"  {w.nodename.split('@')[0]}: {line[:220]}", flush=True)
+
+
+def ignore_then_kill(sc: Scenario) -> int:
+    sc.publish(4000)
+    pid, worker = poll(
+        "the body to start",
+        lambda: sc.pg.execute(f"SELECT pid, worker FROM {sc.env.tables.executions} WHERE job_id = 0").fetchone(),
+        15,
+    )
+    sc.say(f"body running in pid {pid} on {worker}, holding acct:0")
+    poll("the redelivered copy to be ignored", lambda: sc.env.events()[IGNORED], 15)
+    sc.say("the visibility sweep redelivered the message; the copy was dropped with Ignore (acked)")
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    sc.say(f"SIGKILL -> pid {pid} (the only run of the job)")
+    idle_since: float | None = None
+    while time.monotonic() < killed + 20:
+        if sc.committed():
+            sc.say("job 0 committed: not reproduced")
+            return 0
+        idle = sc.backlog() == 0
+        idle_since = (idle_since or time.monotonic()) if idle else None
+        if idle_since is not None and time.monotonic() - idle_since > 2 * sc.env.opts.ttl + 1:
+            break
+        time.sleep(0.1)
+    ev = sc.env.events()
+    sc.say(
+        f"broker empty (queue and unacked), job 0 never committed: LOST. deliveries {ev['delivery']},"
+        f" redelivered {ev['delivery|redelivered']}, ignored as a running original's copy {ev[IGNORED]}"
+    )
+    sc.log_lines()
+    return 1
+
+
+def watch_storm(sc: Scenario, work_ms: int = 20_000) -> int:
+    sc.publish(work_ms)
+    done_at: float | None = None
+    give_up = time.monotonic() + work_ms / 1000 + 120
+    while time.monotonic() < give_up:
+        time.sleep(2)
+        ev, backlog = sc.env.events(), sc.backlog()
+        if done_at is None and sc.committed():
+            done_at = time.monotonic()
+            sc.say("job 0 committed")
+        sc.say(
+            f"deliveries {ev['delivery']:>6} · copies dropped as a running original's {ev[IGNORED]:>5}"
+            f" · watch copies left {ev[WATCHES]:>5} · messages in the broker {backlog:>4}"
+        )
+        if done_at is not None and backlog == 0:
+            break
+        if done_at is not None and time.monotonic() > done_at + 30:
+            break
+    storm = ev["delivery"] > 50 or backlog > 0
+    after = f"{time.monotonic() - done_at:.0f}s after it committed" if done_at is not None else "(never committed)"
+    sc.say(f"{'STORM' if storm else 'no storm'}: {ev['delivery']} deliveries for one job; {backlog} messages {after}")
+    return 1 if storm else 0
+
+
+SCENARIOS: dict[str, tuple[Callable[[Scenario], int], dict[str, float]]] = {
+    "ignore-then-kill": (ignore_then_kill, {"ttl": 2.0, "visibility_timeout": 1.0}),
+    "watch-storm": (watch_storm, {"ttl": 8.0, "visibility_timeout": 1.0}),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    pg_url = argv[0] if argv else default_pg()
-    opts = Options(workers=2, concurrency=1, ttl=2.0, visibility_timeout=1.0, pg=pg_url, pauses=0, restarts=0)
+    p = argparse.ArgumentParser(prog="python -m chaos.repro", description=__doc__.split("\n", 1)[0])
+    p.add_argument("scenario", nargs="?", choices=sorted(SCENARIOS), default="ignore-then-kill")
+    p.add_argument("--pg", default=None, help="PostgreSQL DSN (default as for chaos.soak)")
+    ns = p.parse_args(argv)
+    fn, timing = SCENARIOS[ns.scenario]
+    opts = Options(workers=2, concurrency=1, pg=ns.pg or default_pg(), pauses=0, restarts=0)
+    opts.ttl, opts.visibility_timeout = timing["ttl"], timing["visibility_timeout"]
     run_id = uuid.uuid4().hex[:8]
     log_dir = Path(tempfile.mkdtemp(prefix=f"chaos-repro-{run_id}-"))
     env = Environment(opts, run_id, log_dir)
     previous = signal.signal(signal.SIGTERM, interrupt)
-    t0 = time.monotonic()
-
-    def say(msg: str) -> None:
-        print(f"[{time.monotonic() - t0:5.2f}s] {msg}", flush=True)
-
     try:
         env.start()
-        pg = psycopg.connect(opts.pg, autocommit=True)  # closed with the process; the tables go in close()
-        t0 = time.monotonic()
-        task_id = f"{run_id}-job0"
-        env.app.tasks[TASK_NAME].apply_async((0, 0, 4000), task_id=task_id)
-        say(f"published job 0 (task id {task_id}): a 4 s body, visibility_timeout 1 s")
-        row = poll(
-            "the body to start",
-            lambda: pg.execute(f"SELECT pid, worker FROM {env.tables.executions} WHERE job_id = 0").fetchone(),
-            15,
-        )
-        pid, worker = row
-        say(f"body running in pid {pid} on {worker}, holding acct:0")
-        poll("the redelivered copy to be ignored", lambda: env.events()[IGNORED], 15)
-        say("the visibility sweep redelivered the message; the copy was dropped with Ignore (acked)")
-        signal_sent = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
-        say(f"SIGKILL -> pid {pid} (the only run of the job)")
-        broker = env.broker_server.client()
-        effects = f"SELECT count(*) FROM {env.tables.effects} WHERE job_id = 0"
-        idle_since: float | None = None
-        while time.monotonic() < signal_sent + 20:
-            if (pg.execute(effects).fetchone() or (0,))[0]:
-                say("job 0 committed: not reproduced")
-                return 0
-            idle = broker_backlog(broker, env.queue) == 0
-            idle_since = (idle_since or time.monotonic()) if idle else None
-            if idle_since is not None and time.monotonic() - idle_since > 2 * opts.ttl + 1:
-                break
-            time.sleep(0.1)
-        ev = env.events()
-        say(
-            f"broker empty (queue and unacked), job 0 never committed: LOST. deliveries {ev['delivery']},"
-            f" redelivered {ev['delivery|redelivered']}, ignored as a running original's copy {ev[IGNORED]}"
-        )
-        print("\nthe workers' log lines about the job:", flush=True)
-        for w in env.workers:
-            for line in w.log_tail(100_000).splitlines():
-                if task_id in line or "SIGKILL" in line:
-                    print(f"  {w.nodename.split('@')[0]}: {line[:220]}", flush=True)
-        return 1
+        scenario = Scenario(env)
+        try:
+            return fn(scenario)
+        finally:
+            scenario.pg.close()
+    except KeyboardInterrupt:
+        return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
         env.close(keep=False)

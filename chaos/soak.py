@@ -507,10 +507,12 @@ def main(argv: list[str] | None = None) -> int:
         while lease_keys(lock, env.LOCK_PREFIX) and time.monotonic() < quiet + opts.ttl + 1:
             time.sleep(0.1)
         leases_left = lease_keys(lock, env.LOCK_PREFIX)
+        broker_left = broker_backlog(env.broker_server.client(), env.queue)
         elapsed = time.monotonic() - run.started
         with psycopg.connect(opts.pg, autocommit=True) as pg:
             effects, executions, provider = read_rows(pg, env.tables)
         verdict = check.check_all(opts.jobs, effects, executions, provider, run.faults, opts.ttl, leases_left)
+        verdict.broker_left = broker_left
         check.annotate(verdict, run.task_ids, env.decisions())
         events = env.events()
         wanted = {
