@@ -55,6 +55,8 @@ class Settings:
     visibility_timeout: float
     fence_ttl: float = 30 * 86400
     shorten_grace: float = 2.0
+    redis_kwargs: tuple[tuple[str, Any], ...] = ()
+    sentinel_kwargs: tuple[tuple[str, Any], ...] = ()
 
 
 def _broker_redis_url(app: Any) -> str | None:
@@ -108,7 +110,18 @@ def load_settings(app: Any) -> Settings:
         visibility_timeout=float(transport.get("visibility_timeout", 3600)),
         fence_ttl=_positive("setting", "lockguard_fence_ttl", setting(app, "fence_ttl", 30 * 86400)),
         shorten_grace=_positive("setting", "lockguard_shorten_grace", setting(app, "shorten_grace", 2.0)),
+        redis_kwargs=_kwargs("lockguard_redis_kwargs", setting(app, "redis_kwargs", None)),
+        sentinel_kwargs=_kwargs("lockguard_sentinel_kwargs", setting(app, "sentinel_kwargs", None)),
     )
+
+
+def _kwargs(name: str, value: Any) -> tuple[tuple[str, Any], ...]:
+    """Extra client keyword arguments (credentials, TLS files), kept as sorted pairs in the frozen settings."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ConfigurationError(f"setting {name} must be a dict of redis-py keyword arguments")
+    return tuple(sorted(value.items()))
 
 
 def _completion_backend(value: Any) -> str:

@@ -95,6 +95,7 @@ def _make_client(s: Settings) -> Any:
         "decode_responses": True,
         "client_name": "lockguard",
     }
+    common.update(dict(s.redis_kwargs))  # lockguard_redis_kwargs: e.g. username/password, ssl_* with Sentinel
     if s.sentinels:
         if not s.sentinel_master:
             raise ConfigurationError("setting lockguard_sentinels needs lockguard_sentinel_master")
@@ -105,6 +106,7 @@ def _make_client(s: Settings) -> Any:
             sentinel_kwargs={
                 "socket_timeout": s.socket_timeout,
                 "socket_connect_timeout": common["socket_connect_timeout"],
+                **dict(s.sentinel_kwargs),  # lockguard_sentinel_kwargs: the sentinels' own password, TLS
             },
         )
         return sentinel.master_for(s.sentinel_master, **common)

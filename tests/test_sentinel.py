@@ -24,6 +24,7 @@ from celery import Celery
 from structlog.testing import capture_logs
 
 from celery_lockguard import LockedTask, StaleFence, advance_fence, connection
+from celery_lockguard.config import settings
 from celery_lockguard.fencing import create_fence_table
 from celery_lockguard.keys import done_name, lock_name
 
@@ -221,3 +222,38 @@ def test_wait_is_bounded_by_ttl_and_socket_timeout() -> None:
 
     opts = t.lockguard_options
     assert opts.replicas == 2 and opts.replicas_timeout_ms == 300
+
+
+def test_an_acl_user_on_the_sentinel_managed_primary(sset: SentinelSet) -> None:
+    from celery_lockguard import acl
+
+    for server in (sset.master, sset.replica):  # the replica too: it is the primary after a failover
+        admin = server.client()
+        try:
+            admin.execute_command("ACL", "SETUSER", "lg", *acl.rule("lgs").split(), ">pw")
+        except redis.exceptions.ResponseError:  # before Redis 7.2: no CLIENT SETINFO to grant
+            admin.execute_command("ACL", "SETUSER", "lg", *acl.rule("lgs", setinfo=False).split(), ">pw")
+    app = sentinel_app(sset, "lgs")
+    app.conf.lockguard_redis_kwargs = {"username": "lg", "password": "pw"}
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="s.acl", lock_key="acct:{a}", lock_replicas=1)
+    def t(self: Any, a: int) -> Any:
+        return [self.lock.replicas, self.checkpoint("step", lambda: a)]
+
+    assert t.apply(args=(5,)).get() == [1, 5]
+    assert [e for e in sset.master.client().acl_log() if e.get("username") == "lg"] == []
+    app.conf.lockguard_redis_kwargs = {"username": "lg", "password": "wrong"}
+    from celery_lockguard.config import reset
+
+    reset(app)
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        connection.client(settings(app)).ping()
+
+
+def test_client_kwargs_settings_are_validated() -> None:
+    from celery_lockguard import ConfigurationError
+
+    app = Celery("cfg", broker="memory://", set_as_current=False)
+    app.conf.lockguard_redis_kwargs = ["username", "lg"]
+    with pytest.raises(ConfigurationError, match="lockguard_redis_kwargs must be a dict"):
+        settings(app)
