@@ -334,6 +334,10 @@ class LockedTask(Task):
         hold_ms = lease.hold_ms()
         observe_hold(self.name, hold_ms)
         if released == 1:
+            # Still ours in Redis, yet past its validity here (e.g. a renewal delayed in flight): the body
+            # was told it was lost, so say so once even though the key survived.
+            if was_lost and lease.mark_lost("expired"):
+                emit("lock.lost", self.name, **fields, hold_ms=round(hold_ms), reason="expired")
             emit("lock.released", self.name, **fields, hold_ms=round(hold_ms), lost=was_lost)
         else:
             reason = "expired" if released == 0 else "taken_by_another_holder"
