@@ -77,15 +77,20 @@ class Worker:
         except OSError:
             return ""
 
-    def stop(self, timeout: float = 20) -> None:
-        """Resume if paused, warm shutdown (SIGTERM to the main pid), then SIGKILL the group if it hangs."""
+    def terminate(self) -> None:
+        """Resume if paused (a stopped process cannot act on SIGTERM), then ask for a warm shutdown."""
         try:
-            os.killpg(self.proc.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+            os.killpg(self.proc.pid, signal.SIGCONT)
         except (ProcessLookupError, PermissionError):
             pass
         self.paused = False
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 20) -> None:
+        """Warm shutdown (SIGTERM to the main pid), then SIGKILL the group if it hangs."""
+        self.terminate()
+        if self.proc.poll() is None:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -96,6 +101,15 @@ class Worker:
             pass
         if self.proc.poll() is None:
             self.proc.wait(10)
+
+
+def stop_all(workers: list[Worker], timeout: float = 20) -> None:
+    """Stop every worker, the warm shutdowns running side by side."""
+    for w in workers:
+        w.terminate()
+    deadline = time.monotonic() + timeout
+    for w in workers:
+        w.stop(max(0.1, deadline - time.monotonic()))
 
 
 def parent_pid(pid: int) -> int | None:

@@ -52,7 +52,7 @@ from celery_lockguard.testing import RedisServer
 
 from . import check
 from .app import TASK_NAME, UNSAFE_MODES, Tables, create_app
-from .fleet import Worker, wait_ready
+from .fleet import Worker, stop_all, wait_ready
 from .report import build_report, render
 
 DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432/test"
@@ -430,8 +430,7 @@ class Environment:
 
     def close(self, keep: bool) -> None:
         """Stop the workers first (they hold PostgreSQL connections), then drop the tables, then the servers."""
-        for w in self.workers:
-            w.stop()
+        stop_all(self.workers)
         if self.created and not keep:
             with psycopg.connect(self.opts.pg, autocommit=True) as conn:
                 conn.execute("SET lock_timeout = '10s'")
@@ -495,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     env = Environment(opts, run_id, log_dir)
     run = Run(opts, run_id, env.tables)
     ok = False
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    # Both stop the run the same way, even when started from a shell that ignores SIGINT for background jobs.
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         env.start()
         plan = make_plan(opts, rng)
@@ -549,7 +549,8 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: stopping everything this run started", flush=True)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         run.stop.set()
         env.close(keep=opts.keep)
         if ok and not opts.keep:
