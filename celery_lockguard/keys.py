@@ -257,6 +257,11 @@ def claim_name(prefix: str, key: str) -> str:
     return f"{prefix}:v1:{{{key}}}:claim"
 
 
+def watch_name(prefix: str, key: str) -> str:
+    """Redis key of entity K's pending-watch marker (same slot as its lease)."""
+    return f"{prefix}:v1:{{{key}}}:watch"
+
+
 def done_name(prefix: str, scope: str) -> str:
     """Redis key of scope S's completion record."""
     return f"{prefix}:v1:{{{scope}}}:done"

@@ -21,7 +21,7 @@ from redis.exceptions import AskError, MovedError, NoScriptError
 
 from . import cluster, scripts
 from .exceptions import LockLost
-from .keys import claim_name, done_name, fence_name, lock_name, meta
+from .keys import claim_name, done_name, fence_name, lock_name, meta, watch_name
 
 HOST = socket.gethostname()
 
@@ -306,6 +306,11 @@ def handover(client: Any, lease: Lease, new_token: str, ttl_ms: int) -> bool:
     handed = bool(scripts.handover(client, [lease.redis_key], [lease.token, new_token, ttl_ms]))
     lease.released = True
     return handed
+
+
+def watch_arm(client: Any, prefix: str, key: str, task_id: str, token: str, new_token: str, ttl_ms: int) -> bool:
+    """Arm the single pending watch of ``task_id`` on ``key``; False if another watch is pending."""
+    return bool(scripts.watch_arm(client, [watch_name(prefix, key)], [task_id, token, new_token, ttl_ms]))
 
 
 def pid_alive(pid: int) -> bool:

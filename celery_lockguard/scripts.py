@@ -214,6 +214,21 @@ return 1
 """
 
 
+WATCH_ARM = """
+-- WATCH_ARM: keep at most one pending watch copy per running task (see LockedTask._watch).
+-- A watch copy sits unacknowledged through its countdown and may be redelivered; without this,
+-- every delivered copy would leave a watch of its own and the copies would multiply.
+-- KEYS[1] watch marker  {prefix}:v1:{K}:watch   (same slot as the lease)
+-- ARGV[1] task_id  ARGV[2] token of the watch re-arming ('' for the first)  ARGV[3] new token  ARGV[4] ttl_ms
+-- Returns 1 armed (publish a watch carrying the new token); 0 another watch of this task is pending
+local cur = redis.call('HMGET', KEYS[1], 'task_id', 'token')
+if cur[1] == ARGV[1] and cur[2] ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], 'task_id', ARGV[1], 'token', ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return 1
+"""
+
+
 class Script:
     """A named Lua script run by raw EVALSHA, reloaded on NOSCRIPT.
 
@@ -245,3 +260,4 @@ force_release = Script("FORCE_RELEASE", FORCE_RELEASE)
 claim = Script("CLAIM", CLAIM)
 release_claim = Script("RELEASE_CLAIM", RELEASE_CLAIM)
 handover = Script("HANDOVER", HANDOVER)
+watch_arm = Script("WATCH_ARM", WATCH_ARM)

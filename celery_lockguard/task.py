@@ -31,6 +31,8 @@ from .renewer import renewer
 WAITS_HEADER = "lockguard_waits"
 #: Message header marking a watch copy (see ``LockedTask._watch``), with how many watches came before.
 WATCH_HEADER = "lockguard_watch"
+#: Message header carrying a watch copy's token: only the current token may re-arm (scripts.WATCH_ARM).
+WATCH_TOKEN_HEADER = "lockguard_watch_token"
 
 _LEASE = "_lockguard_lease"
 _CALL = "_lockguard_call"
@@ -197,6 +199,11 @@ class LockedTask(Task):
         client = connection.client(s)
         store = self._store(s) if opts.completion else None
         in_scripts = store is not None and store.in_scripts
+        if claims.header(req, WATCH_HEADER) is not None and isinstance(store, PostgresStore):
+            # A watch copy checks the record first: acquiring to read it would make copies arriving
+            # meanwhile see "my own id, alive" and leave watches of their own.
+            if store.lookup(call.scope) is not None:
+                raise Ignore()
         claim_token = str(claims.header(req, claims.CLAIM_HEADER) or "")
         # until_done: adopt our own queue claim (fresh token, state running); until_started: free it on start.
         replace_token = claim_token if opts.mode == "until_done" else ""
@@ -420,11 +427,25 @@ class LockedTask(Task):
         if watches >= opts.max_waits:
             emit("lock.wait_budget_exhausted", self.name, **fields, policy=opts.on_locked)
             return
+        s = settings(self.app)
         countdown = min(60.0, max(opts.ttl, 0.5 * 2**watches)) * random.uniform(1.0, 1.25)
-        headers = {**(req.headers or {}), WATCH_HEADER: watches + 1}
+        countdown = min(countdown, _below_visibility(s))
+        token = lease_ops.new_token()
+        headers = {**(req.headers or {}), WATCH_HEADER: watches + 1, WATCH_TOKEN_HEADER: token}
         headers.pop(claims.CLAIM_HEADER, None)
         sig = self.signature_from_request(req, args, kwargs, countdown=countdown, retries=req.retries, headers=headers)
         try:
+            armed = lease_ops.watch_arm(
+                connection.client(s),
+                s.key_prefix,
+                call.key,
+                str(req.id),
+                str(claims.header(req, WATCH_TOKEN_HEADER) or ""),
+                token,
+                int((countdown + opts.ttl) * 1000) + 60_000,
+            )
+            if not armed:  # a watch of this task is already pending: this copy is a duplicate of one
+                return
             sig.apply_async()
         except Exception as exc:  # noqa: BLE001 - the copy is dropped either way; say the watch is missing
             emit("lock.backend_unavailable", self.name, **fields, policy="watch", reason=f"publish failed: {exc}")
@@ -500,7 +521,7 @@ class LockedTask(Task):
         if waits >= opts.max_waits:
             emit("lock.wait_budget_exhausted", self.name, **fields, policy=opts.on_locked)
             raise exc
-        countdown = wait_countdown(waits, holder_ttl)
+        countdown = min(wait_countdown(waits, holder_ttl), _below_visibility(settings(self.app)))
         emit("lock.retry_scheduled", self.name, **fields, countdown=round(countdown, 3), policy=opts.on_locked)
         headers = {**(req.headers or {}), WAITS_HEADER: waits + 1}
         if not req.is_eager:
@@ -630,6 +651,15 @@ class LockedTask(Task):
             else:
                 self._release(s, opts, lease)
         return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+
+
+def _below_visibility(s: Settings) -> float:
+    """Longest countdown we give our own delayed messages: half the transport's ``visibility_timeout``.
+
+    The Redis transport holds a message with a countdown unacknowledged and redelivers it once
+    ``visibility_timeout`` passes, so a longer countdown would duplicate our own waits and watches.
+    """
+    return max(0.05, s.visibility_timeout / 2)
 
 
 def wait_countdown(waits: int, holder_ttl: float | None) -> float:

@@ -29,7 +29,17 @@ def c(own_redis: RedisServer) -> Any:
 
 
 def test_every_script_declares_keys_argv_and_returns() -> None:
-    for script in (scripts.ACQUIRE, scripts.RELEASE, scripts.RENEW, scripts.SHORTEN, scripts.FORCE_RELEASE):
+    for script in (
+        scripts.ACQUIRE,
+        scripts.RELEASE,
+        scripts.RENEW,
+        scripts.SHORTEN,
+        scripts.FORCE_RELEASE,
+        scripts.CLAIM,
+        scripts.RELEASE_CLAIM,
+        scripts.HANDOVER,
+        scripts.WATCH_ARM,
+    ):
         header = [line for line in script.strip().splitlines() if line.startswith("--")]
         text = "\n".join(header)
         assert "KEYS[" in text and "ARGV[" in text and "Returns" in text
@@ -166,3 +176,19 @@ def test_noscript_after_script_flush_reloads(c: Any, name: str) -> None:
     else:
         assert L.force_release(c, P, "k", 1000)[0]
     assert c.script_exists(getattr(scripts, name).sha) == [True]
+
+
+def test_watch_arm_keeps_one_pending_watch_per_task(c: Any) -> None:
+    from celery_lockguard.keys import watch_name
+
+    assert L.watch_arm(c, P, "k", "t1", "", "w1", 5000)  # first watch of t1
+    assert not L.watch_arm(c, P, "k", "t1", "", "dup", 5000)  # another dropped copy: one is pending
+    assert not L.watch_arm(c, P, "k", "t1", "stale", "w2", 5000)  # wrong token: a duplicate delivery
+    assert L.watch_arm(c, P, "k", "t1", "w1", "w2", 5000)  # the current watch re-arms
+    assert not L.watch_arm(c, P, "k", "t1", "w1", "w3", 5000)  # ...once
+    assert c.hget(watch_name(P, "k"), "token") == "w2" and 0 < c.pttl(watch_name(P, "k")) <= 5000
+    assert L.watch_arm(c, P, "k", "t2", "", "x1", 5000)  # another task's marker is stale: replaced
+    c.delete(watch_name(P, "k"))
+    assert L.watch_arm(c, P, "k", "t2", "x1", "x2", 5000)  # missing (expired): a late watch may re-arm
+    c.script_flush()
+    assert L.watch_arm(c, P, "k", "t2", "x2", "x3", 5000)  # NOSCRIPT reloads
