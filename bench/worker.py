@@ -20,6 +20,8 @@ from typing import Any, TypeVar
 
 from celery import Celery
 
+from celery_lockguard.testing import child_pids
+
 ROOT = Path(__file__).resolve().parent.parent
 LOG_DIR = ROOT / ".bench" / "logs"
 
@@ -92,16 +94,7 @@ class Worker:
     def children(self) -> list[int]:
         """Pids of the pool's child processes."""
         assert self.proc is not None
-        out = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    stat = (entry / "stat").read_text()
-                except OSError:
-                    continue
-                if int(stat.rsplit(")", 1)[1].split()[1]) == self.proc.pid:
-                    out.append(int(entry.name))
-        return out
+        return child_pids(self.proc.pid)
 
     def log(self) -> str:
         try:

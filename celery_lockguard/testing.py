@@ -163,3 +163,38 @@ def delete_prefix(client: redis.Redis, prefix: str) -> int:
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of process ``pid`` (Linux ``/proc``), or ``None`` if it is gone."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def child_pids(pid: int) -> list[int]:
+    """Pids of the children of ``pid``: a prefork worker's pool processes (to kill or pause one)."""
+    return [int(name) for name in os.listdir("/proc") if name.isdigit() and parent_pid(int(name)) == pid]
+
+
+def wait_for_workers(
+    app: Any, procs: dict[str, subprocess.Popen[bytes]], timeout: float = 60, logs: dict[str, Any] | None = None
+) -> None:
+    """Poll ``app.control.ping`` until every worker (nodename -> process) answers; fail fast if one exits.
+
+    ``logs`` maps a nodename to a callable returning its log tail, shown when a worker dies.
+    """
+    deadline = time.monotonic() + timeout
+    pending = dict(procs)
+    while pending:
+        for name, proc in pending.items():
+            if proc.poll() is not None:
+                tail = logs[name]() if logs and name in logs else ""
+                raise RuntimeError(f"worker {name} exited with {proc.returncode}:\n{tail}")
+        for reply in app.control.ping(destination=list(pending), timeout=0.5) or []:
+            for name in reply:
+                pending.pop(name, None)
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"workers {sorted(pending)} did not answer within {timeout}s")

@@ -21,6 +21,8 @@ from typing import Any
 
 from celery import Celery
 
+from celery_lockguard.testing import child_pids, wait_for_workers
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -44,11 +46,7 @@ class Worker:
 
     def children(self) -> list[int]:
         """Pids of the pool's children (parent pid = this worker's main process, read from /proc)."""
-        out = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and parent_pid(int(entry.name)) == self.proc.pid:
-                out.append(int(entry.name))
-        return out
+        return child_pids(self.proc.pid)
 
     def kill_child(self, rng: random.Random) -> int | None:
         """SIGKILL one pool child chosen at random; returns its pid (None if it has none right now)."""
@@ -112,24 +110,8 @@ def stop_all(workers: list[Worker], timeout: float = 20) -> None:
         w.stop(max(0.1, deadline - time.monotonic()))
 
 
-def parent_pid(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[1])
-
-
 def wait_ready(app: Celery, workers: list[Worker], timeout: float = 60) -> None:
     """Poll ``app.control.ping`` until every worker answers; fail fast if one exits."""
-    deadline = time.monotonic() + timeout
-    pending = {w.nodename: w for w in workers}
-    while pending:
-        for w in pending.values():
-            if w.proc.poll() is not None:
-                raise RuntimeError(f"worker {w.nodename} exited with {w.proc.returncode}:\n{w.log_tail()}")
-        for reply in app.control.ping(destination=list(pending), timeout=0.5) or []:
-            for name in reply:
-                pending.pop(name, None)
-        if pending and time.monotonic() > deadline:
-            raise RuntimeError(f"workers {sorted(pending)} did not answer within {timeout}s")
+    wait_for_workers(
+        app, {w.nodename: w.proc for w in workers}, timeout, logs={w.nodename: w.log_tail for w in workers}
+    )

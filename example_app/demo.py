@@ -34,9 +34,9 @@ from urllib.parse import quote
 
 import redis
 
-from celery_lockguard.testing import RedisServer, delete_prefix
+from celery_lockguard.testing import RedisServer, delete_prefix, parent_pid
 
-from .fleet import Worker, parent_pid, wait_ready
+from .fleet import Worker, wait_ready
 from .report import build_report, print_report
 
 TENANTS = ("acme", "globex", "initech")

@@ -12,9 +12,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
+
+from celery_lockguard.testing import child_pids, wait_for_workers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,11 +38,7 @@ class Worker:
 
     def children(self) -> list[int]:
         """Pids of the pool's child processes (read from /proc: parent pid = this worker)."""
-        out = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and parent_pid(int(entry.name)) == self.proc.pid:
-                out.append(int(entry.name))
-        return out
+        return child_pids(self.proc.pid)
 
     def log_tail(self, chars: int = 3000) -> str:
         try:
@@ -65,25 +62,8 @@ class Worker:
             self.proc.wait(10)
 
 
-def parent_pid(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[1])
-
-
 def wait_ready(app: Any, workers: list[Worker], timeout: float = 40) -> None:
     """Poll ``app.control.ping`` until every worker answers; fail fast if one exits."""
-    deadline = time.monotonic() + timeout
-    pending = {w.nodename: w for w in workers}
-    while pending:
-        for w in pending.values():
-            if w.proc.poll() is not None:
-                raise RuntimeError(f"worker {w.nodename} exited with {w.proc.returncode}:\n{w.log_tail()}")
-        replies = app.control.ping(destination=list(pending), timeout=0.5) or []
-        for reply in replies:
-            for name in reply:
-                pending.pop(name, None)
-        if pending and time.monotonic() > deadline:
-            raise RuntimeError(f"workers {sorted(pending)} did not answer within {timeout}s")
+    wait_for_workers(
+        app, {w.nodename: w.proc for w in workers}, timeout, logs={w.nodename: w.log_tail for w in workers}
+    )

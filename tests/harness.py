@@ -20,6 +20,8 @@ from typing import Any
 
 from celery import Celery
 
+from celery_lockguard.testing import child_pids
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -95,17 +97,7 @@ class Worker:
     def children(self) -> list[int]:
         """Pids of the pool's child processes."""
         assert self.proc is not None
-        out = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    stat = (entry / "stat").read_text()
-                except OSError:
-                    continue
-                ppid = int(stat.rsplit(")", 1)[1].split()[1])
-                if ppid == self.proc.pid:
-                    out.append(int(entry.name))
-        return out
+        return child_pids(self.proc.pid)
 
     def log(self) -> str:
         try:
