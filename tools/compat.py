@@ -114,7 +114,12 @@ def main() -> int:
                 continue
             resolved = versions(py)
             for prefix in server_dirs(py, venv).values():
-                env = {k: v for k, v in os.environ.items() if not k.startswith("LOCKGUARD_TEST_")}
+                # Each cell runs on its own private server (chosen by PATH), not CI's shared services.
+                env = {
+                    k: v
+                    for k, v in os.environ.items()
+                    if not k.startswith("LOCKGUARD_TEST_") and k != "LOCKGUARD_REQUIRE_SERVICES"
+                }
                 env["PATH"] = prefix + os.pathsep + env.get("PATH", "")
                 env["PYTHONPATH"] = str(ROOT)
                 code = run([str(py), "-m", "pytest", *PYTEST_ARGS, *opts.pytest_args], log, env=env)
