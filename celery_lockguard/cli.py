@@ -189,19 +189,24 @@ def locks(ctx: click.Context, match: str, as_json: bool, **_: Any) -> None:
     )
 
 
+def _yes_option(group: str) -> Any:
+    """``--yes/-y``: skip the confirmation of a destructive command (for scripts)."""
+    return click.option(
+        "--yes",
+        "-y",
+        is_flag=True,
+        cls=CeleryOption,
+        help_group=group,
+        help="Do not ask for confirmation (for scripts).",
+    )
+
+
 # -- release --------------------------------------------------------------------------------
 
 
 @lockguard.command(cls=CeleryCommand)
 @click.argument("key")
-@click.option(
-    "--yes",
-    "-y",
-    is_flag=True,
-    cls=CeleryOption,
-    help_group="Release Options",
-    help="Do not ask for confirmation (for scripts).",
-)
+@_yes_option("Release Options")
 @click.pass_context
 def release(ctx: click.Context, key: str, yes: bool, **_: Any) -> None:
     """Force-release the lease on KEY and bump its fence.
@@ -544,14 +549,7 @@ def completions_show(ctx: click.Context, scope: str, as_json: bool, **_: Any) ->
 
 @completions.command(name="forget", cls=CeleryCommand)
 @click.argument("scope")
-@click.option(
-    "--yes",
-    "-y",
-    is_flag=True,
-    cls=CeleryOption,
-    help_group="Forget Options",
-    help="Do not ask for confirmation (for scripts).",
-)
+@_yes_option("Forget Options")
 @click.pass_context
 def completions_forget(ctx: click.Context, scope: str, yes: bool, **_: Any) -> None:
     """Delete the completion record and checkpoints of SCOPE: the work may then run again."""

@@ -37,6 +37,19 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.05, what: str =
         time.sleep(interval)
 
 
+def spawn_celery(cfg: dict[str, Any], command: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    """Start ``celery -A tests.workerapp:app <command>`` configured by ``cfg``, its output in ``log_path``."""
+    env = {**os.environ, "LG_CONFIG": json.dumps(cfg), "PYTHONPATH": str(ROOT)}
+    log = open(log_path, "wb")
+    return subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "tests.workerapp:app", *command],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+
 class Worker:
     """One ``celery worker`` process (prefork) for the app configured by ``cfg``."""
 
@@ -57,15 +70,9 @@ class Worker:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 30) -> Worker:
-        env = {**os.environ, "LG_CONFIG": json.dumps(self.cfg), "PYTHONPATH": str(ROOT)}
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
+        self.proc = spawn_celery(
+            self.cfg,
             [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "tests.workerapp:app",
                 "worker",
                 "-P",
                 "prefork",
@@ -80,10 +87,7 @@ class Worker:
                 "--without-mingle",
                 "--without-heartbeat",
             ],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
+            self.log_path,
         )
         wait_for(self._pong, timeout, interval=0.2, what=f"worker {self.nodename} to answer ping\n{self.log()}")
         return self
@@ -137,26 +141,8 @@ class Beat:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 30) -> Beat:
-        env = {**os.environ, "LG_CONFIG": json.dumps(self.cfg), "PYTHONPATH": str(ROOT)}
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "tests.workerapp:app",
-                "beat",
-                "--loglevel=INFO",
-                "-s",
-                str(self.dir / "beat-schedule"),
-                "--pidfile",
-                "",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
+        self.proc = spawn_celery(
+            self.cfg, ["beat", "--loglevel=INFO", "-s", str(self.dir / "beat-schedule"), "--pidfile", ""], self.log_path
         )
         wait_for(
             lambda: "Sending due task" in self.log_path.read_text(errors="replace"),
