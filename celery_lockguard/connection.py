@@ -25,20 +25,16 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from . import errors
 from .config import Settings
 from .exceptions import ConfigurationError
 
-#: Errors that mean "the lock store is unreachable", not "the lock is held".
-UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-    redis.exceptions.ReadOnlyError,
-    redis.exceptions.OutOfMemoryError,  # noeviction and full: no lease can be written
-    redis.exceptions.ClusterDownError,
-    redis.exceptions.SlotNotCoveredError,  # Cluster: no node serves the key's slot right now
-    redis.exceptions.TryAgainError,
-    OSError,
-)
+#: Errors that mean "the lock store is unreachable" by class alone: the same tuple
+#: :func:`celery_lockguard.errors.classify` calls "unavailable" (defined there). A coarse filter:
+#: replies redis-py leaves as a plain ``ResponseError`` (BUSY, NOREPLICAS, MISCONF, ...) escape it,
+#: and it lets through ``AuthenticationError``, a ``ConnectionError`` that classify calls
+#: misconfigured. Where a reply can arrive, catch broadly and classify instead.
+UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = errors.UNAVAILABLE_ERRORS
 
 #: redis-py runs MULTI/EXEC on Cluster (one slot) from 6.1 on; checkpoints and metrics flushes need it.
 CLUSTER_MIN_REDIS_PY = (6, 1)

@@ -9,6 +9,7 @@ result backends (JSON or pickle) can rebuild it on the caller's side.
     ├── AlreadyQueued       identical work already holds the queue-time claim
     ├── BackendUnavailable  the lock store could not be reached (or no lease exists)
     ├── StaleFence          storage holds a newer fence: this writer is stale
+    ├── CorruptFence        the fence counter in Redis is not an exact integer: nothing was written
     └── ConfigurationError  a task option or setting is invalid
 
 This module imports nothing, so it can be imported from anywhere.
@@ -70,6 +71,27 @@ class StaleFence(LockGuardError):
 
     def __str__(self) -> str:
         return f"stale fence {self.fence} for {self.key!r}: storage already at {self.current}"
+
+
+class CorruptFence(LockGuardError):
+    """The fence counter ``key`` holds ``value``, not an integer a new fence can exactly follow.
+
+    Lua numbers are doubles: past 2**53 - 1 successive holders would get the
+    same fence, and a non-integer would make every fence meaningless. The
+    script refuses before writing anything, so no lease is orphaned.
+    """
+
+    def __init__(self, key: str, value: str) -> None:
+        super().__init__(key, value)
+        self.key = key
+        self.value = value
+
+    def __str__(self) -> str:
+        return (
+            f"fence counter {self.key!r} holds {self.value!r}, not an integer below 2**53 - 1: nothing was written; "
+            "set it to an integer at least the last fence issued (or delete it: new fences are floored by the "
+            "server clock in microseconds)"
+        )
 
 
 class ConfigurationError(LockGuardError):

@@ -4,7 +4,8 @@ Each public function validates and calls exactly one script: one round trip.
 A :class:`Lease` knows whether it is still valid without asking Redis: it is
 valid until the *send time* of its last successful renewal plus the TTL, minus
 a drift margin (Redis's distributed-lock rule), so a slow reply or a paused
-process can only make it look lost early, never valid late.
+process can only make it look lost early, never valid late. Lost is final: a
+renewal whose reply arrives after the validity passed does not bring it back.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import AskError, MovedError, NoScriptError
+from redis.exceptions import AskError, MovedError, NoScriptError, ResponseError
 
 from . import cluster, scripts
 from .exceptions import LockLost
@@ -48,14 +49,20 @@ class Lease:
         self.valid_until = sent_at + ttl_ms / 1000 - drift_margin(ttl_ms)
         self.released = False
         self.lost_reason: str | None = None
+        self._expired = False  # latched once the validity has passed: lost stays lost
         #: Replicas that acknowledged the acquisition (``WAIT``), or ``None`` when none were asked for.
         self.replicas: int | None = None
         self._guard = threading.Lock()
 
     @property
     def lost(self) -> bool:
-        """True once the token is gone or the validity has passed."""
-        return self.lost_reason is not None or time.monotonic() > self.valid_until
+        """True once the token is gone or the validity has passed; never false again after that."""
+        if self.lost_reason is not None or self._expired:
+            return True
+        if time.monotonic() > self.valid_until:
+            self._expired = True
+            return True
+        return False
 
     @property
     def held(self) -> bool:
@@ -67,9 +74,18 @@ class Lease:
         if not self.held:
             raise LockLost(self.key)
 
-    def renewed(self, sent_at: float) -> None:
+    def renewed(self, sent_at: float) -> bool:
+        """Extend the validity from a renewal sent at ``sent_at``; False (nothing changes) once lost.
+
+        A reply that arrives after the validity passed must not revive the
+        lease: the body may already have been told it was lost, and between
+        the two moments someone else may have held the key.
+        """
         with self._guard:
+            if self.lost:
+                return False
             self.valid_until = max(self.valid_until, sent_at + self.ttl_ms / 1000 - drift_margin(self.ttl_ms))
+            return True
 
     def mark_lost(self, reason: str) -> bool:
         """Record why the lease is lost; True the first time only."""
@@ -100,6 +116,8 @@ class Holder:
     pttl_ms: int
     ms_since_renewal: int
     token: str
+    #: The holder's own lease TTL in ms (0 if unknown): judge its liveness by it, not by the contender's.
+    ttl_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -169,10 +187,16 @@ def acquire(
     ]
     sent_at = time.monotonic()
     acked: int | None = None
-    if replicas > 0:
-        reply, acked = _acquire_and_wait(client, keys, args, replicas, replicas_timeout_ms)
-    else:
-        reply = scripts.acquire(client, keys, args)
+    try:
+        if replicas > 0:
+            reply, acked = _acquire_and_wait(client, keys, args, replicas, replicas_timeout_ms)
+        else:
+            reply = scripts.acquire(client, keys, args)
+    except ResponseError as exc:
+        corrupt = scripts.corrupt_fence(exc, keys[1])
+        if corrupt is not None:
+            raise corrupt from exc
+        raise
     kind = reply[0]
     if split and kind != "done":
         assert done_key is not None
@@ -197,12 +221,11 @@ def acquire(
         pttl_ms=int(reply[7]),
         ms_since_renewal=int(reply[8]),
         token=reply[9],
+        ttl_ms=int(reply[10]) if len(reply) > 10 else 0,
     )
 
 
-def _acquire_and_wait(
-    client: Any, keys: list[str], args: list[Any], replicas: int, timeout_ms: int
-) -> tuple[Any, int]:
+def _acquire_and_wait(client: Any, keys: list[str], args: list[Any], replicas: int, timeout_ms: int) -> tuple[Any, int]:
     """ACQUIRE then ``WAIT`` in one pipeline: one connection, one round trip (plus the wait)."""
     on_cluster = cluster.is_cluster(client)
     for attempt in range(3):
@@ -259,16 +282,32 @@ def renew(client: Any, leases: list[Lease]) -> list[int]:
     return [int(x) for x in scripts.renew(client, [lease.redis_key for lease in leases], args)]
 
 
-def shorten(client: Any, prefix: str, key: str, task_id: str, grace_ms: int, host: str = HOST) -> bool:
-    """From a process without the token: cut the lease ``task_id`` holds on ``host`` to ``grace_ms``."""
-    return bool(scripts.shorten(client, [lock_name(prefix, key)], [meta(task_id), meta(host), grace_ms]))
+def shorten(
+    client: Any, prefix: str, key: str, task_id: str, grace_ms: int, host: str = HOST, pid: int | None = None
+) -> bool:
+    """From a process without the token: cut the lease ``task_id`` holds on ``host`` to ``grace_ms``.
+
+    ``pid``: the child that ran the task, when the caller knows it; then a
+    same-host holder of the same task id in another process (a redelivery that
+    took the lease over) is left alone. ``None`` matches any pid.
+    """
+    args: list[Any] = [meta(task_id), meta(host), grace_ms, "" if pid is None else int(pid)]
+    return bool(scripts.shorten(client, [lock_name(prefix, key)], args))
 
 
 def force_release(client: Any, prefix: str, key: str, fence_ttl_ms: int) -> tuple[bool, int, str]:
-    """Evict any holder of ``key`` and bump its fence; returns (deleted, new fence, evicted task id)."""
-    deleted, fence, holder = scripts.force_release(
-        client, [lock_name(prefix, key), fence_name(prefix, key)], [fence_ttl_ms]
-    )
+    """Evict any holder of ``key`` and bump its fence; returns (deleted, new fence, evicted task id).
+
+    Raises :class:`~celery_lockguard.exceptions.CorruptFence` (nothing deleted) when the fence counter is corrupt.
+    """
+    keys = [lock_name(prefix, key), fence_name(prefix, key)]
+    try:
+        deleted, fence, holder = scripts.force_release(client, keys, [fence_ttl_ms])
+    except ResponseError as exc:
+        corrupt = scripts.corrupt_fence(exc, keys[1])
+        if corrupt is not None:
+            raise corrupt from exc
+        raise
     return bool(deleted), int(fence), holder
 
 
@@ -296,9 +335,14 @@ def claim(
     return Claimed("held", reply[1], reply[2], reply[3], reply[4], int(reply[5]))
 
 
-def release_claim(client: Any, claim_key: str, task_id: str) -> bool:
-    """Free ``task_id``'s queued claim (never a running lease)."""
-    return bool(scripts.release_claim(client, [claim_key], [meta(task_id)]))
+def release_claim(client: Any, claim_key: str, task_id: str, token: str = "") -> bool:
+    """Free ``task_id``'s queued claim (never a running lease).
+
+    ``token``: only the claim carrying it (a publisher freeing the claim it
+    took); ``""`` any claim of that task id (the worker's main process on a
+    revoke, which never saw the token).
+    """
+    return bool(scripts.release_claim(client, [claim_key], [meta(task_id), token]))
 
 
 def handover(client: Any, lease: Lease, new_token: str, ttl_ms: int) -> bool:

@@ -219,12 +219,16 @@ def flush_bound() -> int:
     if target is None:
         return 0
     from . import connection
+    from .errors import classify
 
     s = target[0]
     try:
         return flush(connection.client(s), s.key_prefix)
     except Exception as exc:  # noqa: BLE001 - metrics never fail a worker; the counts wait for the next flush
-        logger.warning("metrics.flush_failed", reason=f"{exc.__class__.__name__}: {exc}", pending=pending())
+        # Every kind, a bug included (logged as "unexpected"): a flush runs on a timer thread and at
+        # process exit, where an exception would only be lost or break shutdown.
+        kind = classify(exc) or "unexpected"
+        logger.warning("metrics.flush_failed", reason=f"{kind}: {exc.__class__.__name__}: {exc}", pending=pending())
         return 0
 
 

@@ -10,6 +10,13 @@ per lease would.
 A lease is untracked under the same lock the tick uses to apply results, so a
 reply that arrives after release is ignored: the RENEW script is token-checked,
 so it cannot resurrect a released key either.
+
+The thread never dies: any error in a tick (an outage, BUSY, NOREPLICAS, an ACL
+denial, a bug) is a failed tick, logged as ``lock.backend_unavailable`` with
+its kind, and retried after a fraction of the interval (:data:`RETRY_FRACTION`,
+at least :data:`MIN_RETRY`) rather than a whole one, so a short blip costs no
+lease. A lease whose validity passes is reported lost (``lock.lost``,
+``reason="expired"``) and untracked, whatever the store is doing.
 """
 
 from __future__ import annotations
@@ -22,11 +29,22 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import cluster
+import structlog
+
+from . import cluster, errors
 from . import lease as lease_ops
-from .connection import UNAVAILABLE_ERRORS, follow_failover
+from .connection import follow_failover
 from .events import emit
 from .lease import Lease
+
+logger = structlog.get_logger("celery_lockguard")
+
+#: After a failed tick, the next try comes this fraction of the renewal interval later (ttl/15)...
+RETRY_FRACTION = 0.2
+#: ...but never sooner than this many seconds, so a refusing server is not hammered.
+MIN_RETRY = 0.05
+#: Longest pause after an error outside a tick (the loop itself), doubling from MIN_RETRY.
+MAX_LOOP_BACKOFF = 1.0
 
 
 @dataclass
@@ -72,28 +90,47 @@ class Renewer:
             return len(self._entries)
 
     def _run(self) -> None:
+        """The thread's loop: nothing escapes it, or every lease of the process would silently stop renewing."""
+        failures = 0
         while True:
-            with self._cond:
-                while not self._entries:
-                    self._wake_at = math.inf
-                    self._cond.wait()
-                now = time.monotonic()
-                due = min(min(e.due, e.deadline) for e in self._entries.values())
-                if due > now:
-                    self._wake_at = due
-                    self._cond.wait(due - now)
-                    continue
-                self._wake_at = 0.0
-                self._cut_off(now)
-                groups: dict[tuple[int, str], list[_Entry]] = {}
-                for e in self._entries.values():
-                    node = cluster.node_name(e.client, e.lease.redis_key)
-                    groups.setdefault((id(e.client), node), []).append(e)
-            for entries in groups.values():
-                self._tick(entries)
-            self.ticks += 1
+            try:
+                self._pass()
+                failures = 0
+            except Exception as exc:  # noqa: BLE001 - a dead renewer loses every lease of the process
+                failures += 1
+                delay = min(MAX_LOOP_BACKOFF, MIN_RETRY * 2 ** min(failures - 1, 10))
+                try:
+                    logger.error("lock.renewer_error", reason=f"{exc.__class__.__name__}: {exc}", exc_info=True)
+                except Exception:  # noqa: BLE001 - logging itself failed; keep renewing regardless
+                    pass
+                with self._cond:
+                    self._wake_at = time.monotonic() + delay
+                    self._cond.wait(delay)
+
+    def _pass(self) -> None:
+        """Wait until a lease is due, then renew every tracked lease (one call per client and node)."""
+        with self._cond:
+            while not self._entries:
+                self._wake_at = math.inf
+                self._cond.wait()
+            now = time.monotonic()
+            due = min(min(e.due, e.deadline, e.lease.valid_until) for e in self._entries.values())
+            if due > now:
+                self._wake_at = due
+                self._cond.wait(due - now)
+                return
+            self._wake_at = 0.0
+            self._cut_off(now)
+            groups: dict[tuple[int, str], list[_Entry]] = {}
+            for e in self._entries.values():
+                node = cluster.node_name(e.client, e.lease.redis_key)
+                groups.setdefault((id(e.client), node), []).append(e)
+        for entries in groups.values():
+            self._tick(entries)
+        self.ticks += 1
 
     def _cut_off(self, now: float) -> None:
+        """Untrack leases past their max-hold, and leases already lost (validity passed): report each once."""
         for key, e in list(self._entries.items()):
             if now >= e.deadline:
                 del self._entries[key]
@@ -106,46 +143,71 @@ class Renewer:
                         fence=e.lease.fence,
                         hold_ms=round(e.lease.hold_ms()),
                     )
+            elif e.lease.lost:
+                del self._entries[key]
+                self._report_lost(e.lease, "expired")
 
     def _tick(self, entries: list[_Entry]) -> None:
+        """One RENEW round trip for ``entries``; any error makes it a failed tick, retried soon."""
         leases = [e.lease for e in entries]
-        follow_failover(entries[0].client)  # Sentinel: renew on the current master, not a demoted one
         sent_at = time.monotonic()
+        results: list[int] | None = None
         try:
+            follow_failover(entries[0].client)  # Sentinel: renew on the current master, not a demoted one
+            sent_at = time.monotonic()
             results = lease_ops.renew(entries[0].client, leases)
-        except UNAVAILABLE_ERRORS as exc:
+            if len(results) != len(leases):
+                raise RuntimeError(f"RENEW answered {len(results)} results for {len(leases)} leases")
+        except Exception as exc:  # noqa: BLE001 - BUSY, NOREPLICAS, NOPERM...: classified, never fatal
             results = None
+            kind = errors.classify(exc) or "unexpected"
             emit(
                 "lock.backend_unavailable",
                 None,
-                reason=f"renew: {exc.__class__.__name__}: {exc}",
+                reason=f"renew ({kind}): {exc.__class__.__name__}: {exc}",
                 lock_keys=[x.key for x in leases[:20]],
             )
         lost: list[tuple[Lease, str]] = []
         with self._cond:
+            now = time.monotonic()
             for i, e in enumerate(entries):
                 if self._entries.get(id(e.lease)) is not e:
                     continue  # released (or cut off) while the reply was in flight
-                if results is not None and results[i] == 1:
-                    e.lease.renewed(sent_at)
-                elif results is not None or e.lease.lost:
-                    del self._entries[id(e.lease)]
-                    lost.append((e.lease, "token_gone" if results is not None else "expired"))
+                if results is not None:
+                    if results[i] == 1 and e.lease.renewed(sent_at):
+                        e.due = now + _jitter(e.interval)
+                        continue
+                    # token gone; or renewed too late: the validity had passed, and lost is final
+                    reason = "token_gone" if results[i] != 1 else "expired"
+                elif e.lease.lost:
+                    reason = "expired"
+                else:
+                    e.due = now + _retry_delay(e.interval)
                     continue
-                e.due = time.monotonic() + _jitter(e.interval)
+                del self._entries[id(e.lease)]
+                lost.append((e.lease, reason))
         if results is not None:
             emit("lock.renewed", None, leases=len(leases), lock_keys=[x.key for x in leases[:20]])
         for lease, reason in lost:
-            if lease.mark_lost(reason):
-                emit(
-                    "lock.lost",
-                    lease.task_name,
-                    lock_key=lease.key,
-                    task_id=lease.task_id,
-                    fence=lease.fence,
-                    hold_ms=round(lease.hold_ms()),
-                    reason=reason,
-                )
+            self._report_lost(lease, reason)
+
+    @staticmethod
+    def _report_lost(lease: Lease, reason: str) -> None:
+        if lease.mark_lost(reason):
+            emit(
+                "lock.lost",
+                lease.task_name,
+                lock_key=lease.key,
+                task_id=lease.task_id,
+                fence=lease.fence,
+                hold_ms=round(lease.hold_ms()),
+                reason=reason,
+            )
+
+
+def _retry_delay(interval: float) -> float:
+    """When to try again after a failed tick: soon, so a blip shorter than the TTL loses nothing."""
+    return max(MIN_RETRY, _jitter(interval) * RETRY_FRACTION)
 
 
 def _jitter(interval: float) -> float:

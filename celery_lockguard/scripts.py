@@ -14,7 +14,9 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
+
+from .exceptions import CorruptFence
 
 _NOW = """
 local t = redis.call('TIME')
@@ -22,14 +24,39 @@ local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local now_ms = math.floor(now_us / 1000)
 """
 
-_NEXT_FENCE = """
+#: Prefix of the error reply a script returns, before writing anything, for a corrupt fence counter.
+CORRUPT_FENCE = "LOCKGUARD_CORRUPT_FENCE"
+
+#: Lua numbers are doubles: integers are exact only up to 2**53 - 1, so that is the last fence issued.
+MAX_FENCE = 2**53 - 1
+
+_NEXT_FENCE = (
+    """
+local MAX_FENCE = """
+    + str(MAX_FENCE)
+    + """
+-- nil when the counter is absent or an integer a next fence can exactly follow; else the error reply text
+local function corrupt_fence(fence_key)
+  local v = redis.pcall('GET', fence_key)
+  if not v then return nil end
+  if type(v) == 'table' then
+    v = '<' .. tostring(v.err or v.ok or 'not a string') .. '>'  -- WRONGTYPE: not a string key
+  elseif string.match(v, '^%d+$') and #v <= 16 and tonumber(v) < MAX_FENCE then
+    return nil
+  end
+  return '"""
+    + CORRUPT_FENCE
+    + """ ' .. fence_key .. ' ' .. (string.gsub(string.sub(v, 1, 64), '%c', '?'))
+end
+-- call corrupt_fence first: the counter is then absent or an integer below MAX_FENCE
 local function next_fence(fence_key, fence_ttl, now_us)
-  local last = tonumber(redis.call('GET', fence_key) or '0') or 0
+  local last = tonumber(redis.call('GET', fence_key) or '0')
   local f = string.format('%.0f', math.max(last + 1, now_us))
   redis.call('SET', fence_key, f, 'PX', fence_ttl)
   return f
 end
 """
+)
 
 ACQUIRE = (
     """
@@ -49,7 +76,10 @@ ACQUIRE = (
 -- Returns:
 --   {'done', record}     a completion record exists: nothing acquired
 --   {'ok', fence}        acquired; fence = max(previous + 1, server time in us)
---   {'held', task_id, task_name, digest, host, pid, state, pttl_ms, ms_since_renewal, token}
+--   {'held', task_id, task_name, digest, host, pid, state, pttl_ms, ms_since_renewal, token, ttl_ms}
+--                        ttl_ms: the holder's own lease TTL (hash field ttl; 0 if missing)
+-- Errors (nothing written): 'LOCKGUARD_CORRUPT_FENCE <fence key> <value>' when a fence must be
+--   issued and KEYS[2] is not an integer below 2^53-1 (Lua numbers are doubles: no exact next fence)
 """
     + _NOW
     + _NEXT_FENCE
@@ -59,7 +89,7 @@ if KEYS[4] then
   if rec then return {'done', rec} end
 end
 local cur = redis.call('HMGET', KEYS[1], 'token', 'task_id', 'task_name', 'digest', 'host', 'pid',
-                       'state', 'renewed_at', 'fence')
+                       'state', 'renewed_at', 'fence', 'ttl')
 if cur[1] then
   if cur[1] == ARGV[1] then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -68,9 +98,11 @@ if cur[1] then
   if ARGV[11] == '' or cur[1] ~= ARGV[11] then
     local age = now_ms - (tonumber(cur[8]) or now_ms)
     return {'held', cur[2] or '', cur[3] or '', cur[4] or '', cur[5] or '', cur[6] or '', cur[7] or '',
-            redis.call('PTTL', KEYS[1]), age, cur[1]}
+            redis.call('PTTL', KEYS[1]), age, cur[1], tonumber(cur[10]) or 0}
   end
 end
+local bad = corrupt_fence(KEYS[2])
+if bad then return redis.error_reply(bad) end
 local fence = next_fence(KEYS[2], ARGV[10], now_us)
 if cur[1] then redis.call('DEL', KEYS[1]) end  -- replacing: drop the old holder's fields
 redis.call('HSET', KEYS[1], 'token', ARGV[1], 'task_id', ARGV[3], 'task_name', ARGV[4],
@@ -135,9 +167,12 @@ SHORTEN = """
 -- cut the lease held by this task on this host down to a short grace; never lengthen it.
 -- KEYS[1] lease hash
 -- ARGV[1] task_id  ARGV[2] host  ARGV[3] grace_ms
--- Returns 1 shortened (or already shorter), 0 not held by that task on that host
-local cur = redis.call('HMGET', KEYS[1], 'task_id', 'host')
+-- ARGV[4] pid of the child that ran the task ('' = any): a same-host holder of the same task id in
+--         another process (a redelivery that took the lease over) is left alone
+-- Returns 1 shortened (or already shorter), 0 not held by that task on that host (and pid)
+local cur = redis.call('HMGET', KEYS[1], 'task_id', 'host', 'pid')
 if cur[1] ~= ARGV[1] or cur[2] ~= ARGV[2] then return 0 end
+if ARGV[4] and ARGV[4] ~= '' and cur[3] ~= ARGV[4] then return 0 end
 local pttl = redis.call('PTTL', KEYS[1])
 if pttl < 0 or pttl > tonumber(ARGV[3]) then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
 return 1
@@ -150,10 +185,14 @@ FORCE_RELEASE = (
 -- KEYS[1] lease hash   KEYS[2] fence counter
 -- ARGV[1] fence_ttl_ms
 -- Returns {deleted (1|0), new fence, evicted task_id or ''}
+-- Errors (nothing written, the holder is left alone): 'LOCKGUARD_CORRUPT_FENCE <fence key> <value>'
+--   when KEYS[2] is not an integer below 2^53-1
 """
     + _NOW
     + _NEXT_FENCE
     + """
+local bad = corrupt_fence(KEYS[2])
+if bad then return redis.error_reply(bad) end
 local holder = redis.call('HGET', KEYS[1], 'task_id') or ''
 local deleted = redis.call('DEL', KEYS[1])
 return {deleted, next_fence(KEYS[2], ARGV[1], now_us), holder}
@@ -168,12 +207,15 @@ CLAIM = """
 -- ARGV[3] task_id  ARGV[4] task_name  ARGV[5] args digest  ARGV[6] host  ARGV[7] pid
 -- Returns:
 --   {'ok'}    claimed (state queued)
---   {'own'}   already claimed or held by this task id (a retry or replace): TTL extended, never shortened
+--   {'own'}   already claimed or held by this task id (a retry or replace): a queued claim's TTL is
+--             extended (never shortened); a running lease is left untouched (its TTL is its liveness)
 --   {'held', task_id, task_name, digest, state, pttl_ms}
 local cur = redis.call('HMGET', KEYS[1], 'task_id', 'task_name', 'digest', 'state')
 if cur[1] then
   if cur[1] == ARGV[3] then
-    if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+    if cur[4] == 'queued' and redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
+      redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    end
     return {'own'}
   end
   return {'held', cur[1], cur[2] or '', cur[3] or '', cur[4] or '', redis.call('PTTL', KEYS[1])}
@@ -189,12 +231,13 @@ return {'ok'}
 
 RELEASE_CLAIM = """
 -- RELEASE_CLAIM: free a queue-time claim that will never be adopted (revoked or expired message),
--- from the worker's main process, which knows the task id but not the token.
+-- from the worker's main process (which knows the task id but not the token) or from a publisher
+-- that knows the token of the claim it took.
 -- KEYS[1] claim hash (the lease hash for until_done, {prefix}:v1:{K}:claim for until_started)
--- ARGV[1] task_id
--- Returns 1 freed; 0 not a queued claim of that task (a running lease is never touched here)
-local cur = redis.call('HMGET', KEYS[1], 'task_id', 'state')
-if cur[1] == ARGV[1] and cur[2] == 'queued' then
+-- ARGV[1] task_id  ARGV[2] token ('' = any claim of that task id; else only the claim carrying it)
+-- Returns 1 freed; 0 not a queued claim of that task (and token) (a running lease is never touched here)
+local cur = redis.call('HMGET', KEYS[1], 'task_id', 'state', 'token')
+if cur[1] == ARGV[1] and cur[2] == 'queued' and (not ARGV[2] or ARGV[2] == '' or cur[3] == ARGV[2]) then
   redis.call('DEL', KEYS[1])
   return 1
 end
@@ -242,14 +285,43 @@ class Script:
         self.sha = hashlib.sha1(source.encode()).hexdigest()
 
     def __call__(self, client: Any, keys: list[str], args: list[Any]) -> Any:
+        """EVALSHA; on NOSCRIPT, SCRIPT LOAD and retry once.
+
+        A second NOSCRIPT means the server does not keep what was just loaded
+        (a proxy spreading calls over nodes, a flush racing every load): it is
+        raised as ``NoScriptError``, which :func:`celery_lockguard.errors.classify`
+        reports as misconfigured, rather than retried forever.
+        """
         try:
             return client.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
             client.script_load(self.source)
+        try:
             return client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError as exc:
+            raise NoScriptError(
+                f"{self.name}: NOSCRIPT again right after SCRIPT LOAD ({exc})", status_code="NOSCRIPT"
+            ) from exc
 
     def __repr__(self) -> str:
         return f"<Script {self.name} {self.sha[:8]}>"
+
+
+def corrupt_fence(exc: BaseException, fence_key: str | None = None) -> CorruptFence | None:
+    """The :class:`CorruptFence` a script's ``LOCKGUARD_CORRUPT_FENCE`` error reply stands for, else ``None``.
+
+    ``fence_key`` (the KEYS[2] the script was called with) splits key from value exactly.
+    """
+    if not isinstance(exc, ResponseError):
+        return None
+    text = str(exc)
+    if not text.startswith(CORRUPT_FENCE + " "):
+        return None
+    rest = text[len(CORRUPT_FENCE) + 1 :]
+    if fence_key is not None and rest.startswith(fence_key + " "):
+        return CorruptFence(fence_key, rest[len(fence_key) + 1 :])
+    key, sep, value = rest.partition(":fence ")  # keys.fence_name ends with ":fence"
+    return CorruptFence(key + ":fence", value) if sep else CorruptFence(rest, "")
 
 
 acquire = Script("ACQUIRE", ACQUIRE)

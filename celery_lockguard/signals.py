@@ -51,8 +51,8 @@ def _on_revoked(
     if request is None:
         return
     args, kwargs = request.args or (), request.kwargs or {}
-    if terminated:
-        shorten_from_main(sender, request.id, args, kwargs, "terminated")
+    if terminated:  # the request knows its child: a same-id holder in another process is left alone
+        shorten_from_main(sender, request.id, args, kwargs, "terminated", getattr(request, "worker_pid", None))
     else:  # discarded before it ran: its queue claim will never be adopted
         free_claim_from_main(sender, request.id, args, kwargs, "expired" if expired else "revoked")
 
@@ -62,7 +62,7 @@ def free_claim_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason
     from . import claims, connection
     from . import lease as lease_ops
     from .config import settings
-    from .connection import UNAVAILABLE_ERRORS
+    from .errors import classify
     from .events import emit
     from .task import LockedTask
 
@@ -74,20 +74,24 @@ def free_claim_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason
     try:
         key = task._names(opts, task_id, tuple(args), dict(kwargs)).key
         freed = lease_ops.release_claim(connection.client(s), claims.claim_key(s.key_prefix, key, opts.mode), task_id)
-    except UNAVAILABLE_ERRORS as exc:
-        emit("lock.backend_unavailable", task.name, task_id=task_id, reason=f"{reason}: {exc.__class__.__name__}")
+    except Exception as exc:  # BUSY, NOREPLICAS, NOPERM... arrive as ResponseError: classify, log, never fail
+        kind = classify(exc)
+        if kind is None:
+            raise
+        why = f"{reason} ({kind}): {exc.__class__.__name__}"
+        emit("lock.backend_unavailable", task.name, task_id=task_id, reason=why)
         return False
     if freed:
         emit("lock.released", task.name, lock_key=key, task_id=task_id, reason=f"claim freed: {reason}")
     return freed
 
 
-def shorten_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason: str) -> bool:
-    """Shorten the lease ``task_id`` holds on this host to the grace period; True if it held one."""
+def shorten_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason: str, pid: int | None = None) -> bool:
+    """Shorten the lease ``task_id`` holds on this host (in child ``pid``, if known) to the grace; True if it did."""
     from . import connection
     from . import lease as lease_ops
     from .config import settings
-    from .connection import UNAVAILABLE_ERRORS
+    from .errors import classify
     from .events import emit
     from .task import LockedTask
 
@@ -99,9 +103,14 @@ def shorten_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason: s
         return False
     try:
         key = task._names(opts, task_id, tuple(args), dict(kwargs)).key
-        shortened = lease_ops.shorten(connection.client(s), s.key_prefix, key, task_id, int(s.shorten_grace * 1000))
-    except UNAVAILABLE_ERRORS as exc:
-        emit("lock.backend_unavailable", task.name, task_id=task_id, reason=f"{reason}: {exc.__class__.__name__}")
+        grace_ms = int(s.shorten_grace * 1000)
+        shortened = lease_ops.shorten(connection.client(s), s.key_prefix, key, task_id, grace_ms, pid=pid)
+    except Exception as exc:  # BUSY, NOREPLICAS, NOPERM... arrive as ResponseError: classify, log, never fail
+        kind = classify(exc)
+        if kind is None:
+            raise
+        why = f"{reason} ({kind}): {exc.__class__.__name__}"
+        emit("lock.backend_unavailable", task.name, task_id=task_id, reason=why)
         return False
     if shortened:
         emit(
