@@ -5,6 +5,10 @@ adopted by the worker that runs it. ``until_done`` claims the lease hash
 itself (state ``queued`` → ``running``, with a fresh token); ``until_started``
 claims a separate ``{K}:claim`` hash in the same slot, freed in the ACQUIRE
 round trip when the body starts, so one copy can run while one more waits.
+
+Every exit of a delivery that carried a claim frees it (:func:`free`, token
+checked, so it never frees a newer message's claim) or hands it over with the
+message (a wait); a publish that failed frees the claim it took.
 """
 
 from __future__ import annotations
@@ -12,13 +16,15 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
+from . import headers
 from .keys import claim_name, lock_name
 
-#: Message header carrying the claim token from publisher to worker.
-CLAIM_HEADER = "lockguard_claim"
+#: Kept for callers of 0.1: the header now lives in :mod:`celery_lockguard.headers`.
+CLAIM_HEADER = headers.CLAIM
 
 #: Options Celery sets on a message that belongs to a canvas; a publish-time skip would stall it.
-_CANVAS_OPTIONS = ("group_id", "chord", "chain", "link")
+#: Presence counts, not truth: Celery publishes a chain's last link with ``chain=[]``.
+_CANVAS_OPTIONS = ("group_id", "chord", "chain", "link", "link_error")
 
 
 def claim_key(prefix: str, key: str, mode: str) -> str:
@@ -27,23 +33,25 @@ def claim_key(prefix: str, key: str, mode: str) -> str:
 
 
 def claim_ttl_ms(queue_lock_ttl: float, countdown: float | None = None, eta: Any = None) -> int:
-    """How long a claim lives: the queue TTL, plus the delay until a countdown/eta task is due."""
+    """How long a claim lives: the queue TTL, plus the delay until a countdown/eta task is due.
+
+    A naive ``eta`` is UTC, as Celery reads it (``maybe_make_aware(naive_as_utc=True)``).
+    """
     delay = 0.0
     if countdown:
         delay = float(countdown)
-    elif isinstance(eta, datetime):
-        now = datetime.now(eta.tzinfo or timezone.utc) if eta.tzinfo else datetime.now()
-        delay = (eta - now).total_seconds()
-    elif isinstance(eta, str):
-        parsed = datetime.fromisoformat(eta)
-        now = datetime.now(parsed.tzinfo) if parsed.tzinfo else datetime.now()
-        delay = (parsed - now).total_seconds()
+    elif eta is not None:
+        when = datetime.fromisoformat(eta) if isinstance(eta, str) else eta
+        if isinstance(when, datetime):
+            if when.tzinfo is None:
+                when = when.replace(tzinfo=timezone.utc)
+            delay = (when - datetime.now(timezone.utc)).total_seconds()
     return max(1, int((queue_lock_ttl + max(delay, 0.0)) * 1000))
 
 
 def in_canvas(options: dict[str, Any], link: Any = None) -> bool:
     """Whether the message is part of a chain, group or chord (never skipped at publish)."""
-    return bool(link) or any(options.get(name) for name in _CANVAS_OPTIONS)
+    return bool(link) or any(options.get(name) is not None for name in _CANVAS_OPTIONS)
 
 
 def publishing_task_id() -> str | None:
@@ -60,8 +68,5 @@ def publishing_task_id() -> str | None:
 
 
 def header(request: Any, name: str) -> Any:
-    """A custom message header: Celery puts them in ``request.headers`` or on the request itself."""
-    headers = getattr(request, "headers", None)
-    if isinstance(headers, dict) and headers.get(name) is not None:
-        return headers[name]
-    return request.get(name) if hasattr(request, "get") else None
+    """A custom message header (kept for 0.1 callers; see :func:`headers.read`)."""
+    return headers.read(request, name)

@@ -1,4 +1,10 @@
-"""``LockedTask``: the policy around a task body. Lease work is delegated.
+"""``LockedTask``: the Celery hooks that carry out lockguard's decisions.
+
+What a delivery or a publish does is decided in :mod:`celery_lockguard.decision`
+(pure, table-tested); rendering lives in :mod:`calls`, message headers in
+:mod:`headers`, self-republishes in :mod:`republish`, claims in :mod:`claims`,
+lease scripts in :mod:`lease`. This class gathers the facts, asks, and carries
+the answer out, freeing or handing over what the delivery holds on every exit.
 
 The lease is taken and released inside ``__call__`` because Celery does not
 call ``after_return`` on Retry, Ignore or Reject, runs it in the *main*
@@ -7,48 +13,52 @@ process on a hard time limit, and a killed child runs nothing at all.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable
 from typing import Any
 
 from celery import Task, uuid
+from celery._state import _task_stack
 from celery.app.task import Context
 from celery.exceptions import Ignore, Retry
 
-from . import claims, completion, connection, keys, signals
+from . import calls, claims, completion, connection, errors, headers, keys, republish, signals
 from . import lease as lease_ops
+from .calls import CallNames
 from .completion import PostgresStore, RedisStore, Store
 from .config import Settings, TaskOptions, resolve_task_options, settings
-from .connection import UNAVAILABLE_ERRORS
+from .decision import (
+    FREES_CLAIM,
+    Action,
+    Decision,
+    Delivery,
+    HolderFacts,
+    Outcome,
+    Publish,
+    PublishAction,
+    decide_delivery,
+    decide_publish,
+)
 from .events import emit
-from .exceptions import AlreadyQueued, BackendUnavailable, ConfigurationError, LockContended, LockGuardError
+from .exceptions import AlreadyQueued, BackendUnavailable, ConfigurationError, LockContended
 from .lease import Done, Holder, Lease
 from .metrics import observe_hold
 from .renewer import renewer
 
-#: Message header counting lock/outage waits, separate from ``request.retries``.
-WAITS_HEADER = "lockguard_waits"
-#: Message header marking a watch copy (see ``LockedTask._watch``), with how many watches came before.
-WATCH_HEADER = "lockguard_watch"
-#: Message header carrying a watch copy's token: only the current token may re-arm (scripts.WATCH_ARM).
-WATCH_TOKEN_HEADER = "lockguard_watch_token"
+#: Kept for 0.1 callers; the names live in :mod:`celery_lockguard.headers`.
+WAITS_HEADER = headers.WAITS
+WATCH_HEADER = headers.WATCH
+WATCH_TOKEN_HEADER = headers.WATCH_TOKEN
+wait_countdown = republish.wait_countdown
 
 _LEASE = "_lockguard_lease"
 _CALL = "_lockguard_call"
 _CHECKPOINTS = "_lockguard_checkpoints"
-
-
-class _Call:
-    """One call's rendered names: entity K, scope S, args digest."""
-
-    __slots__ = ("digest", "key", "scope", "scope_is_task")
-
-    def __init__(self, key: str, scope: str, digest: str, scope_is_task: bool) -> None:
-        self.key = key
-        self.scope = scope
-        self.digest = digest
-        self.scope_is_task = scope_is_task
+#: Set on the request of a delivery lockguard has entered: a call of the task inside its own body is direct.
+_ENTERED = "_lockguard_entered"
+#: Fields a direct call must not inherit from the caller's request.
+_PRIVATE = {_LEASE: None, _CALL: None, _CHECKPOINTS: None}
+_REQUEST_STATE = (*_PRIVATE, _ENTERED)
 
 
 class LockedTask(Task):
@@ -59,18 +69,31 @@ class LockedTask(Task):
     docs/reference.md for every option.
     """
 
+    #: Entity key template (``"invoice:{invoice_id}"``) or callable; ``None``: ``lockguard_keys[name]``, else unlocked.
     lock_key: Any = None
+    #: Lease TTL in seconds (> 0); default ``lockguard_default_ttl`` (30).
     lock_ttl: float | None = None
+    #: Renew every ttl/3 while the body runs.
     lock_renew: bool = True
+    #: Seconds after which renewal stops and the body is told the lease is lost; default: the hard time limit.
     lock_max_hold: float | None = None
+    #: ``while_running`` · ``until_started`` · ``until_done`` (docs/model.md).
     lock_mode: str = "while_running"
+    #: Lock/outage waits before the task gives up visibly; default ``lockguard_max_waits`` (100).
     lock_max_waits: int | None = None
+    #: Seconds a queue-time claim lives while its message waits in the broker (3600).
     queue_lock_ttl: float | None = None
+    #: ``skip`` · ``retry`` · ``raise`` when the entity is held; default ``lockguard_on_locked``.
     on_locked: str | None = None
+    #: ``fail_closed`` · ``fail_open`` when Redis is unavailable; default ``lockguard_on_unavailable``.
     on_unavailable: str | None = None
+    #: Template or callable naming the business effect; ``None``: the task id is the completion scope.
     idempotency_key: Any = None
+    #: Record completion so retries and redeliveries skip work that ran.
     completion: bool = True
+    #: Seconds a completion record is kept in Redis.
     completion_ttl: float | None = None
+    #: Replicas that must acknowledge an acquisition (``WAIT``); 0 = do not wait.
     lock_replicas: int = 0
 
     @classmethod
@@ -93,19 +116,10 @@ class LockedTask(Task):
         opts = self.lockguard_options
         if not opts.locked:
             return None
-        return self._names(opts, "<task-id>", args, kwargs).key
+        return calls.render(opts, "<task-id>", args, kwargs).key
 
-    def _names(self, opts: TaskOptions, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
-        try:
-            arguments = keys.bind(opts.signature, args, kwargs)
-        except TypeError as exc:
-            raise TypeError(f"task {self.name!r}: arguments do not match its signature: {exc}") from exc
-        if opts.idempotency_key is not None:
-            scope, scope_is_task = opts.idempotency_key.render(arguments, args, kwargs), False
-        else:
-            scope, scope_is_task = keys.task_scope(task_id), True
-        key = opts.lock_key.render(arguments, args, kwargs) if opts.lock_key is not None else scope
-        return _Call(key, scope, keys.digest(arguments), scope_is_task)
+    def _names(self, opts: TaskOptions, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallNames:
+        return calls.render(opts, task_id, args, kwargs)
 
     # -- runtime, per request ---------------------------------------------------
 
@@ -117,7 +131,12 @@ class LockedTask(Task):
         empty, so a body behind a custom ``__call__`` saw no ``request.id`` and
         ``self.lock is None``.
         """
-        self.request_stack.push(Context(*args, **{**self.request.__dict__, **kwargs}))
+        ctx = Context(*args, **{**self.request.__dict__, **kwargs})
+        if ctx.headers and any(name in ctx.headers for name in _REQUEST_STATE):
+            # Celery 5.6+ derives ``headers`` from unknown request fields: our per-request state is not a
+            # message header (a retry would try to serialise the lease).
+            ctx.headers = {k: v for k, v in ctx.headers.items() if k not in _REQUEST_STATE} or None
+        self.request_stack.push(ctx)
 
     @property
     def lock(self) -> Lease | None:
@@ -127,13 +146,13 @@ class LockedTask(Task):
     @property
     def completion_scope(self) -> str | None:
         """The rendered completion scope; pass it on as an external idempotency key."""
-        call: _Call | None = getattr(self.request, _CALL, None)
+        call: CallNames | None = getattr(self.request, _CALL, None)
         return call.scope if call is not None else None
 
     def checkpoint(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` once per (scope, name); replays return the recorded JSON value."""
         req = self.request
-        call: _Call | None = getattr(req, _CALL, None)
+        call: CallNames | None = getattr(req, _CALL, None)
         if call is None:
             return fn(*args, **kwargs)
         used: set[str] = getattr(req, _CHECKPOINTS)
@@ -141,8 +160,7 @@ class LockedTask(Task):
             raise ConfigurationError(f"task {self.name!r}: checkpoint name {name!r} used twice in one run")
         used.add(name)
         s = settings(self.app)
-        ttl_ms = self._completion_ttl_ms(call)
-        return completion.checkpoint(self._store(s), call.scope, name, ttl_ms, fn, args, kwargs)
+        return completion.checkpoint(self._store(s), call.scope, name, self._completion_ttl_ms(call), fn, args, kwargs)
 
     def record_completion(self, conn: Any, result: Any = None) -> bool:
         """Write this run's completion record inside the caller's PostgreSQL transaction.
@@ -152,7 +170,7 @@ class LockedTask(Task):
         other. The record written at the end of the task is then a no-op.
         Returns True if this call wrote the record.
         """
-        call: _Call | None = getattr(self.request, _CALL, None)
+        call: CallNames | None = getattr(self.request, _CALL, None)
         store = self._store(settings(self.app))
         if not isinstance(store, PostgresStore):
             raise ConfigurationError(
@@ -166,93 +184,187 @@ class LockedTask(Task):
     def _store(self, s: Settings) -> Store:
         if s.completion_backend == "redis":
             return RedisStore(connection.client(s), s.key_prefix)
-        return completion.postgres_store(s.completion_backend, s.completion_table)
+        return completion.postgres_store(s.completion_backend, s.completion_table, namespace=s.key_prefix)
 
-    def _completion_ttl_ms(self, call: _Call) -> int:
+    def _completion_ttl_ms(self, call: CallNames) -> int:
         opts = self.lockguard_options
         return int((opts.completion_ttl_task if call.scope_is_task else opts.completion_ttl_scope) * 1000)
-
-    def _completed(self, call: _Call, record: str) -> Any:
-        """Skip a call whose scope already completed: return the recorded result."""
-        task_id, result = completion.decode_record(record)
-        emit(
-            "completion.skipped",
-            self.name,
-            lock_key=call.key,
-            task_id=self.request.id,
-            scope=call.scope,
-            completed_by=task_id,
-        )
-        return result
 
     # -- the call ---------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         req = self.request
-        if req.called_directly:
-            return super().__call__(*args, **kwargs)
+        if req.called_directly or getattr(req, _ENTERED, False):
+            # A plain call, also inside the task's own running body: no lock, and the caller's lease,
+            # names and checkpoints stay the caller's.
+            return self._call_direct(args, kwargs)
         s = settings(self.app)
         opts = self.lockguard_options
         if not s.enabled or not opts.locked:
             return super().__call__(*args, **kwargs)
-        call = self._names(opts, req.id, args, kwargs)
+        setattr(req, _ENTERED, True)
+        return self._deliver(s, opts, args, kwargs)
+
+    def _call_direct(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        _task_stack.push(self)
+        self.push_request(args=args, kwargs=kwargs, **_PRIVATE)
+        try:
+            return self.run(*args, **kwargs)
+        finally:
+            self.pop_request()
+            _task_stack.pop()
+
+    def _deliver(self, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Acquire, decide, carry out; loop only to adopt a claim or to wait in-process."""
+        req = self.request
+        call = calls.render(opts, req.id, args, kwargs)
         client = connection.client(s)
         store = self._store(s) if opts.completion else None
-        in_scripts = store is not None and store.in_scripts
-        if claims.header(req, WATCH_HEADER) is not None and isinstance(store, PostgresStore):
+        watch_copy = headers.read(req, headers.WATCH) is not None
+        if watch_copy and isinstance(store, PostgresStore) and self._lookup(store, call) is not None:
             # A watch copy checks the record first: acquiring to read it would make copies arriving
-            # meanwhile see "my own id, alive" and leave watches of their own.
-            if store.lookup(call.scope) is not None:
-                raise Ignore()
-        claim_token = str(claims.header(req, claims.CLAIM_HEADER) or "")
+            # meanwhile see "my own id, alive" and leave watches of their own. A store error: ACQUIRE decides.
+            raise Ignore()
+        claim_token = headers.read_str(req, headers.CLAIM)
         # until_done: adopt our own queue claim (fresh token, state running); until_started: free it on start.
         replace_token = claim_token if opts.mode == "until_done" else ""
         start_claim = claim_token if opts.mode == "until_started" else ""
         while True:
+            # A wait after an ACQUIRE that errored reuses its token: if that ACQUIRE ran after all, the
+            # orphan lease carries the token and is ours (ACQUIRE renews a lease holding its own token).
+            token = headers.read_str(req, headers.ATTEMPT) or lease_ops.new_token()
+            got: Lease | Holder | Done | None = None
+            failure: BaseException | None = None
+            outcome: Outcome
             try:
-                got = self._acquire(s, opts, call, client, replace_token, in_scripts, start_claim)
-            except UNAVAILABLE_ERRORS as exc:
-                return self._unavailable(opts, call, store, args, kwargs, f"{exc.__class__.__name__}: {exc}")
-            if isinstance(got, Done):
-                if claims.header(req, WATCH_HEADER) is not None:
-                    raise Ignore()  # a watch copy: the original finished; leave its stored state alone
-                return self._completed(call, got.record)
-            if isinstance(got, Holder):
-                if got.token != replace_token and (
-                    (got.task_id == keys.meta(req.id) and got.state == "queued") or self._dead_here(got, req.id)
-                ):
-                    # Our own queue claim, or a killed child of this host that held our id: take it over now.
-                    reason = "adopting_own_claim" if got.state == "queued" else "taking_over_dead_holder_of_own_id"
+                got = self._acquire(s, opts, call, client, token, replace_token, store, start_claim)
+            except Exception as exc:
+                kind = errors.classify(exc)
+                if kind is None:
+                    raise
+                outcome, failure = kind, exc
+            else:
+                outcome, got, failure = self._outcome(s, opts, call, store, got)
+            holder = got if isinstance(got, Holder) else None
+            decision = decide_delivery(
+                Delivery(
+                    mode=opts.mode,  # type: ignore[arg-type]
+                    on_locked=opts.on_locked,  # type: ignore[arg-type]
+                    on_unavailable=opts.on_unavailable,  # type: ignore[arg-type]
+                    outcome=outcome,
+                    holder=self._facts(call, holder) if holder is not None else None,
+                    watch_copy=watch_copy,
+                    waits=headers.read_int(req, headers.WAITS),
+                    max_waits=opts.max_waits,
+                )
+            )
+            action = decision.action
+            if action is Action.RUN:
+                assert isinstance(got, Lease)
+                if failure is not None:  # the lease is ours, the completion store is not answering
                     emit(
-                        "lock.contended",
+                        "lock.fail_open",
                         self.name,
-                        lock_key=call.key,
-                        task_id=req.id,
-                        holder_task_id=got.task_id,
-                        policy=opts.on_locked,
-                        reason=reason,
+                        **self._fields(call),
+                        policy=opts.on_unavailable,
+                        reason=f"completion store: {_describe(failure)}",
                     )
-                    replace_token = got.token
-                    continue
-                return self._contended(opts, call, got, args, kwargs)
-            if got.lost:  # the reply came back after the lease's validity: never run on it
+                return self._run_locked(s, opts, call, client, got, args, kwargs)
+            if action is Action.ADOPT:
+                assert holder is not None
+                emit(
+                    "lock.contended",
+                    self.name,
+                    **self._fields(call),
+                    holder_task_id=holder.task_id,
+                    policy=opts.on_locked,
+                    reason=decision.reason,
+                )
+                replace_token = holder.token
+                continue
+            if isinstance(got, Lease):  # held only to read the record or to find it came too late
                 self._release(s, opts, got)
-                return self._unavailable(opts, call, store, args, kwargs, "acquire_slower_than_ttl")
-            if isinstance(store, PostgresStore):
-                record = store.lookup(call.scope)  # checked under the lease: a finisher recorded before releasing
-                if record is not None:
-                    self._release(s, opts, got)
-                    return self._completed(call, record)
-            return self._run_locked(s, opts, call, client, got, args, kwargs)
+            self._met(opts, call, decision, holder, failure)
+            if action in FREES_CLAIM and not (action is Action.FAIL_OPEN and opts.mode == "until_done"):
+                self._free_claim(s, opts, call, claim_token)
+            if action is Action.WAIT:
+                sig = self._wait(s, opts, call, decision, holder, token if outcome == "unavailable" else None)
+                if sig is None:
+                    continue  # waited in this process: eager, or the publish failed
+                raise Retry(exc=self._contention_error(call, holder, failure), when=None, sig=sig)
+            return self._finish(s, opts, call, decision, got, holder, failure, claim_token, args, kwargs)
+
+    def _finish(
+        self,
+        s: Settings,
+        opts: TaskOptions,
+        call: CallNames,
+        decision: Decision,
+        got: Lease | Holder | Done | None,
+        holder: Holder | None,
+        failure: BaseException | None,
+        claim_token: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """The exits that consume the message without running under a lease (the claim is already freed)."""
+        action, fields = decision.action, self._fields(call)
+        if action is Action.ANSWER:
+            record = got.record if isinstance(got, Done) else ""
+            return self._completed(call, record)
+        if action is Action.DROP:
+            raise Ignore()  # a watch copy: the original finished; leave its stored state alone
+        if action is Action.SKIP:
+            assert holder is not None
+            emit(
+                "lock.skipped_duplicate",
+                self.name,
+                **fields,
+                holder_task_id=holder.task_id,
+                policy="skip",
+                reason=decision.reason,
+            )
+            return None
+        if action is Action.DROP_AND_WATCH:
+            assert holder is not None
+            emit(
+                "lock.skipped_duplicate",
+                self.name,
+                **fields,
+                holder_task_id=holder.task_id,
+                policy=opts.on_locked,
+                reason=decision.reason,
+            )
+            self._watch(s, opts, call)
+            raise Ignore()
+        if action is Action.RAISE:
+            assert holder is not None
+            raise self._contention_error(call, holder, None)
+        if action is Action.GIVE_UP:
+            emit(
+                "lock.wait_budget_exhausted",
+                self.name,
+                **fields,
+                reason=decision.reason,
+                waits=headers.read_int(self.request, headers.WAITS),
+                policy=opts.on_locked,
+            )
+            raise self._contention_error(call, holder, failure)
+        if action is Action.MISCONFIGURED:
+            assert failure is not None
+            raise errors.configuration_error(failure, self.name, "ACQUIRE") from failure
+        assert action is Action.FAIL_OPEN
+        return self._fail_open(s, opts, call, decision, failure, claim_token, args, kwargs)
 
     def _acquire(
         self,
         s: Settings,
         opts: TaskOptions,
-        call: _Call,
+        call: CallNames,
         client: Any,
+        token: str,
         replace_token: str,
-        check_done: bool,
+        store: Store | None,
         claim_token: str = "",
     ) -> Lease | Holder | Done:
         req = self.request
@@ -266,7 +378,8 @@ class LockedTask(Task):
             digest=call.digest,
             worker=req.hostname or "",
             fence_ttl_ms=int(s.fence_ttl * 1000),
-            scope=call.scope if check_done else None,
+            scope=call.scope if store is not None and store.in_scripts else None,
+            token=token,
             replace_token=replace_token,
             claim_token=claim_token,
             replicas=opts.replicas,
@@ -274,11 +387,98 @@ class LockedTask(Task):
             replicas_timeout_ms=max(1, min(opts.replicas_timeout_ms, int(s.socket_timeout * 500))),
         )
 
+    def _outcome(
+        self, s: Settings, opts: TaskOptions, call: CallNames, store: Store | None, got: Lease | Holder | Done
+    ) -> tuple[Outcome, Lease | Holder | Done, BaseException | None]:
+        """Name what ACQUIRE answered; with the PostgreSQL store, read the record under the fresh lease.
+
+        The record is read *after* taking the lease: a finisher records before it releases, so
+        whoever holds the lease next sees the record.
+        """
+        if isinstance(got, Done):
+            return "record", got, None
+        if isinstance(got, Holder):
+            return "held", got, None
+        if got.lost:  # the reply came back after the lease's validity: never run on it
+            return "late", got, None
+        if isinstance(store, PostgresStore):
+            try:
+                record = store.lookup(call.scope)
+            except Exception as exc:
+                if errors.classify(exc) is None:
+                    self._release(s, opts, got)
+                    raise
+                if opts.on_unavailable == "fail_open":
+                    return "acquired", got, exc  # run under the lease, unchecked (logged as fail_open)
+                return "unavailable", got, exc
+            if record is not None:
+                return "record", Done(record), None
+        return "acquired", got, None
+
+    def _met(
+        self,
+        opts: TaskOptions,
+        call: CallNames,
+        decision: Decision,
+        holder: Holder | None,
+        failure: BaseException | None,
+    ) -> None:
+        """Say what the delivery met before it skips, waits, gives up or raises: another holder, or an outage."""
+        if decision.action not in (Action.SKIP, Action.WAIT, Action.GIVE_UP, Action.RAISE):
+            return
+        fields = self._fields(call)
+        if holder is None:
+            reason = _describe(failure) if failure is not None else decision.reason
+            emit("lock.backend_unavailable", self.name, **fields, policy=opts.on_unavailable, reason=reason)
+        elif holder.task_id != keys.meta(self.request.id):
+            emit("lock.contended", self.name, **fields, holder_task_id=holder.task_id, policy=opts.on_locked)
+
+    def _facts(self, call: CallNames, holder: Holder) -> HolderFacts:
+        req = self.request
+        own = holder.task_id == keys.meta(req.id)  # holder metadata is bounded (keys.MAX_META)
+        here = holder.host == lease_ops.HOST
+        return HolderFacts(
+            own_id=own,
+            duplicate=holder.task_name == self.name and holder.digest == call.digest,
+            alive=self._holder_alive(holder, own),
+            dead_here=own and here and not lease_ops.pid_alive(holder.pid),
+            queued=own and holder.state == "queued",
+        )
+
+    def _holder_alive(self, holder: Holder, own: bool) -> bool:
+        """Alive: on this host, its pid exists; elsewhere, its lease is still being renewed.
+
+        Renewal runs every third of the *holder's* TTL. A queued claim is presumed alive (its message
+        is in the broker). Without renewal a remote holder's liveness is unknown: another task's
+        holder is presumed alive (skip stays safe: it finishes or its TTL frees the entity), a holder
+        of our own id is presumed dead (waiting it out never loses the job).
+        """
+        if holder.state == "queued":
+            return True
+        if holder.host == lease_ops.HOST:
+            return lease_ops.pid_alive(holder.pid)
+        opts = self.lockguard_options
+        if not opts.renew:
+            return not own
+        ttl_ms = getattr(holder, "ttl_ms", 0) or opts.ttl_ms
+        return holder.ms_since_renewal < ttl_ms * 0.6
+
+    def _fields(self, call: CallNames) -> dict[str, Any]:
+        return {"lock_key": call.key, "task_id": self.request.id}
+
+    def _contention_error(
+        self, call: CallNames, holder: Holder | None, failure: BaseException | None
+    ) -> LockContended | BackendUnavailable:
+        if holder is not None:
+            return LockContended(call.key, holder.task_id, holder.pttl_ms)
+        reason = _describe(failure) if failure is not None else "acquire_slower_than_ttl"
+        return BackendUnavailable(f"task {self.name!r}: lock store unavailable for {call.key!r}: {reason}")
+
     def _run_locked(
         self,
         s: Settings,
         opts: TaskOptions,
-        call: _Call,
+        call: CallNames,
         client: Any,
         lease: Lease,
         args: tuple[Any, ...],
@@ -302,7 +502,7 @@ class LockedTask(Task):
         setattr(req, _CHECKPOINTS, set())
         if opts.renew:
             renewer().track(lease, client, opts.max_hold)
-        done: _Call | None = None
+        done: CallNames | None = None
         result = None
         try:
             result = super().__call__(*args, **kwargs)
@@ -312,12 +512,12 @@ class LockedTask(Task):
             self._release(s, opts, lease, done, result)
 
     def _release(
-        self, s: Settings, opts: TaskOptions, lease: Lease, done: _Call | None = None, result: Any = None
+        self, s: Settings, opts: TaskOptions, lease: Lease, done: CallNames | None = None, result: Any = None
     ) -> None:
         """Stop renewal, then release; record completion after a successful body.
 
-        A failing release never turns a successful body into a failure: the
-        lease then expires by its TTL, and the event says so.
+        A failing release never turns a successful body into a failure, whatever
+        the error: the lease then expires by its TTL, and the event says so.
         """
         renewer().untrack(lease)
         if lease.released:
@@ -334,9 +534,17 @@ class LockedTask(Task):
         fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence}
         try:
             released, _recorded = lease_ops.release(connection.client(s), lease, s.key_prefix, scope, record, ttl_ms)
-        except UNAVAILABLE_ERRORS as exc:
+        except Exception as exc:  # noqa: BLE001 - the body's outcome stands; the lease expires by its TTL
             lease.released = True
-            emit("lock.backend_unavailable", self.name, **fields, reason=f"release: {exc.__class__.__name__}")
+            emit("lock.backend_unavailable", self.name, **fields, reason=f"release: {_describe(exc)}")
+            if scope is not None:
+                emit(
+                    "completion.record_failed",
+                    self.name,
+                    task_id=lease.task_id,
+                    scope=scope,
+                    reason=f"release: {_describe(exc)}",
+                )
             return
         hold_ms = lease.hold_ms()
         observe_hold(self.name, hold_ms)
@@ -352,62 +560,131 @@ class LockedTask(Task):
                 emit("lock.lost", self.name, **fields, hold_ms=round(hold_ms), reason=reason)
             emit("lock.expired_before_release", self.name, **fields, hold_ms=round(hold_ms), reason=reason)
 
-    def _record_for(self, call: _Call, task_id: str, result: Any) -> tuple[str, int]:
+    def _record_for(self, call: CallNames, task_id: str, result: Any) -> tuple[str, int]:
         record, dropped = completion.encode_record(keys.meta(task_id), result)
         if dropped:
             emit("completion.result_dropped", self.name, task_id=task_id, scope=call.scope, reason=dropped)
         return record, self._completion_ttl_ms(call)
 
-    def _record_elsewhere(self, store: PostgresStore, call: _Call, task_id: str, record: str, ttl_ms: int) -> None:
+    def _record_elsewhere(self, store: PostgresStore, call: CallNames, task_id: str, record: str, ttl_ms: int) -> None:
         """Record completion in a store outside the lease scripts; a failure is logged, never raised."""
         try:
             store.record(call.scope, task_id, record, ttl_ms)
         except Exception as exc:  # noqa: BLE001 - the body succeeded; say so loudly, do not fail it
+            emit("completion.record_failed", self.name, task_id=task_id, scope=call.scope, reason=_describe(exc))
+
+    def _lookup(self, store: PostgresStore, call: CallNames) -> str | None:
+        """The record of ``call`` in the PostgreSQL store; ``None`` also when the store does not answer."""
+        try:
+            return store.lookup(call.scope)
+        except Exception as exc:
+            if errors.classify(exc) is None:
+                raise
             emit(
-                "completion.record_failed",
+                "lock.backend_unavailable",
                 self.name,
-                task_id=task_id,
-                scope=call.scope,
-                reason=f"{exc.__class__.__name__}: {exc}",
+                **self._fields(call),
+                reason=f"completion store: {_describe(exc)}",
             )
+            return None
 
-    # -- policies ---------------------------------------------------------------
+    def _completed(self, call: CallNames, record: str) -> Any:
+        """Answer a call whose scope already completed: return the recorded result."""
+        task_id, result = completion.decode_record(record)
+        emit(
+            "completion.skipped",
+            self.name,
+            lock_key=call.key,
+            task_id=self.request.id,
+            scope=call.scope,
+            completed_by=task_id,
+        )
+        return result
 
-    def _contended(
-        self, opts: TaskOptions, call: _Call, holder: Holder, args: tuple[Any, ...], kwargs: dict[str, Any]
+    # -- exits --------------------------------------------------------------------
+
+    def _free_claim(self, s: Settings, opts: TaskOptions, call: CallNames, token: str) -> None:
+        """Free this delivery's queue claim (token-checked: never a newer message's); best effort."""
+        if not token or opts.mode == "while_running":
+            return
+        ckey = claims.claim_key(s.key_prefix, call.key, opts.mode)
+        try:
+            freed = lease_ops.release_claim(connection.client(s), ckey, self.request.id, token)
+        except Exception as exc:  # noqa: BLE001 - the claim then lives out its queue TTL; say so
+            emit("lock.backend_unavailable", self.name, **self._fields(call), reason=f"free claim: {_describe(exc)}")
+            return
+        if freed:
+            emit("lock.released", self.name, **self._fields(call), reason="claim freed")
+
+    def _fail_open(
+        self,
+        s: Settings,
+        opts: TaskOptions,
+        call: CallNames,
+        decision: Decision,
+        failure: BaseException | None,
+        claim_token: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> Any:
+        """Run without a lease. A PostgreSQL store that answers still makes a duplicate harmless."""
         req = self.request
-        fields = {"lock_key": call.key, "task_id": req.id, "holder_task_id": holder.task_id}
-        error = LockContended(call.key, holder.task_id, holder.pttl_ms)
-        if holder.task_id == keys.meta(req.id):  # holder metadata is bounded (keys.MAX_META)
-            if self._holder_alive(opts, holder):
+        reason = _describe(failure) if failure is not None else decision.reason
+        emit("lock.fail_open", self.name, **self._fields(call), policy=opts.on_unavailable, reason=reason)
+        store = self._store(s) if opts.completion else None
+        try:
+            if not isinstance(store, PostgresStore):
+                return super().__call__(*args, **kwargs)
+            record = self._lookup(store, call)
+            if record is not None:
+                return self._completed(call, record)
+            setattr(req, _CALL, call)
+            setattr(req, _CHECKPOINTS, set())
+            result = super().__call__(*args, **kwargs)
+            self._record_elsewhere(store, call, req.id, *self._record_for(call, req.id, result))
+            return result
+        finally:
+            if opts.mode == "until_done":  # one copy queued or running: the claim stands for us until the end
+                self._free_claim(s, opts, call, claim_token)
+
+    def _wait(
+        self,
+        s: Settings,
+        opts: TaskOptions,
+        call: CallNames,
+        decision: Decision,
+        holder: Holder | None,
+        attempt_token: str | None,
+    ) -> Any:
+        """Re-deliver this call later, without spending ``max_retries``; the budget is ``lock_max_waits``.
+
+        Returns the published signature, or ``None`` after waiting in this process (eager, or the
+        publish failed: Celery's own retry() would ``Reject(requeue=False)`` and drop the message, and
+        when the broker is the Redis that is down there is nowhere else to wait).
+        """
+        req = self.request
+        waits = headers.read_int(req, headers.WAITS)
+        holder_ttl = holder.pttl_ms / 1000 if holder is not None else None
+        countdown = min(republish.wait_countdown(waits, holder_ttl), republish.max_countdown(s))
+        fields = {**self._fields(call), "reason": decision.reason, "waits": waits}
+        emit("lock.retry_scheduled", self.name, **fields, countdown=round(countdown, 3), policy=opts.on_locked)
+        hdrs = republish.wait_headers(req, attempt_token)
+        if not req.is_eager:
+            try:
+                return republish.publish(self, req.args or (), req.kwargs or {}, countdown, hdrs)
+            except Exception as exc:  # noqa: BLE001 - a failed publish must not lose the task
                 emit(
-                    "lock.skipped_duplicate",
+                    "lock.backend_unavailable",
                     self.name,
                     **fields,
-                    policy=opts.on_locked,
-                    reason="redelivery_of_running_original",
+                    policy="wait_in_process",
+                    reason=f"publish failed: {exc.__class__.__name__}",
                 )
-                self._watch(opts, args, kwargs, call, holder)
-                raise Ignore()
-            return self._wait(opts, args, kwargs, call, "holder_of_own_id_dead", error, holder.pttl_ms / 1000)
-        emit("lock.contended", self.name, **fields, policy=opts.on_locked)
-        duplicate = holder.task_name == self.name and holder.digest == call.digest
-        if opts.on_locked == "raise":
-            raise error
-        # Skip only behind a live holder: a dead one's work may never finish (no acks_late), so wait it out.
-        alive = self._holder_alive(opts, holder, presume=True)
-        if opts.on_locked == "skip" and duplicate and alive and opts.mode != "until_started":
-            emit("lock.skipped_duplicate", self.name, **fields, policy="skip", reason="identical_work_running")
-            return None
-        reason = (
-            ("duplicate_waits" if alive else "duplicate_of_dead_holder") if duplicate else "different_work_on_entity"
-        )
-        return self._wait(opts, args, kwargs, call, reason, error, holder.pttl_ms / 1000)
+        time.sleep(countdown)
+        req.headers = hdrs
+        return None
 
-    def _watch(
-        self, opts: TaskOptions, args: tuple[Any, ...], kwargs: dict[str, Any], call: _Call, holder: Holder
-    ) -> None:
+    def _watch(self, s: Settings, opts: TaskOptions, call: CallNames) -> None:
         """Before dropping a redelivered copy of a running task, leave a delayed watch copy behind.
 
         Dropping the copy acknowledges it, and on the Redis transport that also
@@ -422,129 +699,21 @@ class LockedTask(Task):
         req = self.request
         if not opts.completion or req.is_eager:
             return
-        watches = int(claims.header(req, WATCH_HEADER) or 0)
-        fields = {"lock_key": call.key, "task_id": req.id, "reason": "watching_running_original", "waits": watches}
+        watches = headers.read_int(req, headers.WATCH)
+        fields = {**self._fields(call), "reason": "watching_running_original", "waits": watches}
         if watches >= opts.max_waits:
             emit("lock.wait_budget_exhausted", self.name, **fields, policy=opts.on_locked)
             return
-        s = settings(self.app)
-        countdown = min(60.0, max(opts.ttl, 0.5 * 2**watches)) * random.uniform(1.0, 1.25)
-        countdown = min(countdown, _below_visibility(s))
-        token = lease_ops.new_token()
-        headers = {**(req.headers or {}), WATCH_HEADER: watches + 1, WATCH_TOKEN_HEADER: token}
-        headers.pop(claims.CLAIM_HEADER, None)
-        sig = self.signature_from_request(req, args, kwargs, countdown=countdown, retries=req.retries, headers=headers)
+        countdown = republish.watch_countdown(watches, opts.ttl, s)
         try:
-            armed = lease_ops.watch_arm(
-                connection.client(s),
-                s.key_prefix,
-                call.key,
-                str(req.id),
-                str(claims.header(req, WATCH_TOKEN_HEADER) or ""),
-                token,
-                int((countdown + opts.ttl) * 1000) + 60_000,
-            )
-            if not armed:  # a watch of this task is already pending: this copy is a duplicate of one
+            token = republish.arm_watch(connection.client(s), s, call.key, req, countdown, opts.ttl)
+            if token is None:  # a watch of this task is already pending: this copy is a duplicate of one
                 return
-            sig.apply_async()
+            republish.publish(self, req.args or (), req.kwargs or {}, countdown, republish.watch_headers(req, token))
         except Exception as exc:  # noqa: BLE001 - the copy is dropped either way; say the watch is missing
             emit("lock.backend_unavailable", self.name, **fields, policy="watch", reason=f"publish failed: {exc}")
             return
         emit("lock.retry_scheduled", self.name, **fields, countdown=round(countdown, 3), policy="watch")
-
-    @staticmethod
-    def _dead_here(holder: Holder, task_id: str) -> bool:
-        """The holder is this task id, on this host, and its process is gone."""
-        own = holder.task_id == keys.meta(task_id)
-        return own and holder.host == lease_ops.HOST and not lease_ops.pid_alive(holder.pid)
-
-    def _holder_alive(self, opts: TaskOptions, holder: Holder, presume: bool = False) -> bool:
-        """Alive: on this host, its pid exists; elsewhere, its lease is still being renewed.
-
-        Without renewal a remote holder's liveness is unknown: ``presume`` says what to assume.
-        """
-        if holder.host == lease_ops.HOST:
-            return lease_ops.pid_alive(holder.pid)
-        if not opts.renew:
-            return presume
-        return holder.ms_since_renewal < opts.ttl_ms * 0.6
-
-    def _unavailable(
-        self,
-        opts: TaskOptions,
-        call: _Call,
-        store: Store | None,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        reason: str,
-    ) -> Any:
-        req = self.request
-        fields = {"lock_key": call.key, "task_id": req.id, "policy": opts.on_unavailable, "reason": reason}
-        if opts.on_unavailable == "fail_open":
-            emit("lock.fail_open", self.name, **fields)
-            if not isinstance(store, PostgresStore):
-                return super().__call__(*args, **kwargs)
-            # No lease, but the completion store is up: it still makes a duplicate harmless.
-            record = store.lookup(call.scope)
-            if record is not None:
-                return self._completed(call, record)
-            setattr(req, _CALL, call)
-            setattr(req, _CHECKPOINTS, set())
-            result = super().__call__(*args, **kwargs)
-            self._record_elsewhere(store, call, req.id, *self._record_for(call, req.id, result))
-            return result
-        emit("lock.backend_unavailable", self.name, **fields)
-        return self._wait(
-            opts,
-            args,
-            kwargs,
-            call,
-            "backend_unavailable",
-            BackendUnavailable(f"task {self.name!r}: lock store unavailable for {call.key!r}: {reason}"),
-            None,
-        )
-
-    def _wait(
-        self,
-        opts: TaskOptions,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        call: _Call,
-        reason: str,
-        exc: LockGuardError,
-        holder_ttl: float | None,
-    ) -> Any:
-        """Re-deliver this call later without spending ``max_retries``; the budget is ``lock_max_waits``."""
-        req = self.request
-        waits = int((req.headers or {}).get(WAITS_HEADER) or req.get(WAITS_HEADER) or 0)
-        fields = {"lock_key": call.key, "task_id": req.id, "reason": reason, "waits": waits}
-        if waits >= opts.max_waits:
-            emit("lock.wait_budget_exhausted", self.name, **fields, policy=opts.on_locked)
-            raise exc
-        countdown = min(wait_countdown(waits, holder_ttl), _below_visibility(settings(self.app)))
-        emit("lock.retry_scheduled", self.name, **fields, countdown=round(countdown, 3), policy=opts.on_locked)
-        headers = {**(req.headers or {}), WAITS_HEADER: waits + 1}
-        if not req.is_eager:
-            sig = self.signature_from_request(
-                req, args, kwargs, countdown=countdown, retries=req.retries, headers=headers
-            )
-            try:
-                sig.apply_async()
-            except Exception as publish_exc:  # noqa: BLE001 - a failed publish must not lose the task
-                # Celery's own retry() would Reject(requeue=False) here and drop the message:
-                # when the broker is the Redis that is down, wait in this process instead.
-                emit(
-                    "lock.backend_unavailable",
-                    self.name,
-                    **fields,
-                    policy="wait_in_process",
-                    reason=f"publish failed: {publish_exc.__class__.__name__}",
-                )
-            else:
-                raise Retry(exc=exc, when=countdown, sig=sig)
-        time.sleep(countdown)  # eager calls are synchronous; a failed publish leaves nowhere else to wait
-        req.headers = headers
-        return self.__call__(*args, **kwargs)
 
     # -- publishing -------------------------------------------------------------
 
@@ -556,48 +725,88 @@ class LockedTask(Task):
         A duplicate of queued (or, ``until_done``, running) identical work is
         answered with the holder's ``AsyncResult`` (``skip``) or
         ``AlreadyQueued`` (``raise``). Different work, canvas members and a
-        task's own republish (retry, replace, waits) are never deduplicated.
+        task's own republish (retry, replace, waits, watches) are never
+        deduplicated; a failed publish frees the claim it took.
         """
         opts = self.lockguard_options
         s = settings(self.app)
         if opts.mode == "while_running" or not s.enabled or not opts.locked or self.app.conf.task_always_eager:
             return super().apply_async(args, kwargs, task_id, link=link, **options)
+        publisher = claims.publishing_task_id()
+        if task_id is not None and publisher is not None and publisher == task_id:
+            decision = decide_publish(Publish(opts.on_locked, self_republish=True))  # type: ignore[arg-type]
+            assert decision.action is PublishAction.BYPASS
+            return super().apply_async(args, kwargs, task_id, link=link, **options)
         task_id = task_id or uuid()
-        call = self._names(opts, task_id, tuple(args or ()), dict(kwargs or {}))
+        call = calls.render(opts, task_id, tuple(args or ()), dict(kwargs or {}))
         token = lease_ops.new_token()
-        ttl_ms = claims.claim_ttl_ms(opts.queue_lock_ttl, options.get("countdown"), options.get("eta"))
-        fields = {"lock_key": call.key, "task_id": task_id, "policy": opts.on_locked}
+        ckey = claims.claim_key(s.key_prefix, call.key, opts.mode)
+        got: lease_ops.Claimed | None = None
+        failure: BaseException | None = None
         try:
             got = lease_ops.claim(
                 connection.client(s),
-                claims.claim_key(s.key_prefix, call.key, opts.mode),
+                ckey,
                 token=token,
-                ttl_ms=ttl_ms,
+                ttl_ms=claims.claim_ttl_ms(opts.queue_lock_ttl, options.get("countdown"), options.get("eta")),
                 task_id=task_id,
                 task_name=self.name,
                 digest=call.digest,
             )
-        except UNAVAILABLE_ERRORS as exc:
-            emit("lock.backend_unavailable", self.name, **fields, reason=f"publish without claim: {exc}")
-            return super().apply_async(args, kwargs, task_id, link=link, **options)
-        if got.kind == "ok":
-            options["headers"] = {**(options.get("headers") or {}), claims.CLAIM_HEADER: token}
-        elif got.kind == "held":
-            duplicate = got.task_name == self.name and got.digest == call.digest
-            publisher = claims.publishing_task_id()
-            ours = publisher is not None and got.task_id == keys.meta(publisher)
-            if duplicate and not ours and not claims.in_canvas(options, link) and opts.on_locked != "retry":
-                if opts.on_locked == "raise":
-                    raise AlreadyQueued(call.key, got.task_id)
-                emit(
-                    "lock.skipped_duplicate",
-                    self.name,
-                    **fields,
-                    holder_task_id=got.task_id,
-                    reason=f"identical_work_{got.state or 'queued'}",
-                )
-                return self.AsyncResult(got.task_id)
+        except Exception as exc:
+            kind = errors.classify(exc)
+            if kind is None:
+                raise
+            failure = exc
+        decision = decide_publish(
+            Publish(
+                on_locked=opts.on_locked,  # type: ignore[arg-type]
+                claim=got.kind if got is not None else errors.classify(failure),  # type: ignore[arg-type]
+                duplicate=got is not None and got.task_name == self.name and got.digest == call.digest,
+                in_canvas=claims.in_canvas(options, link),
+            )
+        )
+        fields = {"lock_key": call.key, "task_id": task_id, "policy": opts.on_locked}
+        action = decision.action
+        if action is PublishAction.PUBLISH_CLAIMED:
+            options["headers"] = {**(options.get("headers") or {}), headers.CLAIM: token}
+            try:
+                return super().apply_async(args, kwargs, task_id, link=link, **options)
+            except BaseException:
+                self._free_published_claim(s, ckey, task_id, token, call)
+                raise
+        if action is PublishAction.MISCONFIGURED:
+            assert failure is not None
+            raise errors.configuration_error(failure, self.name, "CLAIM") from failure
+        if action is PublishAction.RAISE:
+            assert got is not None
+            raise AlreadyQueued(call.key, got.task_id)
+        if action is PublishAction.ANSWER_WITH_HOLDER:
+            assert got is not None
+            emit(
+                "lock.skipped_duplicate",
+                self.name,
+                **fields,
+                holder_task_id=got.task_id,
+                reason=f"identical_work_{got.state or 'queued'}",
+            )
+            return self.AsyncResult(got.task_id)
+        if failure is not None:
+            emit("lock.backend_unavailable", self.name, **fields, reason=f"publish without claim: {_describe(failure)}")
         return super().apply_async(args, kwargs, task_id, link=link, **options)
+
+    def _free_published_claim(self, s: Settings, ckey: str, task_id: str, token: str, call: CallNames) -> None:
+        """The publish failed: free the claim taken for it, or identical work would be swallowed for an hour."""
+        try:
+            lease_ops.release_claim(connection.client(s), ckey, task_id, token)
+        except Exception as exc:  # noqa: BLE001 - the publish error is what the caller must see
+            emit(
+                "lock.backend_unavailable",
+                self.name,
+                lock_key=call.key,
+                task_id=task_id,
+                reason=f"free claim after failed publish: {_describe(exc)}",
+            )
 
     def on_replace(self, sig: Any) -> Any:
         """Free the lease before the replacement is published under this task's id.
@@ -624,11 +833,13 @@ class LockedTask(Task):
         """Free the lease before Celery publishes the retry, so the retry never waits on us.
 
         ``until_done`` hands the lease over to the retry message as its queue
-        claim instead, unless retries are exhausted (then nothing is left behind).
+        claim instead, unless retries are exhausted (then nothing is left
+        behind); if the retry's publish then fails, the handed-over claim is freed.
         """
         lease = self.lock
+        handed: tuple[str, str] | None = None
+        s, opts, req = settings(self.app), self.lockguard_options, self.request
         if lease is not None and not lease.released:
-            s, opts, req = settings(self.app), self.lockguard_options, self.request
             limit = self.max_retries if max_retries is None else max_retries
             exhausted = limit is not None and req.retries + 1 > limit
             if opts.mode == "until_done" and not exhausted:
@@ -639,36 +850,34 @@ class LockedTask(Task):
                     lease_ops.handover(
                         connection.client(s), lease, token, claims.claim_ttl_ms(opts.queue_lock_ttl, delay, eta)
                     )
-                    options["headers"] = {**(req.headers or {}), claims.CLAIM_HEADER: token}
-                except UNAVAILABLE_ERRORS as err:
+                    options["headers"] = {**(req.headers or {}), headers.CLAIM: token}
+                    handed = (lease.redis_key, token)
+                except Exception as err:  # noqa: BLE001 - the retry is published without a claim
+                    lease.released = True
                     emit(
                         "lock.backend_unavailable",
                         self.name,
                         lock_key=lease.key,
                         task_id=req.id,
-                        reason=f"handover: {err.__class__.__name__}",
+                        reason=f"handover: {_describe(err)}",
                     )
             else:
                 self._release(s, opts, lease)
-        return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+        try:
+            return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+        except Retry:
+            raise
+        except BaseException:
+            if handed is not None:  # the retry was not published (Celery raises Reject): free its claim
+                call: CallNames | None = getattr(req, _CALL, None)
+                if call is not None:
+                    self._free_published_claim(s, handed[0], req.id, handed[1], call)
+            raise
 
 
-def _below_visibility(s: Settings) -> float:
-    """Longest countdown we give our own delayed messages: half the transport's ``visibility_timeout``.
-
-    The Redis transport holds a message with a countdown unacknowledged and redelivers it once
-    ``visibility_timeout`` passes, so a longer countdown would duplicate our own waits and watches.
-    """
-    return max(0.05, s.visibility_timeout / 2)
+def _describe(exc: BaseException | None) -> str:
+    return f"{exc.__class__.__name__}: {exc}" if exc is not None else ""
 
 
-def wait_countdown(waits: int, holder_ttl: float | None) -> float:
-    """Seconds to wait: exponential in the number of waits, capped by the holder's TTL, jittered.
-
-    Jitter spreads waiters over [50%, 100%] of the step, so a released key does
-    not set off a retry storm.
-    """
-    step = min(0.25 * (2 ** min(waits, 10)), 60.0)
-    if holder_ttl is not None:
-        step = min(step, max(holder_ttl, 0.05))
-    return max(0.05, step * random.uniform(0.5, 1.0))
+# 0.1 name, kept for importers.
+_below_visibility = republish.max_countdown

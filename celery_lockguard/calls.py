@@ -1,0 +1,42 @@
+"""A call's rendered names: entity key K, completion scope S, arguments digest.
+
+Rendered once per delivery (and per publish in the queue-time modes) from the
+task's options and the call's arguments; every later step reads these names
+instead of rendering again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from . import keys
+from .config import TaskOptions
+
+
+@dataclass(frozen=True)
+class CallNames:
+    """What one call is about: the entity it locks, the scope it records, and its work's digest."""
+
+    #: The entity key K (no prefix), e.g. ``invoice:42``.
+    key: str
+    #: The completion scope S: the rendered ``idempotency_key``, or the task id.
+    scope: str
+    #: Digest of the bound arguments: same task name and digest means identical work.
+    digest: str
+    #: True when the scope is the task id (records live ``completion_ttl_task``, not the scope TTL).
+    scope_is_task: bool
+
+
+def render(opts: TaskOptions, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallNames:
+    """Bind ``args``/``kwargs`` to the task's signature and render K, S and the digest."""
+    try:
+        arguments = keys.bind(opts.signature, args, kwargs)
+    except TypeError as exc:
+        raise TypeError(f"task {opts.task_name!r}: arguments do not match its signature: {exc}") from exc
+    if opts.idempotency_key is not None:
+        scope, scope_is_task = opts.idempotency_key.render(arguments, args, kwargs), False
+    else:
+        scope, scope_is_task = keys.task_scope(task_id), True
+    key = opts.lock_key.render(arguments, args, kwargs) if opts.lock_key is not None else scope
+    return CallNames(key, scope, keys.digest(arguments), scope_is_task)

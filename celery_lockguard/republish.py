@@ -1,0 +1,98 @@
+"""Self-republishes: the wait and the watch copy a delivery leaves behind.
+
+Both publish this very task again under its own task id, so ``apply_async``
+recognises them as self-republishes and never deduplicates them (a claim
+check could swallow the message while ``Retry`` is still raised: a lost job).
+A wait carries the delivery's queue claim on (hand-over); a watch copy never
+carries one (the original adopted it).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from . import headers
+from . import lease as lease_ops
+from .config import Settings
+
+
+def max_countdown(s: Settings) -> float:
+    """Longest countdown we give our own delayed messages: half the transport's ``visibility_timeout``.
+
+    The Redis transport holds a message with a countdown unacknowledged and redelivers it once
+    ``visibility_timeout`` passes, so a longer countdown would duplicate our own waits and watches.
+    """
+    return max(0.05, s.visibility_timeout / 2)
+
+
+def wait_countdown(waits: int, holder_ttl: float | None) -> float:
+    """Seconds to wait: exponential in the number of waits, capped by the holder's TTL, jittered.
+
+    Jitter spreads waiters over [50%, 100%] of the step, so a released key does
+    not set off a retry storm.
+    """
+    step = min(0.25 * (2 ** min(waits, 10)), 60.0)
+    if holder_ttl is not None:
+        step = min(step, max(holder_ttl, 0.05))
+    return max(0.05, step * random.uniform(0.5, 1.0))
+
+
+def watch_countdown(watches: int, ttl: float, s: Settings) -> float:
+    """Seconds before a watch copy looks again: at least the lease TTL, growing, below the visibility timeout."""
+    countdown = min(60.0, max(ttl, 0.5 * 2**watches)) * random.uniform(1.0, 1.25)
+    return min(countdown, max_countdown(s))
+
+
+def _ours(request: Any) -> dict[str, Any]:
+    """Lockguard's headers on this request: a worker's request carries them as attributes, not in ``headers``."""
+    out = {**(request.headers or {})}
+    for name in headers.ALL:
+        value = headers.read(request, name)
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def wait_headers(request: Any, attempt_token: str | None) -> dict[str, Any]:
+    """Headers of a wait: one more wait spent, the claim handed over, the orphan-lease token if any.
+
+    A wait of a watch copy stays a watch copy (its watch number and token travel on).
+    """
+    out = {**_ours(request), headers.WAITS: headers.read_int(request, headers.WAITS) + 1}
+    if attempt_token:
+        out[headers.ATTEMPT] = attempt_token
+    else:
+        out.pop(headers.ATTEMPT, None)
+    return out
+
+
+def watch_headers(request: Any, token: str) -> dict[str, Any]:
+    """Headers of a watch copy: its number and token; no claim and no orphan token travel with it."""
+    out = {**_ours(request), headers.WATCH: headers.read_int(request, headers.WATCH) + 1, headers.WATCH_TOKEN: token}
+    out.pop(headers.CLAIM, None)
+    out.pop(headers.ATTEMPT, None)
+    return out
+
+
+def publish(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], countdown: float, hdrs: dict[str, Any]) -> Any:
+    """Publish this request again (same task id, same retries count) after ``countdown``; returns the signature."""
+    req = task.request
+    sig = task.signature_from_request(req, args, kwargs, countdown=countdown, retries=req.retries, headers=hdrs)
+    sig.apply_async()
+    return sig
+
+
+def arm_watch(client: Any, s: Settings, key: str, request: Any, countdown: float, ttl: float) -> str | None:
+    """Arm the single pending watch of this task on ``key``: the new watch token, or ``None`` if one is pending."""
+    token = lease_ops.new_token()
+    armed = lease_ops.watch_arm(
+        client,
+        s.key_prefix,
+        key,
+        str(request.id),
+        headers.read_str(request, headers.WATCH_TOKEN),
+        token,
+        int((countdown + ttl) * 1000) + 60_000,
+    )
+    return token if armed else None

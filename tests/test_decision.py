@@ -1,0 +1,172 @@
+"""The decision table: every (mode, policy, outcome, holder) combination, no Redis, no Celery."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from celery_lockguard.decision import (
+    FREES_CLAIM,
+    Action,
+    Delivery,
+    HolderFacts,
+    Publish,
+    PublishAction,
+    decide_delivery,
+    decide_publish,
+    skips_duplicate,
+)
+
+MODES = ("while_running", "until_started", "until_done")
+LOCKED = ("skip", "retry", "raise")
+UNAVAILABLE = ("fail_closed", "fail_open")
+
+OTHER_DUP_ALIVE = HolderFacts(own_id=False, duplicate=True, alive=True)
+OTHER_DUP_DEAD = HolderFacts(own_id=False, duplicate=True, alive=False)
+OTHER_DIFFERENT = HolderFacts(own_id=False, duplicate=False, alive=True)
+OWN_ALIVE = HolderFacts(own_id=True, duplicate=True, alive=True)
+OWN_DEAD_REMOTE = HolderFacts(own_id=True, duplicate=True, alive=False)
+OWN_DEAD_HERE = HolderFacts(own_id=True, duplicate=True, alive=False, dead_here=True)
+OWN_CLAIM = HolderFacts(own_id=True, duplicate=True, alive=True, queued=True)
+
+
+def d(outcome: str, holder: HolderFacts | None = None, **kw: object) -> Delivery:
+    base = {"mode": "while_running", "on_locked": "skip", "on_unavailable": "fail_closed"}
+    base.update(kw)
+    return Delivery(outcome=outcome, holder=holder, **base)  # type: ignore[arg-type]
+
+
+# (outcome, holder, overrides) -> expected action
+TABLE = [
+    ("acquired", None, {}, Action.RUN),
+    ("record", None, {}, Action.ANSWER),
+    ("record", None, {"watch_copy": True}, Action.DROP),
+    ("misconfigured", None, {}, Action.MISCONFIGURED),
+    ("unavailable", None, {}, Action.WAIT),
+    ("unavailable", None, {"on_unavailable": "fail_open"}, Action.FAIL_OPEN),
+    ("unavailable", None, {"waits": 100}, Action.GIVE_UP),
+    ("late", None, {}, Action.WAIT),
+    ("late", None, {"on_unavailable": "fail_open"}, Action.FAIL_OPEN),
+    ("held", OTHER_DUP_ALIVE, {}, Action.SKIP),
+    ("held", OTHER_DUP_ALIVE, {"mode": "until_done"}, Action.SKIP),
+    ("held", OTHER_DUP_ALIVE, {"mode": "until_started"}, Action.WAIT),
+    ("held", OTHER_DUP_ALIVE, {"on_locked": "retry"}, Action.WAIT),
+    ("held", OTHER_DUP_ALIVE, {"on_locked": "raise"}, Action.RAISE),
+    ("held", OTHER_DUP_DEAD, {}, Action.WAIT),
+    ("held", OTHER_DIFFERENT, {}, Action.WAIT),
+    ("held", OTHER_DIFFERENT, {"on_locked": "raise"}, Action.RAISE),
+    ("held", OTHER_DIFFERENT, {"waits": 3, "max_waits": 3}, Action.GIVE_UP),
+    ("held", OWN_ALIVE, {}, Action.DROP_AND_WATCH),
+    ("held", OWN_ALIVE, {"on_locked": "raise"}, Action.DROP_AND_WATCH),
+    ("held", OWN_DEAD_REMOTE, {}, Action.WAIT),
+    ("held", OWN_DEAD_REMOTE, {"on_locked": "raise"}, Action.WAIT),
+    ("held", OWN_DEAD_HERE, {}, Action.ADOPT),
+    ("held", OWN_CLAIM, {"mode": "until_done"}, Action.ADOPT),
+]
+
+
+@pytest.mark.parametrize(("outcome", "holder", "over", "expected"), TABLE)
+def test_delivery_table(outcome: str, holder: HolderFacts | None, over: dict[str, object], expected: Action) -> None:
+    assert decide_delivery(d(outcome, holder, **over)).action is expected
+
+
+HOLDERS = [None, OTHER_DUP_ALIVE, OTHER_DUP_DEAD, OTHER_DIFFERENT, OWN_ALIVE, OWN_DEAD_REMOTE, OWN_DEAD_HERE, OWN_CLAIM]
+OUTCOMES = ("acquired", "held", "record", "unavailable", "late", "misconfigured")
+
+
+def every_delivery() -> list[Delivery]:
+    out = []
+    for mode, locked, unavail, outcome, watch, waits in itertools.product(
+        MODES, LOCKED, UNAVAILABLE, OUTCOMES, (False, True), (0, 5)
+    ):
+        for holder in HOLDERS[1:] if outcome == "held" else [None]:
+            out.append(
+                Delivery(
+                    mode=mode,  # type: ignore[arg-type]
+                    on_locked=locked,  # type: ignore[arg-type]
+                    on_unavailable=unavail,  # type: ignore[arg-type]
+                    outcome=outcome,  # type: ignore[arg-type]
+                    holder=holder,
+                    watch_copy=watch,
+                    waits=waits,
+                    max_waits=5,
+                )
+            )
+    return out
+
+
+def test_the_whole_space_keeps_the_promises() -> None:
+    """Properties over every combination: nothing is dropped silently, nothing runs twice on purpose."""
+    cases = every_delivery()
+    assert len(cases) == 3 * 3 * 2 * 2 * 2 * (5 + len(HOLDERS) - 1)
+    for case in cases:
+        action = decide_delivery(case).action
+        h = case.holder
+        # Only identical work behind a live holder is ever skipped, only under skip, never in until_started.
+        if action is Action.SKIP:
+            assert h is not None and h.duplicate and h.alive and not h.own_id
+            assert case.on_locked == "skip" and case.mode != "until_started"
+        # Raise is the policy's own answer to a foreign holder, never to ourselves.
+        if action is Action.RAISE:
+            assert case.on_locked == "raise" and h is not None and not h.own_id
+        # A wait is never past the budget; giving up is only at the budget.
+        if action is Action.WAIT:
+            assert case.waits < case.max_waits
+        if action is Action.GIVE_UP:
+            assert case.waits >= case.max_waits
+        # Running unlocked happens only under fail_open.
+        if action is Action.FAIL_OPEN:
+            assert case.on_unavailable == "fail_open" and case.outcome in ("unavailable", "late")
+        # Dropping a message is only for ourselves: a running original, or a watch copy whose original finished.
+        if action in (Action.DROP, Action.DROP_AND_WATCH):
+            assert (h is not None and h.own_id and h.alive) or (case.watch_copy and case.outcome == "record")
+        # The decision is a function of the facts.
+        assert decide_delivery(case) == decide_delivery(case)
+
+
+def test_every_action_says_what_happens_to_the_claim() -> None:
+    kept = set(Action) - FREES_CLAIM
+    # RUN (adopted or freed by ACQUIRE), ADOPT (loops), WAIT (hands over), DROP_AND_WATCH (the original adopted it).
+    assert kept == {Action.RUN, Action.ADOPT, Action.WAIT, Action.DROP_AND_WATCH}
+
+
+def test_one_duplicate_rule_for_publish_and_delivery() -> None:
+    for locked, dup, alive in itertools.product(LOCKED, (False, True), (False, True)):
+        rule = skips_duplicate(locked, dup, alive)  # type: ignore[arg-type]
+        held = HolderFacts(own_id=False, duplicate=dup, alive=alive)
+        delivery = decide_delivery(d("held", held, on_locked=locked)).action is Action.SKIP
+        publish = decide_publish(
+            Publish(on_locked=locked, claim="held", duplicate=dup, holder_alive=alive)  # type: ignore[arg-type]
+        ).action
+        assert delivery == rule
+        assert (publish is PublishAction.ANSWER_WITH_HOLDER) == rule
+
+
+PUBLISH_TABLE = [
+    (Publish("skip", self_republish=True), PublishAction.BYPASS),
+    (Publish("skip", claim="held", duplicate=True, self_republish=True), PublishAction.BYPASS),
+    (Publish("skip"), PublishAction.PUBLISH_CLAIMED),
+    (Publish("skip", claim="ok"), PublishAction.PUBLISH_CLAIMED),
+    (Publish("skip", claim="own"), PublishAction.PUBLISH),
+    (Publish("skip", claim="unavailable"), PublishAction.PUBLISH),
+    (Publish("skip", claim="misconfigured"), PublishAction.MISCONFIGURED),
+    (Publish("skip", claim="held", duplicate=True), PublishAction.ANSWER_WITH_HOLDER),
+    (Publish("skip", claim="held", duplicate=True, in_canvas=True), PublishAction.PUBLISH),
+    (Publish("raise", claim="held", duplicate=True, in_canvas=True), PublishAction.PUBLISH),
+    (Publish("skip", claim="held", duplicate=True, holder_alive=False), PublishAction.PUBLISH),
+    (Publish("skip", claim="held", duplicate=False), PublishAction.PUBLISH),
+    (Publish("retry", claim="held", duplicate=True), PublishAction.PUBLISH),
+    (Publish("raise", claim="held", duplicate=True), PublishAction.RAISE),
+    (Publish("raise", claim="held", duplicate=False), PublishAction.PUBLISH),
+]
+
+
+@pytest.mark.parametrize(("facts", "expected"), PUBLISH_TABLE)
+def test_publish_table(facts: Publish, expected: PublishAction) -> None:
+    assert decide_publish(facts).action is expected
+
+
+def test_held_needs_holder_facts() -> None:
+    with pytest.raises(ValueError, match="holder facts"):
+        decide_delivery(d("held", None))
