@@ -164,7 +164,7 @@ class Renewer:
             emit(
                 "lock.backend_unavailable",
                 None,
-                reason=f"renew ({kind}): {exc.__class__.__name__}: {exc}",
+                reason=f"renew ({kind}): {exc.__class__.__name__}: {errors.reply_text(exc)}",
                 lock_keys=[x.key for x in leases[:20]],
             )
         lost: list[tuple[Lease, str]] = []

@@ -149,3 +149,39 @@ def test_latency_longer_than_the_ttl_during_acquire_means_not_acquired(server: R
         proxy.close()
         conn_mod.forget_clients()
     assert redis.Redis(port=server.port).dbsize() >= 0
+
+
+def test_terminate_of_a_dead_child_leaves_a_same_id_holder_in_another_child(server: RedisServer, prefix: str) -> None:
+    """Pass: the main process shortens only the lease of the child it terminated (issue: SHORTEN matched
+    task id + host, so it cut a redelivery of the same task id that had taken the lease over in another child).
+    """
+    import os
+    from types import SimpleNamespace
+
+    from celery_lockguard import lease as L
+    from celery_lockguard import signals
+
+    app = make_app(server.url, prefix)
+
+    @task(app, lock_key="k:{a}", lock_ttl=60)
+    def t(self: Any, a: int) -> None:
+        pass
+
+    c = server.client()
+    name = lock_name(prefix, "k:1")
+    # The redelivered copy of task "same" holds the lease in this process (the new child)...
+    held = L.acquire(
+        c, prefix, "k:1", ttl_ms=60_000, task_id="same", task_name=t.name, digest="d", worker="w", fence_ttl_ms=60_000
+    )
+    assert isinstance(held, L.Lease)
+    old_child = os.getpid() + 1  # ...and the request being terminated ran in another child
+    with capture_logs() as logs:
+        signals._on_revoked(
+            sender=t, request=SimpleNamespace(id="same", args=(1,), kwargs={}, worker_pid=old_child), terminated=True
+        )
+    assert c.pttl(name) > 50_000, "the new holder's lease was cut"
+    assert "lock.force_released" not in names(logs)
+    signals._on_revoked(
+        sender=t, request=SimpleNamespace(id="same", args=(1,), kwargs={}, worker_pid=os.getpid()), terminated=True
+    )
+    assert 0 < c.pttl(name) <= 2000  # its own child: shortened to the grace

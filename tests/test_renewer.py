@@ -1,17 +1,25 @@
-"""The per-process renewer: one round trip per tick for all leases, woken only when it must be."""
+"""The per-process renewer: one round trip per tick for all leases, woken only when it must be; it never dies."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
+from structlog.testing import capture_logs
 
 from celery_lockguard import lease as L
+from celery_lockguard import scripts
 from celery_lockguard.keys import lock_name
 from celery_lockguard.renewer import Renewer
 from celery_lockguard.testing import RedisServer
 
 from .harness import wait_for
+from .proxy import DelayProxy
 
 
 @pytest.fixture
@@ -65,3 +73,162 @@ def test_one_round_trip_per_tick_whatever_the_number_of_leases(server: RedisServ
     assert all(lease.held for lease in leases)
     for lease in leases:
         renewer.untrack(lease)
+
+
+# -- a renewer that never dies -----------------------------------------------------------------------
+
+
+class Fault:
+    """A real server state that refuses RENEW until ended: BUSY, NOREPLICAS or NOPERM."""
+
+    def __init__(self, name: str, server: RedisServer) -> None:
+        self.name = name
+        self.server = server
+        self.admin = server.client()
+        self.code = {"busy": "BUSY", "noreplicas": "NOREPLICAS", "noperm": "NOPERM"}[name]
+        self.kind = "misconfigured" if name == "noperm" else "unavailable"
+        self._blocker: threading.Thread | None = None
+        # The renewer authenticates as its own user, so an ACL change can hit it alone.
+        self.admin.execute_command("ACL", "SETUSER", "renewer", "on", ">pw", "~*", "+@all")
+        self.client = server.client(username="renewer", password="pw", socket_timeout=2)
+
+    def start(self) -> None:
+        if self.name == "noreplicas":
+            self.admin.config_set("min-replicas-to-write", 1)
+        elif self.name == "noperm":
+            self.admin.execute_command("ACL", "SETUSER", "renewer", "-evalsha")
+        else:
+            blocker = self.server.client()
+
+            def loop() -> None:
+                with contextlib.suppress(redis.exceptions.ResponseError):  # "Script killed by user"
+                    blocker.eval("while true do end", 0)
+
+            self._blocker = threading.Thread(target=loop, daemon=True)
+            self._blocker.start()
+            wait_for(self._busy, 5, interval=0.02, what="the server to answer BUSY")
+
+    def _busy(self) -> bool:
+        try:
+            self.admin.ping()
+        except redis.exceptions.ResponseError as exc:
+            return str(exc).startswith("BUSY")
+        return False
+
+    def stop(self) -> None:
+        if self.name == "noreplicas":
+            self.admin.config_set("min-replicas-to-write", 0)
+        elif self.name == "noperm":
+            self.admin.execute_command("ACL", "SETUSER", "renewer", "+evalsha")
+        else:
+            wait_for(self._kill, 5, interval=0.02, what="SCRIPT KILL")
+            assert self._blocker is not None
+            self._blocker.join(5)
+
+    def _kill(self) -> bool:
+        try:
+            self.admin.script_kill()
+        except redis.exceptions.ResponseError as exc:
+            return "No scripts in execution" in str(exc)
+        return True
+
+
+@pytest.fixture(params=["busy", "noreplicas", "noperm"])
+def fault(request: pytest.FixtureRequest) -> Iterator[Fault]:
+    with RedisServer(extra=["--busy-reply-threshold", "50"]) as s:
+        yield Fault(request.param, s)
+
+
+def test_a_refused_renewal_is_a_failed_tick_the_thread_survives_and_reports_lost(fault: Fault) -> None:
+    """Pass: the thread lives on, the short lease is reported lost and untracked, the long one renews again."""
+    c = fault.admin
+    renewer = Renewer()
+    short, long_ = take(c, "short", 600), take(c, "long", 5000)
+    with capture_logs() as logs:
+        renewer.track(short, fault.client, 3600)
+        renewer.track(long_, fault.client, 3600)
+        fault.start()
+        try:
+            wait_for(lambda: renewer.tracked() == 1, 5, interval=0.02, what="the short lease to be reported lost")
+            assert renewer._thread is not None and renewer._thread.is_alive()
+            assert short.lost and not long_.lost
+        finally:
+            fault.stop()
+        before = c.hget(lock_name("lg", "long"), "renewed_at")
+        wait_for(
+            lambda: c.hget(lock_name("lg", "long"), "renewed_at") != before,
+            5,
+            interval=0.02,
+            what="the long lease to be renewed after the server recovered",
+        )
+    assert long_.held and renewer.tracked() == 1 and renewer._thread.is_alive()
+    failed = [e for e in logs if e["event"] == "lock.backend_unavailable"]
+    assert failed and all(f"renew ({fault.kind})" in e["reason"] for e in failed)
+    assert any(fault.code in e["reason"] for e in failed)
+    lost = [e for e in logs if e["event"] == "lock.lost"]
+    assert [(e["lock_key"], e["reason"]) for e in lost] == [("short", "expired")]
+    renewer.untrack(long_)
+
+
+@pytest.mark.parametrize("refusal", ["noreplicas", "readonly"])
+def test_after_a_failed_tick_the_next_try_comes_soon(server: RedisServer, refusal: str) -> None:
+    """Pass: a failed renewal is retried after a fraction of the interval (1 s here), not a whole one.
+
+    READONLY (a demoted primary) was always an outage; NOREPLICAS used to kill the thread.
+    """
+    c = server.client()
+    renewer = Renewer()
+    lease = take(c, "k", 3000)
+    with contextlib.ExitStack() as undo:
+        if refusal == "noreplicas":
+            c.config_set("min-replicas-to-write", 1)
+            undo.callback(c.config_set, "min-replicas-to-write", 0)
+        else:
+            primary = undo.enter_context(RedisServer())
+            c.replicaof("127.0.0.1", primary.port)  # this server is now a replica: writes answer READONLY
+            undo.callback(c.replicaof, "NO", "ONE")
+        renewer.track(lease, c, 3600)
+        wait_for(lambda: renewer.ticks >= 1, 3, interval=0.005, what="a first (failed) tick")
+        first = time.monotonic()
+        wait_for(lambda: renewer.ticks >= 2, 3, interval=0.005, what="a second tick")
+        assert time.monotonic() - first < 0.6, "the retry waited a full renewal interval"
+        assert lease.held
+    if refusal == "noreplicas":
+        before = c.hget(lock_name("lg", "k"), "renewed_at")
+        wait_for(lambda: c.hget(lock_name("lg", "k"), "renewed_at") != before, 3, what="a renewal after recovery")
+        assert lease.held
+    renewer.untrack(lease)
+
+
+def test_a_renewal_answered_after_the_validity_passed_does_not_revive_the_lease(server: RedisServer) -> None:
+    """Pass: once lost, a lease stays lost, even when a renewal sent in time succeeds late."""
+    proxy = DelayProxy(server.port).start()
+    try:
+        c = server.client()
+        slow = redis.Redis(port=proxy.port, decode_responses=True, socket_timeout=5)
+        slow.ping()
+        c.script_load(scripts.RENEW)  # one round trip per renewal: no NOSCRIPT + SCRIPT LOAD on the slow path
+        lease = take(c, "k", 1000)  # first renewal ~0.3 s in; valid until ~0.99 s
+        proxy.delay = 0.75  # its reply arrives ~1.05 s: after the validity, and the key still exists
+        renewer = Renewer()
+        with capture_logs() as logs:
+            renewer.track(lease, slow, 3600)
+            wait_for(lambda: lease.lost, 3, interval=0.005, what="the validity to pass")
+            wait_for(lambda: renewer.ticks >= 1, 3, interval=0.005, what="the late renewal to be answered")
+            assert lease.lost and not lease.held, "a late renewal brought a lost lease back"
+            wait_for(lambda: renewer.tracked() == 0, 3, interval=0.005, what="the lease to be untracked")
+        assert c.exists(lock_name("lg", "k"))  # the renewal did land: only the reply was late
+        assert [e["reason"] for e in logs if e["event"] == "lock.lost"] == ["expired"]
+        assert lease.lost
+    finally:
+        proxy.close()
+
+
+def test_a_lost_lease_is_never_renewed_back(server: RedisServer) -> None:
+    c = server.client()
+    lease = take(c, "k", 100)
+    c.pexpire(lock_name("lg", "k"), 60_000)  # the key outlives the local validity (a slow clock on Redis)
+    wait_for(lambda: lease.lost, 2, interval=0.005, what="the validity to pass")
+    sent_at = time.monotonic()
+    assert L.renew(c, [lease]) == [1]
+    assert lease.renewed(sent_at) is False and lease.lost

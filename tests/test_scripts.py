@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -9,7 +10,7 @@ import pytest
 
 from celery_lockguard import lease as L
 from celery_lockguard import scripts
-from celery_lockguard.keys import done_name, fence_name, lock_name
+from celery_lockguard.keys import claim_name, done_name, fence_name, lock_name
 from celery_lockguard.testing import RedisServer
 
 from .harness import wait_for
@@ -192,3 +193,216 @@ def test_watch_arm_keeps_one_pending_watch_per_task(c: Any) -> None:
     assert L.watch_arm(c, P, "k", "t2", "x1", "x2", 5000)  # missing (expired): a late watch may re-arm
     c.script_flush()
     assert L.watch_arm(c, P, "k", "t2", "x2", "x3", 5000)  # NOSCRIPT reloads
+
+
+# -- CLAIM, RELEASE_CLAIM, the holder's TTL ---------------------------------------------------------
+
+
+def claim(c: Any, token: str = "c1", ttl_ms: int = 3_600_000, task_id: str = "t1", key: str = "k") -> L.Claimed:
+    return L.claim(c, lock_name(P, key), token=token, ttl_ms=ttl_ms, task_id=task_id, task_name="n", digest="d")
+
+
+def test_claim_by_the_running_task_itself_leaves_its_lease_ttl_alone(c: Any) -> None:
+    """A task's own republish answers 'own' but must not stretch its running lease to the queue TTL."""
+    take(c, ttl_ms=30_000)  # until_done: the lease hash is the claim, state running
+    assert claim(c).kind == "own"
+    assert 0 < c.pttl(lock_name(P, "k")) <= 30_000, "a dead holder would block the entity for the queue TTL"
+    assert c.hget(lock_name(P, "k"), "state") == "running"
+
+
+def test_claim_by_the_same_task_extends_a_queued_claim_never_shortens(c: Any) -> None:
+    assert claim(c, ttl_ms=10_000).kind == "ok"
+    assert claim(c, ttl_ms=60_000).kind == "own"
+    assert 10_000 < c.pttl(lock_name(P, "k")) <= 60_000
+    assert claim(c, ttl_ms=1_000).kind == "own"
+    assert c.pttl(lock_name(P, "k")) > 10_000
+
+
+def test_release_claim_by_token_or_any_token_of_the_task(c: Any) -> None:
+    key = lock_name(P, "k")
+    assert claim(c, token="mine").kind == "ok"
+    assert not L.release_claim(c, key, "t1", token="someone-elses")
+    assert not L.release_claim(c, key, "t2")
+    assert c.exists(key)
+    assert L.release_claim(c, key, "t1", token="mine")
+    assert not c.exists(key)
+    assert claim(c, token="again").kind == "ok"
+    assert L.release_claim(c, key, "t1")  # '' = any token of that task id (the revoke path)
+    take(c)  # a running lease is never freed here, whatever the token
+    assert not L.release_claim(c, key, "t1")
+    assert not L.release_claim(c, key, "t1", token=c.hget(key, "token"))
+    assert c.exists(key)
+
+
+def test_held_reply_carries_the_holders_own_ttl(c: Any) -> None:
+    take(c, ttl_ms=60_000)
+    holder = take(c, task_id="t2", ttl_ms=1_000)
+    assert isinstance(holder, L.Holder) and holder.ttl_ms == 60_000
+    c.hdel(lock_name(P, "k"), "ttl")  # a hash written by an older release has no ttl field
+    holder = take(c, task_id="t2", ttl_ms=1_000)
+    assert isinstance(holder, L.Holder) and holder.ttl_ms == 0
+
+
+# -- corrupt fences -----------------------------------------------------------------------------------
+
+
+CORRUPT = ["inf", "1e400", "abc", "1.5", "-3", "", "9007199254740992", "99999999999999999999", "9007199254740991"]
+
+
+@pytest.mark.parametrize("value", CORRUPT)
+def test_acquire_refuses_a_corrupt_fence_before_writing_anything(c: Any, value: str) -> None:
+    from celery_lockguard.errors import classify
+    from celery_lockguard.exceptions import CorruptFence
+
+    c.set(fence_name(P, "k"), value)
+    c.hset(claim_name(P, "k"), mapping={"token": "ct", "task_id": "t1", "state": "queued"})
+    with pytest.raises(CorruptFence) as raised:
+        take(c, claim_token="ct")
+    assert raised.value.key == fence_name(P, "k") and raised.value.value == value
+    assert raised.value.args == (fence_name(P, "k"), value)
+    assert classify(raised.value) == "misconfigured"
+    assert not c.exists(lock_name(P, "k")), "a lease was written and orphaned"
+    assert c.get(fence_name(P, "k")) == value and c.exists(claim_name(P, "k"))
+
+
+def test_acquire_refuses_a_fence_counter_of_the_wrong_type(c: Any) -> None:
+    from celery_lockguard.exceptions import CorruptFence
+
+    c.hset(fence_name(P, "k"), "x", "1")
+    with pytest.raises(CorruptFence, match="WRONGTYPE"):
+        take(c)
+    assert not c.exists(lock_name(P, "k"))
+
+
+@pytest.mark.parametrize("value", CORRUPT)
+def test_force_release_refuses_a_corrupt_fence_and_leaves_the_holder(c: Any, value: str) -> None:
+    from celery_lockguard.exceptions import CorruptFence
+
+    lease = take(c)
+    c.set(fence_name(P, "k"), value)
+    with pytest.raises(CorruptFence):
+        L.force_release(c, P, "k", 60_000)
+    assert c.hget(lock_name(P, "k"), "token") == lease.token and c.get(fence_name(P, "k")) == value
+
+
+def test_a_long_corrupt_value_is_truncated_in_the_error(c: Any) -> None:
+    from celery_lockguard.exceptions import CorruptFence
+
+    c.set(fence_name(P, "k"), "x" * 10_000 + "\r\n")
+    with pytest.raises(CorruptFence) as raised:
+        take(c)
+    assert raised.value.value == "x" * 64
+
+
+def test_fences_stay_exact_integers_up_to_2_53_minus_1(c: Any) -> None:
+    from celery_lockguard.exceptions import CorruptFence
+
+    c.set(fence_name(P, "k"), str(2**53 - 2))
+    lease = take(c)
+    assert lease.fence == 2**53 - 1 and c.get(fence_name(P, "k")) == str(2**53 - 1)
+    L.release(c, lease, P)
+    with pytest.raises(CorruptFence):  # no exact fence is left above it: never hand out the same one twice
+        take(c)
+    assert not c.exists(lock_name(P, "k"))
+
+
+# -- NOSCRIPT that a reload cannot fix ----------------------------------------------------------------
+
+
+class FlushAfterLoadProxy:
+    """Relays a client to a real server and runs SCRIPT FLUSH on the server after every SCRIPT LOAD.
+
+    The flush happens before the client sees the load's reply, so the EVALSHA that follows finds no
+    script: what a proxy spreading calls over nodes, or a flush racing every load, does.
+    """
+
+    def __init__(self, server: RedisServer) -> None:
+        import socket
+
+        from celery_lockguard.testing import free_port
+
+        self.server = server
+        self.port = free_port()
+        self.listener = socket.create_server(("127.0.0.1", self.port))
+        self.loads = 0
+        self._pending = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def client(self) -> Any:
+        import redis
+
+        return redis.Redis(port=self.port, decode_responses=True, socket_timeout=5)
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                down, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(("127.0.0.1", self.server.port))
+            threading.Thread(target=self._pipe, args=(down, up, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(up, down, False), daemon=True).start()
+
+    def _pipe(self, src: Any, dst: Any, to_server: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if to_server and b"LOAD" in data.upper():
+                    self.loads += 1
+                    self._pending.set()
+                elif not to_server and self._pending.is_set():
+                    self._pending.clear()
+                    self.server.client().script_flush()
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            dst.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_noscript_that_survives_a_reload_is_misconfigured(own_redis: RedisServer) -> None:
+    from redis.exceptions import NoScriptError
+
+    from celery_lockguard.errors import classify, configuration_error
+
+    proxy = FlushAfterLoadProxy(own_redis)
+    try:
+        c = proxy.client()
+        with pytest.raises(NoScriptError) as raised:
+            take(c)
+        assert proxy.loads == 1, "reloaded exactly once, not in a loop"
+        assert "ACQUIRE" in str(raised.value)
+        assert classify(raised.value) == "misconfigured"
+        assert "NOSCRIPT" in str(configuration_error(raised.value, "t", "ACQUIRE"))
+        assert not own_redis.client().exists(lock_name(P, "k"))
+    finally:
+        proxy.close()
+
+
+def test_no_script_load_on_the_server_is_misconfigured() -> None:
+    from redis.exceptions import ResponseError
+
+    from celery_lockguard.errors import classify
+
+    with RedisServer(extra=["--rename-command", "SCRIPT", '""']) as server:
+        c = server.client()
+        with pytest.raises(ResponseError) as raised:
+            take(c)
+        assert "unknown command" in str(raised.value) and classify(raised.value) == "misconfigured"
+
+
+# -- SHORTEN and the child's pid ------------------------------------------------------------------------
+
+
+def test_shorten_with_a_pid_leaves_a_same_host_holder_of_the_same_task_id_in_another_process(c: Any) -> None:
+    """A redelivery took over the dead child's lease in another child: the main process must not cut it."""
+    take(c, ttl_ms=60_000)  # held by this process's pid
+    new_holder = c.hget(lock_name(P, "k"), "pid")
+    assert not L.shorten(c, P, "k", "t1", 2000, pid=int(new_holder) + 1)  # the old child's pid
+    assert c.pttl(lock_name(P, "k")) > 50_000
+    assert L.shorten(c, P, "k", "t1", 2000, pid=int(new_holder))
+    assert 0 < c.pttl(lock_name(P, "k")) <= 2000
