@@ -7,7 +7,8 @@ settings exactly as the tasks do (:func:`celery_lockguard.config.settings`,
 
 Exit codes follow Celery's (``celery.platforms``): 0 ok; 1 a finding, an
 aborted confirmation or nothing found; 64 bad usage; 69 the lock Redis (or
-the completion database) is unreachable; 78 invalid settings.
+the completion or fence database) is unreachable; 78 invalid settings (or no
+fence table where ``release --fence-dsn`` should write).
 """
 
 from __future__ import annotations
@@ -204,18 +205,99 @@ def _yes_option(group: str) -> Any:
 # -- release --------------------------------------------------------------------------------
 
 
+def _fence_connections(dsns: tuple[str, ...], table: str) -> list[tuple[str, Any]]:
+    """Open one connection per fence database and check its fence table, before anything is released.
+
+    Unreachable is exit 69; a missing table is exit 78: a typo there would
+    write the fence where no ``advance_fence`` looks.
+    """
+    import psycopg
+
+    from .fencing import _table
+
+    try:
+        _table(table)
+    except ValueError as exc:
+        raise CeleryCommandException(str(exc), EX_USAGE) from exc
+    opened: list[tuple[str, Any]] = []
+    try:
+        for dsn in dsns:
+            try:
+                conn = psycopg.connect(dsn, connect_timeout=5)
+            except psycopg.Error as exc:
+                raise CeleryCommandException(
+                    f"the fence database {doctor.redact(dsn)} is unreachable: {exc}; nothing was released",
+                    EX_UNAVAILABLE,
+                ) from exc
+            opened.append((dsn, conn))
+            row = conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()
+            if row is None or row[0] is None:
+                raise CeleryCommandException(
+                    f"no fence table {table!r} in {doctor.redact(dsn)} (create_fence_table, or --fence-table); "
+                    "nothing was released",
+                    EX_CONFIG,
+                )
+            conn.rollback()
+    except BaseException:
+        for _, conn in opened:
+            conn.close()
+        raise
+    return opened
+
+
+def _bump_fences(opened: list[tuple[str, Any]], entity: str, fence: int, table: str) -> tuple[list[str], list[str]]:
+    """Write ``fence`` for ``entity`` into every fence table: (databases written, failures with why)."""
+    from .fencing import bump_fence
+
+    written: list[str] = []
+    failed: list[str] = []
+    for dsn, conn in opened:
+        try:
+            with conn.transaction():
+                bump_fence(conn, entity, fence, table)
+            written.append(doctor.redact(dsn))
+        except Exception as exc:  # noqa: BLE001 - reported to the operator, with what it leaves open
+            failed.append(f"{doctor.redact(dsn)}: {exc.__class__.__name__}: {exc}")
+        finally:
+            conn.close()
+    return written, failed
+
+
 @lockguard.command(cls=CeleryCommand)
 @click.argument("key")
 @_yes_option("Release Options")
+@click.option(
+    "--fence-dsn",
+    "fence_dsns",
+    multiple=True,
+    cls=CeleryOption,
+    help_group="Release Options",
+    help="PostgreSQL DSN whose fence table advance_fence checks: the bumped fence is written there, so the "
+    "evicted holder's fenced writes fail. Repeat for several databases. Default: lockguard_fence_dsn.",
+)
+@click.option(
+    "--fence-table",
+    default=None,
+    cls=CeleryOption,
+    help_group="Release Options",
+    help="The fence table in those databases. Default: lockguard_fence_table (lockguard_fences).",
+)
 @click.pass_context
-def release(ctx: click.Context, key: str, yes: bool, **_: Any) -> None:
+def release(
+    ctx: click.Context, key: str, yes: bool, fence_dsns: tuple[str, ...], fence_table: str | None, **_: Any
+) -> None:
     """Force-release the lease on KEY and bump its fence.
 
     KEY is the entity key (``invoice:42``, as ``locks`` shows it) or its full
     Redis key. The evicted holder is not stopped: it finds its lease lost at
-    its next renewal, and its fenced writes are rejected from now on.
+    its next renewal (within ttl/3). Its fenced writes are rejected at once
+    only in the databases given by --fence-dsn (or lockguard_fence_dsn), where
+    the new fence is written; elsewhere the bump lives in Redis, and storage
+    keeps accepting the evicted holder's fence until a newer holder writes.
     """
     s = _settings(ctx)
+    dsns = tuple(fence_dsns) or s.fence_dsns
+    table = fence_table or s.fence_table
     entity = _entity(key, s.key_prefix)
     if not entity or any(c in entity for c in "{}") or any(c.isspace() for c in entity):
         # A rendered key never holds braces or whitespace (keys.py escapes them): refuse rather than
@@ -225,20 +307,33 @@ def release(ctx: click.Context, key: str, yes: bool, **_: Any) -> None:
             "(copy it from `lockguard locks`)",
             EX_USAGE,
         )
+    where = ", ".join(f"{table} in {doctor.redact(d)}" for d in dsns)
     with _redis(s) as client:
         holder = client.hgetall(lock_name(s.key_prefix, entity))
         if not holder:
             raise CeleryCommandException(f"no lease on {entity!r} under prefix {s.key_prefix!r}", EX_FAILURE)
         if not yes:
+            stops = (
+                f"its fenced writes to {where} will be rejected."
+                if dsns
+                else "its fenced writes stay accepted until a newer holder writes (no --fence-dsn)."
+            )
             click.confirm(
                 f"Force-release {entity!r} held by {holder.get('task_name')}[{holder.get('task_id')}] on "
                 f"{holder.get('worker') or holder.get('host')} (fence {holder.get('fence')})?\n"
-                "The holder keeps running until it notices; its fenced writes will be rejected.",
+                f"The holder keeps running until it notices; {stops}",
                 abort=True,
             )
-        deleted, fence, evicted = lease_ops.force_release(
-            client, s.key_prefix, entity, fence_ttl_ms=int(s.fence_ttl * 1000)
-        )
+        opened = _fence_connections(dsns, table)
+        try:
+            deleted, fence, evicted = lease_ops.force_release(
+                client, s.key_prefix, entity, fence_ttl_ms=int(s.fence_ttl * 1000)
+            )
+        except BaseException:
+            for _dsn, conn in opened:
+                conn.close()
+            raise
+        written, failed = _bump_fences(opened, entity, fence, table)
         emit(
             "lock.force_released",
             holder.get("task_name") or "-",
@@ -255,6 +350,22 @@ def release(ctx: click.Context, key: str, yes: bool, **_: Any) -> None:
         click.echo(f"released {entity!r} (was {evicted or holder.get('task_id')}); fence is now {fence}")
     else:
         click.echo(f"{entity!r} was already free when released; fence bumped to {fence}")
+    if written:
+        targets = ", ".join(f"{table} in {d}" for d in written)
+        click.echo(f"fence {fence} written to {targets}: the evicted holder's advance_fence there raises StaleFence")
+    if failed:
+        raise CeleryCommandException(
+            f"the lease is released, but fence {fence} was NOT written to: {'; '.join(failed)}. Until it is, "
+            "the evicted holder's advance_fence there is still accepted; write it with "
+            f"celery_lockguard.fencing.bump_fence(conn, {entity!r}, {fence}, {table!r})",
+            EX_UNAVAILABLE,
+        )
+    if not dsns:
+        click.echo(
+            f"fence {fence} is in Redis only: the evicted holder is not stopped, and its advance_fence(...) "
+            "is still accepted by storage until a newer holder of this entity writes through it. "
+            "Pass --fence-dsn (or set lockguard_fence_dsn) to write the fence where advance_fence checks it."
+        )
 
 
 # -- stats ------------------------------------------------------------------------------------
@@ -495,7 +606,7 @@ def _show_pg(s: Settings, scope: str) -> dict[str, Any] | None:
 
     from .completion import postgres_store
 
-    store = postgres_store(s.completion_backend, s.completion_table)
+    store = postgres_store(s.completion_backend, s.completion_table, namespace=s.key_prefix)
     try:
         rows = store.entries(scope)
     except psycopg.OperationalError as exc:
@@ -507,7 +618,7 @@ def _show_pg(s: Settings, scope: str) -> dict[str, Any] | None:
     cp_ttl = max((r[2] for r in rows if r[0].startswith("cp:")), default=None)
     return {
         "scope": scope,
-        "store": f"postgresql ({store.table})",
+        "store": f"postgresql ({store.table}, namespace {store.namespace})",
         "record": _decode(record[1]) if record else None,
         "record_ttl_ms": record[2] if record else None,
         "checkpoints": cps,
@@ -565,7 +676,7 @@ def completions_forget(ctx: click.Context, scope: str, yes: bool, **_: Any) -> N
         from .completion import postgres_store
 
         try:
-            deleted = postgres_store(s.completion_backend, s.completion_table).forget(scope)
+            deleted = postgres_store(s.completion_backend, s.completion_table, namespace=s.key_prefix).forget(scope)
         except Exception as exc:
             raise CeleryCommandException(f"the completion database failed: {exc}", EX_UNAVAILABLE) from exc
     if not deleted:

@@ -12,10 +12,19 @@ A completion record says "the work of scope S ran and returned R".
   its own transaction (:meth:`PostgresStore.record_in`), so a crash never
   leaves its effect without the record. Costs one query at start and one at
   the end of each task.
+
+Both stores are namespaced by ``lockguard_key_prefix``: two apps sharing a
+database (or a Redis) and an idempotency template never answer each other's
+tasks. In PostgreSQL the stored scope is ``{namespace}:v1:{S}`` (with the
+braces), the shape of the Redis key: no schema change, one primary key, and
+injective, since a namespace has no braces. A column would have needed a
+migration of every 0.1.0 table; 0.1.0 rows (bare scopes) are simply not seen
+(docs/upgrading.md).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -80,15 +89,22 @@ class PostgresStore:
 
     in_scripts = False
 
-    def __init__(self, dsn: str, table: str = DEFAULT_TABLE) -> None:
+    def __init__(self, dsn: str, table: str = DEFAULT_TABLE, namespace: str = "lockguard") -> None:
         if not _IDENT.match(table):
             raise ValueError(f"completion table name {table!r} must be a plain SQL identifier")
+        if not isinstance(namespace, str) or not namespace or any(c in "{}" or c.isspace() for c in namespace):
+            raise ValueError(f"completion namespace {namespace!r} must be non-empty, without braces or spaces")
         self.dsn = dsn
         self.table = table
+        self.namespace = namespace
         self._conn: Any = None
         self._pid = 0
         self._lock = threading.Lock()
         self._ready = False
+
+    def stored_scope(self, scope: str) -> str:
+        """The ``scope`` column of ``scope``'s rows: ``{namespace}:v1:{scope}``, like the Redis key."""
+        return f"{self.namespace}:v1:{{{scope}}}"
 
     def schema_sql(self) -> str:
         """DDL of the table; run by :meth:`create_table` on first use (see docs)."""
@@ -113,11 +129,30 @@ class PostgresStore:
         )
 
     def create_table(self, conn: Any = None) -> None:
-        """Create the table if missing (with ``conn``, or the store's own connection)."""
+        """Create the table if missing (with ``conn``, or the store's own connection).
+
+        Safe when several processes start at once: two concurrent ``CREATE
+        TABLE IF NOT EXISTS`` can both miss the table and one then fails on
+        ``pg_type``'s unique index, so the DDL runs under a transaction-scoped
+        advisory lock on the table name. A table that exists is left alone
+        without any DDL (an application role may lack ``CREATE``).
+        """
         if conn is not None:
-            conn.execute(self.schema_sql())
+            self._ensure_table(conn)
             return
-        self._run(lambda c: c.execute(self.schema_sql()))
+        self._run(self._ensure_table)
+
+    def _ensure_table(self, conn: Any) -> None:
+        if conn.execute("SELECT to_regclass(%s)", (self.table,)).fetchone()[0] is not None:
+            return
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (self._ddl_lock_id(),))
+            conn.execute(self.schema_sql())
+
+    def _ddl_lock_id(self) -> int:
+        """Advisory lock id of this table's DDL (a signed 64-bit SHA-256 prefix of its name)."""
+        digest = hashlib.sha256(f"lockguard:ddl:{self.table}".encode()).digest()
+        return int.from_bytes(digest[:8], "big", signed=True)
 
     def _connection(self) -> Any:
         import psycopg
@@ -126,7 +161,7 @@ class PostgresStore:
             self._conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=5)
             self._pid = os.getpid()
             if not self._ready:
-                self._conn.execute(self.schema_sql())
+                self._ensure_table(self._conn)
                 self._ready = True
         return self._conn
 
@@ -144,32 +179,35 @@ class PostgresStore:
         """The live completion record of ``scope``, or ``None``."""
         row = self._run(
             lambda c: c.execute(
-                f"SELECT value FROM {self.table} WHERE scope = %s AND name = '' AND expires_at > now()", (scope,)
+                f"SELECT value FROM {self.table} WHERE scope = %s AND name = '' AND expires_at > now()",
+                (self.stored_scope(scope),),
             ).fetchone()
         )
         return row[0] if row else None
 
     def record(self, scope: str, task_id: str, record: str, ttl_ms: int) -> bool:
         """Write the completion record unless a live one exists; True if written."""
-        cur = self._run(lambda c: c.execute(self._insert_sql(), (scope, "", record, task_id, ttl_ms / 1000)))
+        params = (self.stored_scope(scope), "", record, task_id, ttl_ms / 1000)
+        cur = self._run(lambda c: c.execute(self._insert_sql(), params))
         return bool(cur.rowcount)
 
     def record_in(self, conn: Any, scope: str, task_id: str, record: str, ttl_ms: int) -> bool:
         """Write the completion record with the caller's connection, inside its transaction."""
-        cur = conn.execute(self._insert_sql(), (scope, "", record, task_id, ttl_ms / 1000))
+        cur = conn.execute(self._insert_sql(), (self.stored_scope(scope), "", record, task_id, ttl_ms / 1000))
         return bool(cur.rowcount)
 
     def get_checkpoint(self, scope: str, name: str) -> str | None:
         row = self._run(
             lambda c: c.execute(
                 f"SELECT value FROM {self.table} WHERE scope = %s AND name = %s AND expires_at > now()",
-                (scope, "cp:" + name),
+                (self.stored_scope(scope), "cp:" + name),
             ).fetchone()
         )
         return row[0] if row else None
 
     def put_checkpoint(self, scope: str, name: str, encoded: str, ttl_ms: int) -> None:
-        self._run(lambda c: c.execute(self._insert_sql(), (scope, "cp:" + name, encoded, None, ttl_ms / 1000)))
+        params = (self.stored_scope(scope), "cp:" + name, encoded, None, ttl_ms / 1000)
+        self._run(lambda c: c.execute(self._insert_sql(), params))
 
     def entries(self, scope: str) -> list[tuple[str, str, int]]:
         """Live rows of ``scope`` as (name, value, ms to expiry): ``""`` is the record, ``cp:<name>`` checkpoints."""
@@ -179,18 +217,19 @@ class PostgresStore:
                 lambda c: c.execute(
                     f"SELECT name, value, (extract(epoch from expires_at - now()) * 1000)::bigint FROM {self.table} "
                     "WHERE scope = %s AND expires_at > now() ORDER BY name",
-                    (scope,),
+                    (self.stored_scope(scope),),
                 ).fetchall()
             )
         ]
 
     def forget(self, scope: str) -> int:
         """Delete the record and checkpoints of ``scope``; returns rows deleted."""
-        cur = self._run(lambda c: c.execute(f"DELETE FROM {self.table} WHERE scope = %s", (scope,)))
+        stored = self.stored_scope(scope)
+        cur = self._run(lambda c: c.execute(f"DELETE FROM {self.table} WHERE scope = %s", (stored,)))
         return int(cur.rowcount)
 
     def purge_expired(self) -> int:
-        """Delete expired rows (PostgreSQL has no TTL; run it from a periodic task)."""
+        """Delete expired rows of every namespace (PostgreSQL has no TTL; run it from a periodic task)."""
         cur = self._run(lambda c: c.execute(f"DELETE FROM {self.table} WHERE expires_at <= now()"))
         return int(cur.rowcount)
 
@@ -228,12 +267,19 @@ def checkpoint(
     return json.loads(encoded)["value"]
 
 
-_pg_stores: dict[tuple[str, str], PostgresStore] = {}
+_pg_stores: dict[tuple[str, str, str], PostgresStore] = {}
+_pg_stores_lock = threading.Lock()
 
 
-def postgres_store(dsn: str, table: str = DEFAULT_TABLE) -> PostgresStore:
-    """The process-wide store for ``dsn`` (its connection is re-made after fork)."""
-    store = _pg_stores.get((dsn, table))
-    if store is None:
-        store = _pg_stores[(dsn, table)] = PostgresStore(dsn, table)
+def postgres_store(dsn: str, table: str = DEFAULT_TABLE, namespace: str = "lockguard") -> PostgresStore:
+    """The process-wide store for (``dsn``, ``table``, ``namespace``); its connection is re-made after fork.
+
+    ``namespace`` is the app's ``lockguard_key_prefix``: records of two apps
+    sharing the database stay apart.
+    """
+    cache_key = (dsn, table, namespace)
+    with _pg_stores_lock:
+        store = _pg_stores.get(cache_key)
+        if store is None:
+            store = _pg_stores[cache_key] = PostgresStore(dsn, table, namespace)
     return store

@@ -8,7 +8,10 @@ users, as ``CELERY_LOCKGUARD_X``.
 
 from __future__ import annotations
 
+import difflib
 import inspect
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +22,13 @@ ON_LOCKED = ("skip", "retry", "raise")
 ON_UNAVAILABLE = ("fail_closed", "fail_open")
 LOCK_MODES = ("while_running", "until_started", "until_done")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+socket://")
+PG_SCHEMES = ("postgresql://", "postgres://")
+#: Shortest duration any seconds option may have: everything becomes milliseconds, and below
+#: one millisecond ``PX``/``PEXPIRE`` would get 0 (an error, or a key that never expires).
+MIN_SECONDS = 0.001
 
 _MISSING = object()
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?$")
 
 
 def setting(app: Any, name: str, default: Any = None) -> Any:
@@ -57,6 +65,9 @@ class Settings:
     shorten_grace: float = 2.0
     redis_kwargs: tuple[tuple[str, Any], ...] = ()
     sentinel_kwargs: tuple[tuple[str, Any], ...] = ()
+    #: Databases whose fence table ``lockguard release`` bumps (``lockguard_fence_dsn``).
+    fence_dsns: tuple[str, ...] = ()
+    fence_table: str = "lockguard_fences"
 
 
 def _broker_redis_url(app: Any) -> str | None:
@@ -80,7 +91,7 @@ def load_settings(app: Any) -> Settings:
     on_unavailable = setting(app, "on_unavailable", "fail_closed")
     if on_unavailable not in ON_UNAVAILABLE:
         raise ConfigurationError(f"setting lockguard_on_unavailable={on_unavailable!r} must be one of {ON_UNAVAILABLE}")
-    default_ttl = _positive("setting", "lockguard_default_ttl", setting(app, "default_ttl", 30))
+    default_ttl = _seconds("setting", "lockguard_default_ttl", setting(app, "default_ttl", 30))
     keys = setting(app, "keys", None) or {}
     if not isinstance(keys, dict):
         raise ConfigurationError(f"setting lockguard_keys={keys!r} must be a dict of task name -> template")
@@ -90,7 +101,7 @@ def load_settings(app: Any) -> Settings:
         raise ConfigurationError(f"setting lockguard_max_waits={max_waits!r} must be an int >= 0")
     completion_ttl = setting(app, "completion_ttl", None)
     if completion_ttl is not None:
-        completion_ttl = _positive("setting", "lockguard_completion_ttl", completion_ttl)
+        completion_ttl = _seconds("setting", "lockguard_completion_ttl", completion_ttl)
     return Settings(
         enabled=bool(setting(app, "enabled", True)),
         redis_url=setting(app, "redis_url", None) or _broker_redis_url(app),
@@ -105,14 +116,37 @@ def load_settings(app: Any) -> Settings:
         redis_cluster=bool(setting(app, "redis_cluster", False)),
         sentinels=setting(app, "sentinels", None),
         sentinel_master=setting(app, "sentinel_master", None),
-        socket_timeout=_positive("setting", "lockguard_socket_timeout", setting(app, "socket_timeout", 5.0)),
+        socket_timeout=_seconds("setting", "lockguard_socket_timeout", setting(app, "socket_timeout", 5.0)),
         max_waits=max_waits,
         visibility_timeout=float(transport.get("visibility_timeout", 3600)),
-        fence_ttl=_positive("setting", "lockguard_fence_ttl", setting(app, "fence_ttl", 30 * 86400)),
-        shorten_grace=_positive("setting", "lockguard_shorten_grace", setting(app, "shorten_grace", 2.0)),
+        fence_ttl=_seconds("setting", "lockguard_fence_ttl", setting(app, "fence_ttl", 30 * 86400)),
+        shorten_grace=_seconds("setting", "lockguard_shorten_grace", setting(app, "shorten_grace", 2.0)),
         redis_kwargs=_kwargs("lockguard_redis_kwargs", setting(app, "redis_kwargs", None)),
         sentinel_kwargs=_kwargs("lockguard_sentinel_kwargs", setting(app, "sentinel_kwargs", None)),
+        fence_dsns=_fence_dsns(setting(app, "fence_dsn", None)),
+        fence_table=_identifier("lockguard_fence_table", setting(app, "fence_table", "lockguard_fences")),
     )
+
+
+def _fence_dsns(value: Any) -> tuple[str, ...]:
+    """``lockguard_fence_dsn``: one ``postgresql://`` DSN or a list of them (every database that fences)."""
+    if value is None or value == "":
+        return ()
+    dsns = [value] if isinstance(value, str) else value
+    if not isinstance(dsns, (list, tuple)) or not all(isinstance(d, str) and d.startswith(PG_SCHEMES) for d in dsns):
+        raise ConfigurationError(
+            "setting lockguard_fence_dsn must be a 'postgresql://' DSN or a list of them "
+            "(the databases whose fence table advance_fence checks)"
+        )
+    return tuple(dsns)
+
+
+def _identifier(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not _IDENT.match(value):
+        raise ConfigurationError(
+            f"setting {name}={value!r} must be a plain SQL identifier (optionally schema-qualified)"
+        )
+    return value
 
 
 def _kwargs(name: str, value: Any) -> tuple[tuple[str, Any], ...]:
@@ -125,7 +159,7 @@ def _kwargs(name: str, value: Any) -> tuple[tuple[str, Any], ...]:
 
 
 def _completion_backend(value: Any) -> str:
-    if value == "redis" or (isinstance(value, str) and value.startswith(("postgresql://", "postgres://"))):
+    if value == "redis" or (isinstance(value, str) and value.startswith(PG_SCHEMES)):
         return str(value)
     raise ConfigurationError(f"setting lockguard_completion_backend={value!r} must be 'redis' or a 'postgresql://' DSN")
 
@@ -146,10 +180,18 @@ def reset(app: Any) -> None:
         task.__dict__.pop("_lockguard_options", None)
 
 
-def _positive(kind: str, name: str, value: Any, task: str | None = None) -> float:
+def _seconds(kind: str, name: str, value: Any, task: str | None = None) -> float:
+    """A duration in seconds, at least :data:`MIN_SECONDS` and finite: it becomes whole milliseconds."""
     where = f"task {task!r}: option {name}" if task else f"{kind} {name}"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigurationError(f"{where}={value!r} must be a number of seconds > 0")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not value >= MIN_SECONDS
+    ):
+        raise ConfigurationError(
+            f"{where}={value!r} must be a finite number of seconds >= {MIN_SECONDS} (it is sent as milliseconds)"
+        )
     return float(value)
 
 
@@ -195,10 +237,123 @@ def _static(task: Any, option: str) -> Any:
     return value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
 
 
+#: Name prefixes of LockedTask's options: an unknown name with one of these is a typo of ours.
+_OUR_PREFIXES = ("lock", "queue_lock", "on_", "idempotency", "completion")
+#: Options Celery reads from a task class without defining them on ``Task`` (autoretry, routing).
+_CELERY_EXTRA_OPTIONS = frozenset(
+    {
+        "autoretry_for",
+        "dont_autoretry_for",
+        "retry_kwargs",
+        "retry_backoff",
+        "retry_backoff_max",
+        "retry_jitter",
+        "queue",
+        "exchange",
+        "routing_key",
+        "options",
+        "pydantic",
+    }
+)
+
+
+def _edit_distance(a: str, b: str) -> int:
+    """Optimal-string-alignment distance: insertions, deletions, substitutions, adjacent swaps."""
+    prev2: list[int] = []
+    prev = list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        cur = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cost = 0 if a[i - 1] == b[j - 1] else 1
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                cur[j] = min(cur[j], prev2[j - 2] + 1)
+        prev2, prev = prev, cur
+    return prev[len(b)]
+
+
+def _set_option_names(task: Any, base: type) -> list[str]:
+    """Names set on the task's classes below ``base``: decorator options and subclass attributes.
+
+    On the class ``@app.task`` builds, every name came from the decorator's
+    options; on a user's own subclass, methods and properties are its own
+    business and only data attributes are options.
+    """
+    names: list[str] = []
+    for cls in type(task).__mro__:
+        if cls is base or not issubclass(cls, base):
+            break
+        decorated = "_decorated" in vars(cls)
+        for attr, value in vars(cls).items():
+            if attr.startswith("_"):
+                continue
+            if not decorated and (
+                inspect.isfunction(value) or isinstance(value, (property, staticmethod, classmethod))
+            ):
+                continue
+            names.append(attr)
+    return names
+
+
+def check_option_names(task: Any) -> None:
+    """Refuse a misspelled option: ``lock_tll=5`` would silently keep the 30 s TTL.
+
+    A name set on the task that Celery's ``Task`` and ``LockedTask`` do not
+    know is refused when it starts like one of ours (``lock``, ``queue_lock``,
+    ``on_``, ``idempotency``, ``completion``) or is within two edits of one.
+    Other unknown names are the user's own attributes and are left alone.
+    """
+    from .task import LockedTask  # task.py imports this module
+
+    known = set(dir(LockedTask)) | _CELERY_EXTRA_OPTIONS
+    ours = sorted(
+        attr
+        for attr, value in vars(LockedTask).items()
+        if not attr.startswith("_")
+        and not callable(value)
+        and not isinstance(value, (property, staticmethod, classmethod))
+    )
+    for attr in _set_option_names(task, LockedTask):
+        if attr in known:
+            continue
+        lowered = attr.lower()
+        distance = min(_edit_distance(lowered, o) for o in ours)
+        if lowered.startswith(_OUR_PREFIXES) or distance <= 2:
+            nearest = max(ours, key=lambda o: (difflib.SequenceMatcher(None, lowered, o).ratio(), -len(o)))
+            value = repr(getattr(type(task), attr, None))
+            raise ConfigurationError(
+                f"task {task.name!r}: unknown option {attr}={value[:80]}; "
+                f"did you mean {nearest}? (LockedTask options: {', '.join(ours)})"
+            )
+
+
+def validate_tasks(app: Any) -> None:
+    """Resolve the options of every ``LockedTask`` of ``app``; raise the first ``ConfigurationError``.
+
+    Run when the worker starts (``worker_init``), so a bad deploy fails there
+    instead of at the first publish of the bad task. Leaves nothing cached:
+    settings stay "read at first use", so a value set on ``app.conf`` after
+    this check still counts.
+    """
+    from .task import LockedTask  # task.py imports this module
+
+    locked = [app.tasks[n] for n in sorted(app.tasks) if isinstance(app.tasks[n], LockedTask)]
+    if not locked:
+        return
+    had_settings = "_lockguard_settings" in app.__dict__
+    try:
+        for task in locked:
+            resolve_task_options(task)  # loads the settings first; caches no options
+    finally:
+        if not had_settings:
+            app.__dict__.pop("_lockguard_settings", None)
+
+
 def resolve_task_options(task: Any) -> TaskOptions:
     """Resolve a task's options against the app's settings, raising ``ConfigurationError``."""
     s = settings(task.app)
     name = task.name
+    check_option_names(task)
 
     def choice(option: str, value: Any, allowed: tuple[str, ...]) -> str:
         if value not in allowed:
@@ -214,16 +369,19 @@ def resolve_task_options(task: Any) -> TaskOptions:
     lock_key = KeyRenderer(key_source, signature, name, "lock_key") if key_source is not None else None
     idem_source = _static(task, "idempotency_key")
     idem = KeyRenderer(idem_source, signature, name, "idempotency_key") if idem_source is not None else None
-    ttl = _positive("option", "lock_ttl", task.lock_ttl if task.lock_ttl is not None else s.default_ttl, name)
+    ttl = _seconds("option", "lock_ttl", task.lock_ttl if task.lock_ttl is not None else s.default_ttl, name)
     hard_limit = task.time_limit if task.time_limit is not None else task.app.conf.get("task_time_limit")
     max_hold_src = task.lock_max_hold if task.lock_max_hold is not None else (hard_limit or 3600)
-    max_hold = _positive("option", "lock_max_hold", max_hold_src, name)
-    queue_lock_ttl = _positive(
+    max_hold = _seconds("option", "lock_max_hold", max_hold_src, name)
+    queue_lock_ttl = _seconds(
         "option", "queue_lock_ttl", task.queue_lock_ttl if task.queue_lock_ttl is not None else 3600, name
     )
     completion_ttl_src = task.completion_ttl if task.completion_ttl is not None else s.completion_ttl
-    ttl_task = _positive("option", "completion_ttl", completion_ttl_src or s.visibility_timeout, name)
-    ttl_scope = _positive("option", "completion_ttl", completion_ttl_src or 86400, name)
+    # An explicit 0 is an error, not "the default": test for None, never for truth.
+    ttl_task = _seconds(
+        "option", "completion_ttl", s.visibility_timeout if completion_ttl_src is None else completion_ttl_src, name
+    )
+    ttl_scope = _seconds("option", "completion_ttl", 86400 if completion_ttl_src is None else completion_ttl_src, name)
     max_waits = task.lock_max_waits if task.lock_max_waits is not None else s.max_waits
     if not isinstance(max_waits, int) or isinstance(max_waits, bool) or max_waits < 0:
         raise ConfigurationError(f"task {name!r}: option lock_max_waits={max_waits!r} must be an int >= 0")

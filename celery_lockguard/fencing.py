@@ -3,7 +3,9 @@
 A Redis lease cannot stop a paused or partitioned worker from writing after
 its lease expired. Storage can: :func:`advance_fence` records, inside the
 caller's transaction, the highest fence written for an entity and refuses a
-lower one, so the stale writer's transaction never commits.
+lower one, so the stale writer's transaction never commits. An operator's
+forced release bumps the fence in Redis; :func:`bump_fence` carries that bump
+into the table, so the evicted holder is refused before any newer holder wrote.
 
 Works with a psycopg 3 connection and with a ``sqlite3`` connection. The fence
 row is upserted with a conditional ``DO UPDATE``: in PostgreSQL the row stays
@@ -83,6 +85,27 @@ def advance_fence(conn: Any, lease: Lease | None, table: str = DEFAULT_TABLE) ->
         )
         raise StaleFence(lease.key, lease.fence, current)
     return current
+
+
+def bump_fence(conn: Any, key: str, fence: int, table: str = DEFAULT_TABLE) -> int:
+    """Raise the stored fence of ``key`` to at least ``fence``, inside the caller's transaction.
+
+    What ``lockguard release --fence-dsn`` runs after a forced release: the
+    fence bump of Redis reaches the table :func:`advance_fence` checks, so the
+    evicted holder's next fenced write raises :class:`StaleFence` at once
+    instead of being accepted until a newer holder writes. Never lowers a
+    stored fence. Returns the fence now stored.
+    """
+    name = _table(table)
+    mark = "?" if isinstance(conn, sqlite3.Connection) else "%s"
+    conn.execute(
+        f"INSERT INTO {name} (lock_key, fence) VALUES ({mark}, {mark}) "
+        f"ON CONFLICT (lock_key) DO UPDATE SET fence = excluded.fence, updated_at = CURRENT_TIMESTAMP "
+        f"WHERE {name}.fence < excluded.fence",
+        (key, int(fence)),
+    )
+    row = conn.execute(f"SELECT fence FROM {name} WHERE lock_key = {mark}", (key,)).fetchone()
+    return int(row[0])
 
 
 def advisory_key(key: str) -> int:

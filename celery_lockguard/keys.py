@@ -1,6 +1,6 @@
 """Entity keys: bind a call's arguments to the task's signature and render a key.
 
-The rendered key K names a business object (``invoice:48291``). Two rules make
+The rendered key K names a business object (``invoice:48291``). Three rules make
 it safe to use as a lock name:
 
 * Injective: a value is rendered as text, then every separator (a
@@ -10,8 +10,20 @@ it safe to use as a lock name:
   where each value ends, so parsing a key back is unambiguous. So
   ``"{a}:{b}"`` with ``("x:y", "z")`` and ``("x", "y:z")`` render
   differently, and no value can forge the hash tag's closing brace.
-* Bounded: a value longer than :data:`MAX_PART` keeps a readable prefix and a
-  SHA-256 digest; a whole key longer than :data:`MAX_KEY` is cut the same way.
+* Bounded: a value whose escaped text is longer than :data:`MAX_PART` keeps a
+  readable prefix, a marker and a SHA-256 digest of the *raw* text (so a huge
+  argument is hashed once and only its kept prefix is escaped); a whole key
+  longer than :data:`MAX_KEY` keeps a prefix, the marker and a digest of the
+  key. The marker is a run of ``~`` one longer than any run in the template's
+  literal text (``~`` when it has none, the v1 shape). A value never renders a
+  ``~`` (it is escaped) and a field never renders empty, so no key of plain
+  values contains the marker: a hashed key cannot be imitated by plain values
+  around a literal ``~``, and the two digests are domain-separated, so a
+  hashed part cannot imitate a bounded key either.
+* Hash-tag safe: a field that renders empty is refused (:class:`EmptyField`);
+  ``lock_key="{tenant}"`` with ``""`` would name ``...:{}:lock``, an empty hash
+  tag, and put the lease, fence and claim of one entity in different Cluster
+  slots.
 
 How a value becomes text (:func:`text`, the documented rule): a ``str`` is
 itself; ``dict``, ``list``, ``tuple``, ``set`` and ``frozenset`` render as
@@ -41,6 +53,9 @@ MAX_KEY = 200
 MAX_META = 256
 _DIGEST_CHARS = 32
 _ALWAYS_ESCAPED = "%{}~"
+#: Domain of the per-value digest: a brace, which no rendered key contains, so a value's
+#: digest can never equal the digest of a whole key (``bound``).
+_PART_DOMAIN = b"{part}"
 _MAX_DEPTH = 64
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+>")
 
@@ -49,6 +64,10 @@ KeySource = str | Callable[..., str]
 
 class UnstableText(ConfigurationError):
     """An argument has no text form that is the same in every process."""
+
+
+class EmptyField(ConfigurationError):
+    """A key field rendered as empty text: the key would lose its entity (or its Cluster hash tag)."""
 
 
 def text(value: Any, strict: bool = True) -> str:
@@ -110,23 +129,50 @@ def _hashed(value: str, limit: int) -> str:
     return f"{value[: limit - _DIGEST_CHARS - 1]}~{digest}"
 
 
-def _escaper(extra: str, limit: int = MAX_PART) -> Callable[[str], str]:
+def _value_digest(value: str) -> str:
+    """Digest of a raw value (domain-separated from whole-key digests), hashed in one pass."""
+    h = hashlib.sha256(_PART_DOMAIN)
+    h.update(value.encode("utf-8", "surrogatepass"))
+    return h.hexdigest()[:_DIGEST_CHARS]
+
+
+def _escaper(extra: str, limit: int = MAX_PART, marker: str = "~") -> Callable[[str], str]:
+    """Percent-encode separators; past ``limit``, keep an escaped prefix, ``marker`` and a digest of the raw value.
+
+    Only ``value[:limit]`` is ever escaped: escaping never shortens text, so a
+    longer value is hashed anyway, and a 10 MB argument costs one SHA-256 pass.
+    Values whose escaped text fits render exactly as in format v1.
+    """
     chars = "".join(sorted(set(_ALWAYS_ESCAPED + extra)))
     pattern = re.compile(f"[{re.escape(chars)}\\s\\x00-\\x1f\\x7f\\ud800-\\udfff]")
+    keep = max(1, limit - _DIGEST_CHARS - len(marker))
 
     def encode(match: re.Match[str]) -> str:
         return "".join(f"%{b:02X}" for b in match.group().encode("utf-8", "surrogatepass"))
 
     def escape(value: str) -> str:
-        escaped = pattern.sub(encode, value)
-        return _hashed(escaped, limit) if len(escaped) > limit else escaped
+        if len(value) <= limit:
+            escaped = pattern.sub(encode, value)
+            if len(escaped) <= limit:
+                return escaped
+        head = pattern.sub(encode, value[:keep])[:keep]
+        return f"{head}{marker}{_value_digest(value)}"
 
     return escape
 
 
-def bound(key: str) -> str:
-    """Cap a whole key at :data:`MAX_KEY` characters."""
-    return _hashed(key, MAX_KEY) if len(key) > MAX_KEY else key
+def bound(key: str, marker: str = "~") -> str:
+    """Cap a whole key at :data:`MAX_KEY` characters: a prefix, ``marker`` and a digest of the key."""
+    if len(key) <= MAX_KEY:
+        return key
+    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:_DIGEST_CHARS]
+    return f"{key[: max(0, MAX_KEY - _DIGEST_CHARS - len(marker))]}{marker}{digest}"
+
+
+def _marker(literal: str) -> str:
+    """A run of ``~`` longer than any in the template's literal text: plain values can never render it."""
+    longest = max((len(run) for run in re.findall("~+", literal)), default=0)
+    return "~" * (longest + 1)
 
 
 class KeyRenderer:
@@ -187,7 +233,8 @@ class KeyRenderer:
             parts.append((literal, field))
             previous_field = True
         self._parts = parts
-        self._escape = _escaper(literal_chars)
+        self._marker = _marker("".join(literal for literal, _ in parts))
+        self._escape = _escaper(literal_chars, MAX_PART, self._marker)
 
     @property
     def template(self) -> str:
@@ -211,12 +258,19 @@ class KeyRenderer:
             out.append(literal)
             if field is not None:
                 try:
-                    out.append(self._escape(text(arguments[field])))
+                    value = text(arguments[field])
                 except UnstableText as exc:
                     raise UnstableText(
                         f"task {self.task_name!r}: option {self.option}: field {{{field}}}: {exc}"
                     ) from None
-        return bound("".join(out))
+                if not value:
+                    raise EmptyField(
+                        f"task {self.task_name!r}: option {self.option}={self.source!r}: field {{{field}}} "
+                        "rendered empty; an empty value names no entity (and an empty hash tag splits "
+                        "the lease, fence and claim across Cluster slots): pass a value or guard the call"
+                    )
+                out.append(self._escape(value))
+        return bound("".join(out), self._marker)
 
 
 def bind(signature: inspect.Signature, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:

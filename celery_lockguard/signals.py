@@ -9,6 +9,8 @@ a successor overlap a body still running.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from typing import Any
 
@@ -19,18 +21,70 @@ from . import metrics
 
 _installed = False
 _lock = threading.Lock()
+EX_CONFIG = getattr(os, "EX_CONFIG", 78)
 
 
-def install() -> None:
-    """Connect the hooks once per process (called when a ``LockedTask`` is bound)."""
+def install(app: Any = None) -> None:
+    """Connect the hooks once per process (called when a ``LockedTask`` is bound).
+
+    With ``app``, also check its tasks' options once it finalizes
+    (:func:`_validate_after_finalize`). Lazy tasks are bound while the app
+    finalizes, before ``on_after_finalize`` is sent; for an app that already
+    finalized the receiver never runs, and a task's first use checks it.
+    """
     global _installed
+    if app is not None:
+        app.on_after_finalize.connect(
+            _validate_after_finalize, sender=app, weak=False, dispatch_uid=f"lockguard.finalize.{id(app)}"
+        )
     with _lock:
         if _installed:
             return
+        signals.worker_init.connect(_validate_at_worker_init, weak=False, dispatch_uid="lockguard.worker_init")
         signals.task_failure.connect(_on_failure, weak=False, dispatch_uid="lockguard.task_failure")
         signals.task_revoked.connect(_on_revoked, weak=False, dispatch_uid="lockguard.task_revoked")
         metrics.connect_signals()  # flush target per worker process; flush on process and worker shutdown
         _installed = True
+
+
+def _validate_at_worker_init(sender: Any = None, **_: Any) -> None:
+    """Refuse to start a worker whose ``LockedTask`` options are invalid: a bad deploy fails at start.
+
+    Celery's signal dispatch logs and swallows a receiver's ``Exception``, so
+    the error leaves as ``SystemExit`` (exit code 78, ``EX_CONFIG``), after the
+    message is written to stderr (logging is not configured yet).
+    """
+    from .config import validate_tasks
+    from .exceptions import ConfigurationError
+
+    app = getattr(sender, "app", None)
+    if app is None:
+        return
+    try:
+        validate_tasks(app)
+    except ConfigurationError as exc:
+        sys.stderr.write(f"celery-lockguard: refusing to start the worker: {exc}\n")
+        sys.stderr.flush()
+        raise SystemExit(EX_CONFIG) from exc
+
+
+def _validate_after_finalize(sender: Any = None, **_: Any) -> None:
+    """Log invalid ``LockedTask`` options when the app finalizes; the bad task still fails at first use.
+
+    Only logged: finalizing happens lazily wherever the app is first used (a
+    request, a shell, a test), Celery swallows a receiver's exception, and a
+    ``SystemExit`` there would take down whatever process touched the app.
+    """
+    from .config import validate_tasks
+    from .events import logger
+    from .exceptions import ConfigurationError
+
+    if sender is None:
+        return
+    try:
+        validate_tasks(sender)
+    except ConfigurationError as exc:
+        logger.error("lock.configuration_error", task_name=None, reason=str(exc))
 
 
 def _on_failure(

@@ -334,3 +334,136 @@ def test_exporter_serves_prometheus_text(redis_url: str, prefix: str) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+# -- release and the fence table ------------------------------------------------------------
+
+
+@pytest.fixture
+def fence_table(postgres_url: str) -> Iterator[str]:
+    from celery_lockguard import create_fence_table
+
+    table = f"lgt_{uuid.uuid4().hex[:8]}_fences"
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        create_fence_table(conn, table)
+    yield table
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute(f"DROP TABLE IF EXISTS {table}")
+
+
+def _held(r: redis.Redis, prefix: str, key: str) -> L.Lease:
+    got = L.acquire(
+        r, prefix, key, ttl_ms=60_000, task_id="t-old", task_name="ledger.post", digest="d", worker="w@h",
+        fence_ttl_ms=60_000,
+    )  # fmt: skip
+    assert isinstance(got, L.Lease)
+    return got
+
+
+def test_release_with_a_fence_dsn_makes_the_evicted_holders_fenced_write_fail(
+    redis_url: str, prefix: str, postgres_url: str, fence_table: str
+) -> None:
+    from celery_lockguard import StaleFence, advance_fence
+
+    cfg = make_cfg(prefix, redis_url)
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    key = f"acct:{uuid.uuid4().hex[:6]}"
+    old = _held(r, prefix, key)
+    with psycopg.connect(postgres_url) as conn:
+        with conn.transaction():  # the holder's fenced write, before the operator steps in
+            assert advance_fence(conn, old, fence_table) == old.fence
+
+        done = cli(cfg, "release", key, "--yes", "--fence-dsn", postgres_url, "--fence-table", fence_table)
+        assert done.returncode == 0, done.stderr
+        new_fence = int(r.get(fence_name(prefix, key)) or 0)
+        assert new_fence > old.fence and f"fence is now {new_fence}" in done.stdout
+        assert f"fence {new_fence} written to {fence_table}" in done.stdout and "raises StaleFence" in done.stdout
+        assert "Redis only" not in done.stdout
+
+        # The evicted holder wakes up and writes again with its old lease: refused at once.
+        with pytest.raises(StaleFence) as err, conn.transaction():
+            advance_fence(conn, old, fence_table)
+        assert (err.value.fence, err.value.current) == (old.fence, new_fence)
+
+        # A newer holder still writes: its fence comes after the bumped one.
+        newer = _held(r, prefix, key)
+        with conn.transaction():
+            assert advance_fence(conn, newer, fence_table) == newer.fence > new_fence
+
+
+def test_release_without_a_fence_dsn_says_the_evicted_holder_can_still_write(
+    redis_url: str, prefix: str, postgres_url: str, fence_table: str
+) -> None:
+    from celery_lockguard import advance_fence
+
+    cfg = make_cfg(prefix, redis_url)
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    key = f"acct:{uuid.uuid4().hex[:6]}"
+    old = _held(r, prefix, key)
+    asked = cli(cfg, "release", key, input="n\n")
+    assert "stay accepted until a newer holder writes" in asked.stdout
+    done = cli(cfg, "release", key, "--yes")
+    assert done.returncode == 0, done.stderr
+    assert "in Redis only" in done.stdout and "is still accepted by storage" in done.stdout
+    assert "--fence-dsn" in done.stdout
+    with psycopg.connect(postgres_url) as conn, conn.transaction():
+        assert advance_fence(conn, old, fence_table) == old.fence  # exactly what the message says
+
+
+def test_release_checks_the_fence_databases_before_releasing_anything(
+    redis_url: str, prefix: str, postgres_url: str, fence_table: str
+) -> None:
+    cfg = make_cfg(prefix, redis_url)
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    key = f"acct:{uuid.uuid4().hex[:6]}"
+    _held(r, prefix, key)
+    missing = cli(cfg, "release", key, "--yes", "--fence-dsn", postgres_url, "--fence-table", "lgt_no_such_fences")
+    assert missing.returncode == 78 and "no fence table 'lgt_no_such_fences'" in missing.stderr
+    dead = f"postgresql://postgres:secret@127.0.0.1:{free_port()}/test"
+    down = cli(cfg, "release", key, "--yes", "--fence-dsn", dead, "--fence-table", fence_table)
+    assert down.returncode == 69 and "unreachable" in down.stderr and "secret" not in down.stderr
+    assert "nothing was released" in missing.stderr and "nothing was released" in down.stderr
+    assert r.hget(lock_name(prefix, key), "task_id") == "t-old"
+
+
+def test_release_takes_the_fence_databases_from_lockguard_fence_dsn(
+    redis_url: str, prefix: str, postgres_url: str, fence_table: str
+) -> None:
+    from celery import Celery
+    from celery.bin.base import CLIContext
+    from click.testing import CliRunner
+
+    from celery_lockguard import StaleFence, advance_fence
+    from celery_lockguard.cli import lockguard
+
+    app = Celery("fenced", broker=redis_url, set_as_current=False)
+    app.conf.lockguard_key_prefix = prefix
+    app.conf.lockguard_fence_dsn = [postgres_url]
+    app.conf.lockguard_fence_table = fence_table
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    key = f"acct:{uuid.uuid4().hex[:6]}"
+    old = _held(r, prefix, key)
+    obj = CLIContext(app=app, no_color=True, workdir=None, quiet=True)
+    out = CliRunner().invoke(lockguard, ["release", key, "--yes"], obj=obj)
+    assert out.exit_code == 0, out.output
+    assert f"written to {fence_table}" in out.output
+    with psycopg.connect(postgres_url) as conn, pytest.raises(StaleFence), conn.transaction():
+        advance_fence(conn, old, fence_table)
+
+
+def test_completions_respect_the_apps_prefix(redis_url: str, prefix: str, postgres_url: str) -> None:
+    from celery_lockguard.completion import PostgresStore
+
+    table = f"lgt_{uuid.uuid4().hex[:8]}_completions"
+    other = f"lgt:{uuid.uuid4().hex[:10]}"
+    try:
+        PostgresStore(postgres_url, table, namespace=other).record("order:7", "t-other", '{"result":1}', 60_000)
+        mine = make_cfg(prefix, redis_url, completion_backend=postgres_url, completion_table=table)
+        theirs = make_cfg(other, redis_url, completion_backend=postgres_url, completion_table=table)
+        assert cli(mine, "completions", "show", "order:7").returncode == 1
+        assert cli(mine, "completions", "forget", "order:7", "--yes").returncode == 1
+        shown = cli_json(theirs, "completions", "show", "order:7")
+        assert shown["record"] == {"result": 1} and other in shown["store"]
+    finally:
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            conn.execute(f"DROP TABLE IF EXISTS {table}")

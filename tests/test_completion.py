@@ -218,3 +218,120 @@ def test_expired_rows_are_replaced_and_purged(postgres_url: str) -> None:
         with psycopg.connect(postgres_url, autocommit=True) as conn:
             conn.execute(f"DROP TABLE IF EXISTS {store.table}")
     assert postgres_store(postgres_url) is postgres_store(postgres_url)
+
+
+# -- namespaces: lockguard_key_prefix isolates every store -------------------------------------
+
+
+def test_two_apps_sharing_a_store_and_a_template_never_answer_each_others_tasks(
+    redis_url: str, backend: tuple[str, str]
+) -> None:
+    import redis as redis_lib
+
+    from celery_lockguard.testing import delete_prefix
+
+    runs: list[str] = []
+    apps = []
+    prefixes = [f"lgt:{uuid.uuid4().hex[:10]}", f"lgt:{uuid.uuid4().hex[:10]}"]
+    try:
+        for p in prefixes:
+            a = Celery(f"billing-{p}", broker=redis_url, set_as_current=False)
+            a.conf.lockguard_key_prefix = p
+            a.conf.lockguard_completion_backend, a.conf.lockguard_completion_table = backend
+
+            @a.task(base=LockedTask, bind=True, shared=False, name="billing.charge", idempotency_key="charge:{n}")
+            def charge(self: Any, n: int, _p: str = p) -> str:
+                runs.append(_p)
+                return f"charged by {_p}"
+
+            apps.append(charge)
+        first, second = apps
+        assert first.apply(args=(42,)).get() == f"charged by {prefixes[0]}"
+        # The second app's charge(42) is its own business: it runs, and is then deduplicated in its own namespace.
+        assert second.apply(args=(42,)).get() == f"charged by {prefixes[1]}"
+        assert second.apply(args=(42,)).get() == f"charged by {prefixes[1]}"
+        assert first.apply(args=(42,)).get() == f"charged by {prefixes[0]}"
+        assert runs == prefixes
+    finally:
+        for p in prefixes:
+            delete_prefix(redis_lib.Redis.from_url(redis_url), p)
+
+
+@pytest.fixture
+def pg_table(postgres_url: str) -> Iterator[str]:
+    table = f"lgt_{uuid.uuid4().hex[:8]}_c"
+    yield table
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute(f"DROP TABLE IF EXISTS {table}")
+
+
+def test_every_postgres_read_and_write_is_scoped_by_namespace(postgres_url: str, pg_table: str) -> None:
+    a = PostgresStore(postgres_url, pg_table, namespace="app-a")
+    b = PostgresStore(postgres_url, pg_table, namespace="app-b")
+    assert a.record("charge:42", "t-a", '{"result":"a"}', ttl_ms=60_000)
+    a.put_checkpoint("charge:42", "card", '{"value":1}', ttl_ms=60_000)
+    assert b.lookup("charge:42") is None and b.get_checkpoint("charge:42", "card") is None
+    assert b.entries("charge:42") == [] and b.forget("charge:42") == 0
+    assert b.record("charge:42", "t-b", '{"result":"b"}', ttl_ms=60_000)  # its own first writer
+    with psycopg.connect(postgres_url) as conn, conn.transaction():
+        assert not b.record_in(conn, "charge:42", "t-b2", '{"result":"b2"}', 60_000)
+        assert PostgresStore(postgres_url, pg_table, "app-c").record_in(conn, "charge:42", "t-c", "{}", 60_000)
+    assert a.lookup("charge:42") == '{"result":"a"}' and b.lookup("charge:42") == '{"result":"b"}'
+    assert [name for name, _, _ in a.entries("charge:42")] == ["", "cp:card"]
+    assert a.forget("charge:42") == 2 and b.lookup("charge:42") == '{"result":"b"}'
+    with psycopg.connect(postgres_url) as conn:
+        scopes = sorted(r[0] for r in conn.execute(f"SELECT scope FROM {pg_table}").fetchall())
+    assert (
+        scopes
+        == ["app-b:v1:{charge:42}", "app-c:v1:{charge:42}"]
+        == sorted(
+            [b.stored_scope("charge:42"), PostgresStore(postgres_url, pg_table, "app-c").stored_scope("charge:42")]
+        )
+    )
+    assert PostgresStore(postgres_url, pg_table).namespace == "lockguard"
+    for bad in ("", "a{b", "a b"):
+        with pytest.raises(ValueError, match="namespace"):
+            PostgresStore(postgres_url, pg_table, namespace=bad)
+    one = postgres_store(postgres_url, pg_table, namespace="app-a")
+    assert one is postgres_store(postgres_url, pg_table, namespace="app-a")
+    assert one is not postgres_store(postgres_url, pg_table, namespace="app-b")
+
+
+def test_rows_written_without_a_namespace_are_not_seen(postgres_url: str, pg_table: str) -> None:
+    store = PostgresStore(postgres_url, pg_table)
+    store.create_table()
+    with psycopg.connect(postgres_url) as conn:  # a 0.1.0 row: the bare scope
+        conn.execute(
+            f"INSERT INTO {pg_table} (scope, name, value, expires_at) "
+            "VALUES ('charge:42', '', '{}', now() + interval '1 hour')"
+        )
+    assert store.lookup("charge:42") is None
+
+
+def test_concurrent_first_use_of_a_fresh_table_creates_it_once(postgres_url: str) -> None:
+    import threading
+
+    for _ in range(5):
+        table = f"lgt_{uuid.uuid4().hex[:8]}_race"
+        stores = [PostgresStore(postgres_url, table, namespace=f"n{i}") for i in range(8)]
+        barrier = threading.Barrier(len(stores))
+        errors: list[BaseException] = []
+
+        def first_use(store: PostgresStore, barrier: threading.Barrier, errors: list[BaseException]) -> None:
+            try:
+                barrier.wait(10)
+                assert store.lookup("s") is None
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=first_use, args=(s, barrier, errors)) for s in stores]
+        try:
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join(30)
+            assert errors == []  # without the DDL lock: UniqueViolation on pg_type_typname_nsp_index
+            assert stores[0].record("s", "t", "{}", ttl_ms=60_000)
+        finally:
+            with psycopg.connect(postgres_url, autocommit=True) as conn:
+                conn.execute(f"DROP TABLE IF EXISTS {table}")

@@ -100,3 +100,253 @@ def test_callable_lock_key_receives_the_task_arguments_only() -> None:
     def sync(self: Any, tenant_id: str, full: bool = False) -> None: ...
 
     assert sync.lock_key_for("alpha", full=True) == "tenant:alpha:full"
+
+
+# -- durations below one millisecond ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("lock_ttl", 0.0005),
+        ("queue_lock_ttl", 0.0009),
+        ("lock_max_hold", 0.0001),
+        ("completion_ttl", 0.0004),
+        ("completion_ttl", 0),  # was taken for "unset" and silently became the default
+        ("lock_ttl", float("inf")),
+        ("completion_ttl", float("nan")),
+    ],
+)
+def test_a_duration_below_one_millisecond_is_refused(
+    redis_url: str, prefix: str, r: Any, option: str, value: float
+) -> None:
+    app = make(redis_url, lockguard_key_prefix=prefix)
+    ran = []
+    opts = {"lock_key": "inv:{invoice_id}", "lock_mode": "until_done", option: value}
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="billing.charge", **opts)
+    def charge(self: Any, invoice_id: int) -> None:
+        ran.append(invoice_id)
+
+    with pytest.raises(ConfigurationError) as err:
+        charge.apply_async(args=(1,))  # the queue claim would carry PX 0
+    with pytest.raises(ConfigurationError):
+        charge.apply(args=(1,), throw=True)
+    msg = str(err.value)
+    assert "billing.charge" in msg and f"{option}={value!r}" in msg and ">= 0.001" in msg
+    assert ran == [] and not list(r.scan_iter(match=f"{prefix}:*"))
+
+
+@pytest.mark.parametrize("name", ["default_ttl", "completion_ttl", "shorten_grace", "fence_ttl", "socket_timeout"])
+def test_a_duration_setting_below_one_millisecond_is_refused(name: str) -> None:
+    with pytest.raises(ConfigurationError, match=rf"lockguard_{name}=0\.0005 must be .*>= 0\.001"):
+        settings(make(**{f"lockguard_{name}": 0.0005}))
+    assert settings(make(**{f"lockguard_{name}": 0.001})) is not None
+
+
+# -- misspelled options -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "nearest"),
+    [
+        ("lock_tll", 5, "lock_ttl"),
+        ("on_lockd", "raise", "on_locked"),
+        ("lockkey", "customer:{customer_id}", "lock_key"),
+        ("Lock_Key", "customer:{customer_id}", "lock_key"),
+        ("idempotency", "charge:{customer_id}", "idempotency_key"),
+        ("completon_ttl", 60, "completion_ttl"),
+        ("queue_lock_tl", 60, "queue_lock_ttl"),
+        ("lock_timeout", 60, "lock_ttl"),
+        ("on_unavailible", "fail_open", "on_unavailable"),
+        ("lok_mode", "until_done", "lock_mode"),
+    ],
+)
+def test_a_misspelled_option_is_refused_with_the_nearest_known_one(
+    redis_url: str, prefix: str, r: Any, option: str, value: Any, nearest: str
+) -> None:
+    app = make(redis_url, lockguard_key_prefix=prefix)
+    ran = []
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="payments.charge", **{option: value})
+    def charge(self: Any, customer_id: int) -> None:
+        ran.append(customer_id)
+
+    with pytest.raises(ConfigurationError) as err:
+        charge.apply(args=(42,), throw=True)
+    msg = str(err.value)
+    assert "payments.charge" in msg and f"unknown option {option}=" in msg and f"did you mean {nearest}?" in msg
+    assert ran == [] and not list(r.scan_iter(match=f"{prefix}:*"))
+
+
+def test_celery_options_hooks_and_a_subclass_own_methods_are_not_flagged(redis_url: str, prefix: str) -> None:
+    app = make(redis_url, lockguard_key_prefix=prefix)
+
+    def hook(*args: Any, **kwargs: Any) -> None: ...
+
+    class BillingTask(LockedTask):
+        tenant_header = "x-tenant"  # the user's own data attribute: nothing like ours
+
+        def on_lock_lost(self) -> None:  # a method of the user's own subclass
+            ...
+
+        def lock_helper(self) -> str:
+            return "h"
+
+        @property
+        def locked_resource(self) -> str:
+            return "r"
+
+    @app.task(
+        base=BillingTask,
+        bind=True,
+        shared=False,
+        name="billing.ok",
+        lock_key="inv:{a}",
+        lock_ttl=5,
+        on_failure=hook,
+        on_success=hook,
+        on_retry=hook,
+        after_return=hook,
+        acks_late=True,
+        autoretry_for=(ValueError,),
+        retry_kwargs={"max_retries": 1},
+        retry_backoff=True,
+        my_custom_flag=True,
+        rate_limit="10/s",
+    )
+    def ok(self: Any, a: int) -> str:
+        return "ran"
+
+    assert ok.lockguard_options.ttl == 5
+    assert ok.apply(args=(1,), throw=True).get() == "ran"
+
+    class BadBase(LockedTask):
+        lock_tll = 5  # a data attribute of a subclass is an option, misspelled or not
+
+    @app.task(base=BadBase, bind=True, shared=False, name="billing.bad_base", lock_key="inv:{a}")
+    def bad(self: Any, a: int) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="unknown option lock_tll=5; did you mean lock_ttl"):
+        bad.apply(args=(1,), throw=True)
+
+
+# -- validated at start --------------------------------------------------------------------------
+
+
+def test_validate_tasks_raises_the_first_bad_task_and_caches_nothing(redis_url: str, prefix: str) -> None:
+    from celery_lockguard.config import validate_tasks
+
+    app = make(redis_url, lockguard_key_prefix=prefix)
+
+    @app.task(base=LockedTask, shared=False, name="a.good", lock_key="k:{a}")
+    def good(a: int) -> None: ...
+
+    validate_tasks(app)
+    assert "_lockguard_settings" not in app.__dict__  # settings stay read at first use
+    app.conf.lockguard_default_ttl = 7
+    assert good.lockguard_options.ttl == 7
+
+    @app.task(base=LockedTask, shared=False, name="b.bad", lock_key="k:{a}", lock_tll=5)
+    def bad(a: int) -> None: ...
+
+    with pytest.raises(ConfigurationError, match=r"'b\.bad': unknown option lock_tll"):
+        validate_tasks(app)
+
+
+def test_the_shared_worker_app_and_the_example_app_validate(redis_url: str, prefix: str) -> None:
+    from celery_lockguard.config import validate_tasks
+    from example_app.celery_app import app as example
+
+    from .conftest import make_cfg
+    from .workerapp import create_app
+
+    validate_tasks(create_app(make_cfg(prefix, redis_url)))
+    __import__("example_app.tasks")
+    validate_tasks(example)
+
+
+def test_finalize_logs_a_bad_task_and_a_task_defined_later_fails_at_first_use(redis_url: str, prefix: str) -> None:
+    from structlog.testing import capture_logs
+
+    from celery_lockguard import signals
+
+    app = make(redis_url, lockguard_key_prefix=prefix)
+    signals.install(app)  # what LockedTask.on_bound does with its app
+
+    @app.task(base=LockedTask, shared=False, name="c.bad", lock_key="k:{a}", on_lockd="raise")
+    def bad(a: int) -> None: ...
+
+    with capture_logs() as logs:
+        app.finalize()  # never raises: finalizing happens wherever the app is first touched
+    errors = [e for e in logs if e["event"] == "lock.configuration_error"]
+    assert errors and "'c.bad': unknown option on_lockd" in errors[0]["reason"]
+    assert errors[0]["log_level"] == "error"
+
+    @app.task(base=LockedTask, shared=False, name="c.later", lock_key="k:{a}", lock_ttl=0.0001)
+    def later(a: int) -> None: ...
+
+    with pytest.raises(ConfigurationError, match=r"'c\.later': option lock_ttl=0\.0001"):
+        later.apply(args=(1,), throw=True)
+
+
+BAD_APP = """
+from celery import Celery
+
+from celery_lockguard import LockedTask
+
+app = Celery("badapp", broker={broker!r})
+app.conf.update(
+    lockguard_key_prefix={prefix!r},
+    broker_transport_options={{"global_keyprefix": {prefix!r} + ":kombu:"}},
+    broker_connection_retry_on_startup=False,
+    worker_hijack_root_logger=False,
+)
+
+
+@app.task(base=LockedTask, name="payments.charge", lock_key="customer:{{customer_id}}")
+def charge(customer_id):
+    return customer_id
+
+
+@app.task(base=LockedTask, name="payments.refund", lockkey="customer:{{customer_id}}")
+def refund(customer_id):
+    return customer_id
+"""
+
+
+@pytest.mark.integration
+def test_a_worker_with_a_misspelled_option_refuses_to_start(redis_url: str, prefix: str, tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    from .harness import ROOT
+
+    (tmp_path / "badapp.py").write_text(BAD_APP.format(broker=redis_url, prefix=prefix))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "badapp:app",
+            "worker",
+            "-P",
+            "solo",
+            "-Q",
+            f"{prefix}-q",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        ],
+        cwd=tmp_path,
+        env={**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 78, out
+    assert "refusing to start the worker" in out
+    assert "'payments.refund': unknown option lockkey=" in out and "did you mean lock_key?" in out
+    assert "ready." not in out  # never consumed a message

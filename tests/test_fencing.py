@@ -164,3 +164,26 @@ def test_advisory_try_lock_raises_when_held(pg: tuple[str, str]) -> None:
             advisory_xact_lock(b, "tenant:alpha", wait=False)
     with psycopg.connect(dsn) as c, c.transaction():
         advisory_xact_lock(c, "tenant:alpha", wait=False)  # released at the first transaction's end
+
+
+def test_bump_fence_raises_the_stored_fence_and_never_lowers_it(pg: tuple[str, str], tmp_path: Any) -> None:
+    from celery_lockguard.fencing import bump_fence
+
+    dsn, t = pg
+    with psycopg.connect(dsn) as conn:
+        with conn.transaction():
+            write(conn, t, lease(100), "holder")
+        with conn.transaction():
+            assert bump_fence(conn, "invoice:1", 150, f"{t}_fences") == 150  # the operator's forced release
+        with pytest.raises(StaleFence) as err, conn.transaction():
+            write(conn, t, lease(100), "evicted holder, same lease")
+        assert err.value.current == 150
+        with conn.transaction():
+            assert bump_fence(conn, "invoice:1", 120, f"{t}_fences") == 150  # never lowers
+            assert bump_fence(conn, "invoice:2", 7, f"{t}_fences") == 7  # no row yet: inserted
+            write(conn, t, lease(200), "newer holder")
+    assert ledger(dsn, t) == "newer holder"
+    db = sqlite3.connect(tmp_path / "f.db")
+    create_fence_table(db)
+    with db:
+        assert bump_fence(db, "k", 5) == 5 and bump_fence(db, "k", 3) == 5

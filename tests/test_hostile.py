@@ -27,6 +27,7 @@ from celery_lockguard import lease as L
 from celery_lockguard.keys import (
     MAX_KEY,
     MAX_META,
+    EmptyField,
     KeyRenderer,
     bind,
     checkpoint_name,
@@ -45,7 +46,7 @@ JSON_LEAVES = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=Fa
 JSON_VALUES = st.recursive(
     JSON_LEAVES, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(ANY_TEXT, inner, max_size=4), max_leaves=12
 )
-TEMPLATES = ["{a}:{b}", "inv:{a}", "{a}-{b}", "x{a}.{b}y", "tenant:{a}:sync:{b}"]
+TEMPLATES = ["{a}:{b}", "inv:{a}", "{a}-{b}", "x{a}.{b}y", "tenant:{a}:sync:{b}", "{a}~{b}", "t~~{a}~{b}~"]
 
 
 def two(a: Any, b: Any = "dflt") -> None: ...
@@ -75,14 +76,21 @@ def assert_safe_key(prefix: str, key: str, limit: int = MAX_KEY) -> None:
 @example("{a}:{b}", "x:y", "z", "x", "y:z")
 @example("{a}-{b}", "a" * 100, "b", "a" * 100 + "-b", "")
 @example("inv:{a}", "\ud800", 0, "%ED%A0%80", 0)
+@example("{a}~{b}", "a" * 100, "b", "a" * 31, "b")
 def test_argument_tuples_differing_as_text_never_share_a_key(t: str, a1: Any, b1: Any, a2: Any, b2: Any) -> None:
-    k1, k2 = render(t, a1, b1), render(t, a2, b2)
-    for k in (k1, k2):
-        assert_safe_key("lg", k)
     used = ["a"] if "{b}" not in t else ["a", "b"]
     texts1 = [text(v) for v, n in zip((a1, b1), "ab", strict=True) if n in used]
     texts2 = [text(v) for v, n in zip((a2, b2), "ab", strict=True) if n in used]
-    assert (k1 == k2) == (texts1 == texts2)
+    keys = []
+    for a, b, texts in ((a1, b1, texts1), (a2, b2, texts2)):
+        if "" in texts:  # an empty field names no entity (and, alone, an empty hash tag): refused
+            with pytest.raises(EmptyField):
+                render(t, a, b)
+            return
+        keys.append(render(t, a, b))
+    for k in keys:
+        assert_safe_key("lg", k)
+    assert (keys[0] == keys[1]) == (texts1 == texts2)
 
 
 @settings(database=None, max_examples=200, deadline=None)
@@ -105,6 +113,86 @@ def test_callable_keys_and_task_id_scopes_are_injective_bounded_and_tag_safe(s1:
     t1, t2 = task_scope(s1), task_scope(s2)
     assert_safe_key("lg", t1, limit=MAX_KEY + len("task:"))
     assert (t1 == t2) == (s1 == s2)
+
+
+def three(a: Any, b: Any, c: Any) -> None: ...
+
+
+def four(a: Any, b: Any, c: Any, d: Any) -> None: ...
+
+
+def render_n(fn: Any, template: str, *values: Any) -> str | None:
+    """The key of ``values``, or ``None`` when rendering refuses them (a refused key collides with nothing)."""
+    sig = __import__("inspect").signature(fn)
+    try:
+        return KeyRenderer(template, sig, "h.n", "lock_key").render(bind(sig, values, {}), values, {})
+    except ConfigurationError:
+        return None
+
+
+def cuts(form: str, literal: str) -> list[tuple[str, str]]:
+    """Every way to read ``form`` as two values around ``literal``: what a forger would pass."""
+    out = []
+    start = form.find(literal)
+    while start >= 0:
+        out.append((form[:start], form[start + len(literal) :]))
+        start = form.find(literal, start + 1)
+    return out
+
+
+ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+LONG_ALNUM = st.text(ALNUM, min_size=65, max_size=300)
+
+
+@settings(database=None, max_examples=150, deadline=None)
+@given(st.sampled_from(["{a}~{b}~{c}", "k~{a}~{b}~{c}~", "{a}~~{b}~~{c}", "{a}-{b}~{c}"]), LONG_ALNUM, LONG_ALNUM)
+@example("{a}~{b}~{c}", "x" * 100, "y" * 100)
+def test_a_hashed_value_cannot_be_imitated_by_plain_values_around_a_literal_tilde(t: str, x: str, y: str) -> None:
+    # A long value renders as a readable prefix, a marker and a digest. The forger reads the hashed forms
+    # of x (field a) and y (field c), cuts each at the template's literal text between two fields and
+    # passes the pieces as plain values: (x, pieces of y) against (pieces of x, y). In format v1 the
+    # marker was a bare "~", the same character as the literal, and "{a}~{b}~{c}" collided.
+    pre_a, rest = t.split("{a}")
+    lit_ab, rest = rest.split("{b}")
+    lit_bc, post = rest.split("{c}")
+    kx, ky = render_n(three, t, x, "m", "n"), render_n(three, t, "m", "n", y)
+    assert kx is not None and ky is not None
+    form_x = kx[len(pre_a) : len(kx) - len(f"{lit_ab}m{lit_bc}n{post}")]
+    form_y = ky[len(f"{pre_a}m{lit_ab}n{lit_bc}") : len(ky) - len(post)]
+    assert len(form_x) >= 64 and len(form_y) >= 64  # both hashed
+    forged_with_x = {render_n(three, t, x, b, c) for b, c in cuts(form_y, lit_bc)} - {None}
+    forged_with_y = {render_n(three, t, a, b, y) for a, b in cuts(form_x, lit_ab)} - {None}
+    assert not forged_with_x & forged_with_y, (t, forged_with_x & forged_with_y)
+    for key in forged_with_x | forged_with_y:
+        assert_safe_key("lg", str(key), limit=MAX_KEY + 2)
+
+
+@settings(database=None, max_examples=150, deadline=None)
+@given(
+    st.integers(1, 64),
+    st.integers(1, 64),
+    st.integers(1, 64),
+    st.text(ALNUM, min_size=1, max_size=64),
+    st.sampled_from(["{a}:{b}:{c}~{d}", "{a}:{b}:{c}~~{d}"]),
+)
+@example(64, 64, 37, "w" * 64, "{a}:{b}:{c}~{d}")
+@example(64, 64, 36, "w" * 64, "{a}:{b}:{c}~~{d}")
+def test_a_bounded_key_cannot_be_imitated_by_a_short_one(na: int, nb: int, nc: int, d: str, t: str) -> None:
+    # A key longer than MAX_KEY keeps a prefix, a marker and a digest of the key. The forger reads a
+    # bounded key, cuts it at every "~" and passes what follows as the last value: in format v1,
+    # "{a}:{b}:{c}~{d}" with a 167-character head put the marker exactly where the literal "~" is,
+    # and the digest itself was a valid plain value.
+    a, b, c = "x" * na, "y" * nb, "z" * nc
+    key = render_n(four, t, a, b, c, d)
+    assert key is not None and len(key) <= MAX_KEY
+    lit = t.split("{c}")[1].split("{d}")[0]
+    for head, tail in cuts(key, lit):
+        parts = head.split(":")
+        if len(parts) != 3:
+            continue
+        forged = render_n(four, t, *parts, tail)
+        if (parts[0], parts[1], parts[2], tail) != (a, b, c, d):
+            assert forged != key, (head, tail)
 
 
 def test_non_json_values_follow_the_documented_rule() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from celery_lockguard.exceptions import ConfigurationError
-from celery_lockguard.keys import MAX_KEY, KeyRenderer, bind, digest, lock_name
+from celery_lockguard.keys import MAX_KEY, EmptyField, KeyRenderer, bind, digest, lock_name
 
 
 def sig(fn: Any) -> inspect.Signature:
@@ -89,3 +89,104 @@ def test_digest_same_for_same_text_and_differs_otherwise() -> None:
 def test_letters_in_literals_are_not_escaped_and_alnum_affixes_stay_injective() -> None:
     assert render("tenant:{a}:sync", "alpha") == "tenant:alpha:sync"
     assert render("{a}x:{b}", "1x", "b") != render("{a}x:{b}", "1", "xb")
+
+
+# -- empty fields, bounded forms, huge arguments ------------------------------------------
+
+
+@pytest.mark.parametrize("option", ["lock_key", "idempotency_key"])
+def test_a_field_that_renders_empty_is_refused_naming_task_option_and_field(option: str) -> None:
+    k = KeyRenderer("{a}", sig(two), "billing.sync", option)
+    with pytest.raises(EmptyField) as err:
+        k.render(bind(sig(two), ("",), {}), ("",), {})
+    assert isinstance(err.value, ConfigurationError)
+    msg = str(err.value)
+    assert "billing.sync" in msg and option in msg and "{a}" in msg and "empty" in msg
+    with pytest.raises(EmptyField, match=r"field \{b\}"):
+        render("inv:{a}:{b}", 1, "")
+    assert render("inv:{a}", 0) == "inv:0" and render("inv:{a}", None) == "inv:None"  # falsy, not empty
+
+
+#: Keys of values that fit are a stored format (format v1): they must never change.
+V1_KEYS = [
+    ("inv:{a}", ("42",), "inv:42"),
+    ("inv:{a}", ("x:y z",), "inv:x%3Ay%20z"),
+    ("{a}:{b}", ("a~b", "%{}"), "a%7Eb:%25%7B%7D"),
+    ("t~{a}~{b}", ("p~q", "r"), "t~p%7Eq~r"),
+    ("inv:{a}", ({"k": [1, 2]},), 'inv:%7B"k"%3A[1,2]%7D'),
+    ("inv:{a}", ("é\u00a0\ud800",), "inv:é%C2%A0%ED%A0%80"),
+    ("inv:{a}", ("z" * 64,), "inv:" + "z" * 64),
+    ("{a}:{b}:{c}", ("x" * 64, "y" * 64, "z" * 64), None),  # 194 characters: unbounded
+]
+
+
+def three(a: Any, b: Any, c: Any) -> None: ...
+
+
+@pytest.mark.parametrize(("template", "args", "expected"), V1_KEYS)
+def test_keys_of_values_that_fit_are_byte_identical_to_format_v1(
+    template: str, args: tuple[Any, ...], expected: str | None
+) -> None:
+    k = KeyRenderer(template, sig(three), "t.three", "lock_key")
+    padded = (*args, "c", "c")[:3]
+    key = k.render(bind(sig(three), padded, {}), padded, {})
+    assert key == (expected if expected is not None else ":".join(args))
+
+
+def test_a_huge_argument_is_hashed_once_not_escaped_whole() -> None:
+    import time
+    import tracemalloc
+
+    huge = "ab:c " * 2_000_000  # 10 MB, a separator every few characters
+    k = KeyRenderer("inv:{a}", sig(two), "t.two", "lock_key")
+    tracemalloc.start()
+    started = time.perf_counter()
+    key = k.render(bind(sig(two), (huge,), {}), (huge,), {})
+    elapsed = time.perf_counter() - started
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert elapsed < 1.0, f"rendering a 10 MB argument took {elapsed:.2f}s"
+    assert peak < 64 * 2**20, f"rendering a 10 MB argument allocated {peak / 2**20:.0f} MiB"
+    head, digest_part = key[len("inv:") :].split("~")
+    assert head == "ab%3Ac%20ab%3Ac%20ab%3Ac%20ab%3" and len(head) == 31  # the v1 readable prefix
+    assert len(digest_part) == 32 and int(digest_part, 16) >= 0 and len(key) == len("inv:") + 64
+    assert key == k.render({"a": huge}, (huge,), {})
+    assert key != k.render({"a": huge + "x"}, (huge + "x",), {})
+
+
+def test_hashed_forms_use_a_marker_longer_than_any_tilde_run_of_the_template() -> None:
+    long = "v" * 100
+    plain = render("inv:{a}", long)
+    assert plain.count("~") == 1 and len(plain) == len("inv:") + 64
+    tilde = render("inv~{a}", long)
+    assert "~~" in tilde and "~~~" not in tilde and tilde.startswith("inv~" + "v" * 30)
+    double = render("{a}~~{b}", long, "x")
+    assert "~~~" in double and double.endswith("~~x")
+
+
+def test_a_task_whose_key_field_is_empty_fails_before_touching_redis(redis_url: str, prefix: str) -> None:
+    import redis
+    from celery import Celery
+
+    from celery_lockguard import LockedTask
+
+    app = Celery("emptykey", broker=redis_url, set_as_current=False)
+    app.conf.lockguard_key_prefix = prefix
+    ran: list[str] = []
+
+    @app.task(base=LockedTask, shared=False, name="tenants.sync", lock_key="{tenant}")
+    def sync(tenant: str) -> None:
+        ran.append(tenant)
+
+    @app.task(base=LockedTask, shared=False, name="tenants.bill", idempotency_key="bill:{tenant}")
+    def bill(tenant: str) -> None:
+        ran.append(tenant)
+
+    with pytest.raises(EmptyField, match=r"'tenants.sync': option lock_key='\{tenant\}': field \{tenant\}"):
+        sync.apply(args=("",), throw=True)
+    with pytest.raises(EmptyField, match=r"'tenants.bill': option idempotency_key='bill:\{tenant\}'"):
+        bill.apply(args=("",), throw=True)
+    assert ran == []
+    assert not list(redis.Redis.from_url(redis_url).scan_iter(match=f"{prefix}:*"))  # no `{}` hash tag written
+    sync.apply(args=("acme",), throw=True)
+    assert ran == ["acme"]
