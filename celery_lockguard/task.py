@@ -98,7 +98,7 @@ class LockedTask(Task):
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
-        signals.install()
+        signals.install(app)
 
     # -- resolved configuration -------------------------------------------------
 
@@ -412,6 +412,7 @@ class LockedTask(Task):
                     return "acquired", got, exc  # run under the lease, unchecked (logged as fail_open)
                 return "unavailable", got, exc
             if record is not None:
+                self._release(s, opts, got)  # recorded by a finisher: give the fresh lease straight back
                 return "record", Done(record), None
         return "acquired", got, None
 
