@@ -30,9 +30,10 @@ import os
 import re
 import threading
 from collections.abc import Callable
-from typing import Any, TypeAlias
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from .keys import checkpoint_name
+from .keys import checkpoint_name, done_name
 
 #: Largest JSON result kept in a completion record; larger results record ``None``.
 MAX_RECORD_BYTES = 1024
@@ -42,25 +43,76 @@ _NO_VALUE = '{"novalue":true}'
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?$")
 
 
-def encode_record(task_id: str, result: Any) -> tuple[str, str | None]:
-    """The record for a successful body, and why the result was dropped (or ``None``)."""
+def encode_record(task_id: str, result: Any, task_name: str = "", digest: str = "") -> tuple[str, str | None]:
+    """The record for a successful body, and why the result was dropped (or ``None``).
+
+    ``task_name`` and ``digest`` (the arguments digest) let a later call under the
+    same scope tell identical work from an idempotency key reused for other work.
+    """
+    work = f',"task":{json.dumps(task_name)},"digest":{json.dumps(digest)}' if task_name else ""
+    head = f'{{"task_id":{json.dumps(task_id)}{work},"result":'
     try:
         value = json.dumps(result, separators=(",", ":"))
     except (TypeError, ValueError):
-        return json.dumps({"task_id": task_id, "result": None}), "result is not JSON-serializable"
+        return head + "null}", "result is not JSON-serializable"
     if len(value.encode()) > MAX_RECORD_BYTES:
-        return json.dumps({"task_id": task_id, "result": None}), f"result larger than {MAX_RECORD_BYTES} bytes"
-    return f'{{"task_id":{json.dumps(task_id)},"result":{value}}}', None
+        return head + "null}", f"result larger than {MAX_RECORD_BYTES} bytes"
+    return f"{head}{value}}}", None
+
+
+@dataclass(frozen=True)
+class Record:
+    """A decoded completion record: who completed the scope, what work it was, what it returned."""
+
+    task_id: str | None
+    result: Any
+    task_name: str = ""
+    digest: str = ""
+
+    def other_work(self, task_name: str, digest: str) -> bool:
+        """The same task ran under this scope with other arguments (records of 0.1 carry no digest)."""
+        return bool(self.digest) and self.task_name == task_name and self.digest != digest
 
 
 def decode_record(record: str) -> tuple[str | None, Any]:
     """``(task id that completed, recorded result)`` of a record."""
+    data = read_record(record)
+    return data.task_id, data.result
+
+
+def read_record(record: str) -> Record:
+    """The whole record, including the work it recorded."""
     data = json.loads(record)
-    return data.get("task_id"), data.get("result")
+    return Record(data.get("task_id"), data.get("result"), data.get("task") or "", data.get("digest") or "")
 
 
 class CheckpointNotSerializable(TypeError):
     """``fn`` returned a value JSON cannot hold; the step is recorded as done with no value."""
+
+
+class Store(Protocol):
+    """Where completion records and checkpoints live.
+
+    ``in_scripts`` says how the runtime reaches the record: True, ACQUIRE reads
+    it and RELEASE writes it in their own round trips (Redis); False, it is read
+    with :meth:`lookup` under the fresh lease and written with :meth:`record`
+    before the lease is released (PostgreSQL), so whoever takes the lease next
+    sees it.
+    """
+
+    in_scripts: bool
+
+    def lookup(self, scope: str) -> str | None:
+        """The live completion record of ``scope``, or ``None``."""
+
+    def record(self, scope: str, task_id: str, record: str, ttl_ms: int) -> bool:
+        """Write the completion record unless a live one exists; True if written."""
+
+    def get_checkpoint(self, scope: str, name: str) -> str | None:
+        """The recorded value of checkpoint ``name``, or ``None``."""
+
+    def put_checkpoint(self, scope: str, name: str, encoded: str, ttl_ms: int) -> None:
+        """Record checkpoint ``name``."""
 
 
 class RedisStore:
@@ -71,6 +123,13 @@ class RedisStore:
     def __init__(self, client: Any, prefix: str) -> None:
         self.client = client
         self.prefix = prefix
+
+    def lookup(self, scope: str) -> str | None:
+        value: str | None = self.client.get(done_name(self.prefix, scope))
+        return value
+
+    def record(self, scope: str, task_id: str, record: str, ttl_ms: int) -> bool:
+        return bool(self.client.set(done_name(self.prefix, scope), record, nx=True, px=ttl_ms))
 
     def get_checkpoint(self, scope: str, name: str) -> str | None:
         value: str | None = self.client.hget(checkpoint_name(self.prefix, scope), name)
@@ -232,9 +291,6 @@ class PostgresStore:
         """Delete expired rows of every namespace (PostgreSQL has no TTL; run it from a periodic task)."""
         cur = self._run(lambda c: c.execute(f"DELETE FROM {self.table} WHERE expires_at <= now()"))
         return int(cur.rowcount)
-
-
-Store: TypeAlias = "RedisStore | PostgresStore"
 
 
 def checkpoint(

@@ -20,6 +20,8 @@ from .keys import KeyRenderer
 
 ON_LOCKED = ("skip", "retry", "raise")
 ON_UNAVAILABLE = ("fail_closed", "fail_open")
+#: What a completion record found under the same ``idempotency_key`` with other arguments does.
+ON_KEY_REUSED = ("raise", "warn")
 LOCK_MODES = ("while_running", "until_started", "until_done")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+socket://")
 PG_SCHEMES = ("postgresql://", "postgres://")
@@ -65,6 +67,7 @@ class Settings:
     shorten_grace: float = 2.0
     redis_kwargs: tuple[tuple[str, Any], ...] = ()
     sentinel_kwargs: tuple[tuple[str, Any], ...] = ()
+    idempotency_mismatch: str = "raise"
     #: Databases whose fence table ``lockguard release`` bumps (``lockguard_fence_dsn``).
     fence_dsns: tuple[str, ...] = ()
     fence_table: str = "lockguard_fences"
@@ -88,6 +91,11 @@ def load_settings(app: Any) -> Settings:
     on_locked = setting(app, "on_locked", "skip")
     if on_locked not in ON_LOCKED:
         raise ConfigurationError(f"setting lockguard_on_locked={on_locked!r} must be one of {ON_LOCKED}")
+    idempotency_mismatch = setting(app, "idempotency_mismatch", "raise")
+    if idempotency_mismatch not in ON_KEY_REUSED:
+        raise ConfigurationError(
+            f"setting lockguard_idempotency_mismatch={idempotency_mismatch!r} must be one of {ON_KEY_REUSED}"
+        )
     on_unavailable = setting(app, "on_unavailable", "fail_closed")
     if on_unavailable not in ON_UNAVAILABLE:
         raise ConfigurationError(f"setting lockguard_on_unavailable={on_unavailable!r} must be one of {ON_UNAVAILABLE}")
@@ -123,6 +131,7 @@ def load_settings(app: Any) -> Settings:
         shorten_grace=_seconds("setting", "lockguard_shorten_grace", setting(app, "shorten_grace", 2.0)),
         redis_kwargs=_kwargs("lockguard_redis_kwargs", setting(app, "redis_kwargs", None)),
         sentinel_kwargs=_kwargs("lockguard_sentinel_kwargs", setting(app, "sentinel_kwargs", None)),
+        idempotency_mismatch=idempotency_mismatch,
         fence_dsns=_fence_dsns(setting(app, "fence_dsn", None)),
         fence_table=_identifier("lockguard_fence_table", setting(app, "fence_table", "lockguard_fences")),
     )
@@ -215,6 +224,7 @@ class TaskOptions:
     max_waits: int
     signature: inspect.Signature
     replicas: int = 0
+    idempotency_mismatch: str = "raise"
 
     @property
     def ttl_ms(self) -> int:
@@ -411,4 +421,9 @@ def resolve_task_options(task: Any) -> TaskOptions:
         max_waits=max_waits,
         signature=signature,
         replicas=replicas,
+        idempotency_mismatch=choice(
+            "idempotency_mismatch",
+            task.idempotency_mismatch if task.idempotency_mismatch is not None else s.idempotency_mismatch,
+            ON_KEY_REUSED,
+        ),
     )

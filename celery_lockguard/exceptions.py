@@ -10,6 +10,7 @@ result backends (JSON or pickle) can rebuild it on the caller's side.
     ├── BackendUnavailable  the lock store could not be reached (or no lease exists)
     ├── StaleFence          storage holds a newer fence: this writer is stale
     ├── CorruptFence        the fence counter in Redis is not an exact integer: nothing was written
+    ├── IdempotencyKeyReused  an idempotency key already completed with other arguments
     └── ConfigurationError  a task option or setting is invalid
 
 This module imports nothing, so it can be imported from anywhere.
@@ -54,6 +55,25 @@ class AlreadyQueued(LockGuardError):
 
     def __str__(self) -> str:
         return f"identical work for {self.key!r} is already queued as task {self.task_id}"
+
+
+class IdempotencyKeyReused(LockGuardError):
+    """Scope ``scope`` completed (as task ``completed_by``) with other arguments than this call's.
+
+    The rule payment APIs follow: a key reused with different parameters is the
+    caller's mistake, not a duplicate to answer with someone else's result.
+    """
+
+    def __init__(self, scope: str, completed_by: str | None = None) -> None:
+        super().__init__(scope, completed_by)
+        self.scope = scope
+        self.completed_by = completed_by
+
+    def __str__(self) -> str:
+        return (
+            f"idempotency key {self.scope!r} already completed as task {self.completed_by} "
+            "with other arguments; use a new key for new work"
+        )
 
 
 class BackendUnavailable(LockGuardError):

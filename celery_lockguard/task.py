@@ -40,7 +40,7 @@ from .decision import (
     decide_publish,
 )
 from .events import emit
-from .exceptions import AlreadyQueued, BackendUnavailable, ConfigurationError, LockContended
+from .exceptions import AlreadyQueued, BackendUnavailable, ConfigurationError, IdempotencyKeyReused, LockContended
 from .lease import Done, Holder, Lease
 from .metrics import observe_hold
 from .renewer import renewer
@@ -93,6 +93,9 @@ class LockedTask(Task):
     completion: bool = True
     #: Seconds a completion record is kept in Redis.
     completion_ttl: float | None = None
+    #: ``raise`` · ``warn`` when an ``idempotency_key`` completed with other arguments; default
+    #: ``lockguard_idempotency_mismatch`` (``raise``).
+    idempotency_mismatch: str | None = None
     #: Replicas that must acknowledge an acquisition (``WAIT``); 0 = do not wait.
     lock_replicas: int = 0
 
@@ -178,7 +181,7 @@ class LockedTask(Task):
             )
         if call is None:
             return False
-        record, _ = completion.encode_record(self.request.id, result)
+        record, _ = completion.encode_record(self.request.id, result, self.name, call.digest)
         return store.record_in(conn, call.scope, self.request.id, record, self._completion_ttl_ms(call))
 
     def _store(self, s: Settings) -> Store:
@@ -221,7 +224,7 @@ class LockedTask(Task):
         client = connection.client(s)
         store = self._store(s) if opts.completion else None
         watch_copy = headers.read(req, headers.WATCH) is not None
-        if watch_copy and isinstance(store, PostgresStore) and self._lookup(store, call) is not None:
+        if watch_copy and store is not None and not store.in_scripts and self._lookup(store, call) is not None:
             # A watch copy checks the record first: acquiring to read it would make copies arriving
             # meanwhile see "my own id, alive" and leave watches of their own. A store error: ACQUIRE decides.
             raise Ignore()
@@ -324,6 +327,8 @@ class LockedTask(Task):
                 policy="skip",
                 reason=decision.reason,
             )
+            # The caller's AsyncResult says who did the work: ``children[0]`` is the holder, to wait on.
+            self.add_trail(self.AsyncResult(holder.task_id))
             return None
         if action is Action.DROP_AND_WATCH:
             assert holder is not None
@@ -401,7 +406,7 @@ class LockedTask(Task):
             return "held", got, None
         if got.lost:  # the reply came back after the lease's validity: never run on it
             return "late", got, None
-        if isinstance(store, PostgresStore):
+        if store is not None and not store.in_scripts:
             try:
                 record = store.lookup(call.scope)
             except Exception as exc:
@@ -528,7 +533,7 @@ class LockedTask(Task):
         if done is not None and opts.completion:
             record, ttl_ms = self._record_for(done, lease.task_id, result)
             store = self._store(s)
-            if isinstance(store, PostgresStore):
+            if not store.in_scripts:
                 self._record_elsewhere(store, done, lease.task_id, record, ttl_ms)
             else:
                 scope = done.scope
@@ -562,20 +567,20 @@ class LockedTask(Task):
             emit("lock.expired_before_release", self.name, **fields, hold_ms=round(hold_ms), reason=reason)
 
     def _record_for(self, call: CallNames, task_id: str, result: Any) -> tuple[str, int]:
-        record, dropped = completion.encode_record(keys.meta(task_id), result)
+        record, dropped = completion.encode_record(keys.meta(task_id), result, self.name, call.digest)
         if dropped:
             emit("completion.result_dropped", self.name, task_id=task_id, scope=call.scope, reason=dropped)
         return record, self._completion_ttl_ms(call)
 
-    def _record_elsewhere(self, store: PostgresStore, call: CallNames, task_id: str, record: str, ttl_ms: int) -> None:
+    def _record_elsewhere(self, store: Store, call: CallNames, task_id: str, record: str, ttl_ms: int) -> None:
         """Record completion in a store outside the lease scripts; a failure is logged, never raised."""
         try:
             store.record(call.scope, task_id, record, ttl_ms)
         except Exception as exc:  # noqa: BLE001 - the body succeeded; say so loudly, do not fail it
             emit("completion.record_failed", self.name, task_id=task_id, scope=call.scope, reason=_describe(exc))
 
-    def _lookup(self, store: PostgresStore, call: CallNames) -> str | None:
-        """The record of ``call`` in the PostgreSQL store; ``None`` also when the store does not answer."""
+    def _lookup(self, store: Store, call: CallNames) -> str | None:
+        """The record of ``call`` in a store outside the scripts; ``None`` also when the store does not answer."""
         try:
             return store.lookup(call.scope)
         except Exception as exc:
@@ -590,17 +595,23 @@ class LockedTask(Task):
             return None
 
     def _completed(self, call: CallNames, record: str) -> Any:
-        """Answer a call whose scope already completed: return the recorded result."""
-        task_id, result = completion.decode_record(record)
-        emit(
-            "completion.skipped",
-            self.name,
-            lock_key=call.key,
-            task_id=self.request.id,
-            scope=call.scope,
-            completed_by=task_id,
-        )
-        return result
+        """Answer a call whose scope already completed: return the recorded result.
+
+        An ``idempotency_key`` that completed for the same task with other
+        arguments is not a duplicate: the caller reused a key for new work
+        (``charge(1, 999, "pay-A")`` after ``charge(1, 1000, "pay-A")``). That
+        raises :class:`IdempotencyKeyReused`, or with
+        ``idempotency_mismatch="warn"`` logs and answers from the record.
+        """
+        recorded = completion.read_record(record)
+        fields = {**self._fields(call), "scope": call.scope, "completed_by": recorded.task_id}
+        if not call.scope_is_task and recorded.other_work(self.name, call.digest):
+            policy = self.lockguard_options.idempotency_mismatch
+            emit("completion.key_reused", self.name, **fields, policy=policy)
+            if policy == "raise":
+                raise IdempotencyKeyReused(call.scope, recorded.task_id)
+        emit("completion.skipped", self.name, **fields)
+        return recorded.result
 
     # -- exits --------------------------------------------------------------------
 
@@ -634,7 +645,7 @@ class LockedTask(Task):
         emit("lock.fail_open", self.name, **self._fields(call), policy=opts.on_unavailable, reason=reason)
         store = self._store(s) if opts.completion else None
         try:
-            if not isinstance(store, PostgresStore):
+            if store is None or store.in_scripts:  # the records live in the Redis that is down
                 return super().__call__(*args, **kwargs)
             record = self._lookup(store, call)
             if record is not None:

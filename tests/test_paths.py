@@ -7,6 +7,7 @@ delivery left behind: claims, leases, published messages, task state.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,10 +16,12 @@ import redis
 from celery import Celery, uuid
 from structlog.testing import capture_logs
 
-from celery_lockguard import LockedTask, headers
+from celery_lockguard import LockedTask, connection, headers
 from celery_lockguard import lease as L
-from celery_lockguard.keys import claim_name, digest, lock_name
+from celery_lockguard.keys import claim_name, digest, fence_name, lock_name
+from celery_lockguard.testing import RedisServer
 
+from .harness import wait_for
 from .tracer import deliver, make_app, published, redeliver
 
 
@@ -163,9 +166,7 @@ def test_until_done_wait_never_stretches_a_dead_holders_lease(app: Celery, r: re
 
 
 def test_a_wait_is_published_even_when_identical_work_holds_the_claim(app: Celery, r: redis.Redis, prefix: str) -> None:
-    @app.task(
-        base=LockedTask, bind=True, name="p.us_wait", lock_key="k:{a}", lock_mode="until_started"
-    )
+    @app.task(base=LockedTask, bind=True, name="p.us_wait", lock_key="k:{a}", lock_mode="until_started")
     def t(self: Any, a: int) -> int:
         return a
 
@@ -346,3 +347,187 @@ def test_release_errors_never_fail_a_successful_body(app: Celery, r: redis.Redis
     assert (out.state, out.retval) == ("SUCCESS", 12)
     assert "lock.backend_unavailable" in names(logs)
 
+
+# -- 4. server errors by meaning, at each stage of a delivery --------------------------------------
+
+
+def test_noperm_at_acquire_fails_before_the_body_with_a_configuration_error(
+    redis_url: str, r: redis.Redis, prefix: str
+) -> None:
+    user = f"{prefix}-noevalsha"
+    r.execute_command("ACL", "SETUSER", user, "on", ">pw", f"~{prefix}:*", "+@all", "-evalsha")
+    try:
+        app = make_app(
+            "paths-noperm",
+            redis_url,
+            prefix,
+            lockguard_redis_kwargs={"username": user, "password": "pw"},
+            lockguard_on_unavailable="fail_open",
+        )
+        ran: list[int] = []
+
+        @app.task(base=LockedTask, bind=True, name="p.noperm", lock_key="k:{a}")
+        def t(self: Any, a: int) -> int:
+            ran.append(a)
+            return a
+
+        out = deliver(t, (14,))
+        assert out.state == "FAILURE" and ran == [], "misconfiguration is not an outage: fail_open must not run it"
+        error = app.AsyncResult(out.task_id).result
+        assert type(error).__name__ == "ConfigurationError" and "p.noperm" in str(error) and "ACQUIRE" in str(error)
+        assert published(r, app) == []
+    finally:
+        r.acl_deluser(user)
+
+
+@pytest.mark.parametrize("policy", ["fail_closed", "fail_open"])
+def test_noreplicas_at_acquire_follows_the_outage_policy(
+    redis_url: str, r: redis.Redis, prefix: str, policy: str
+) -> None:
+    with RedisServer(extra=["--min-replicas-to-write", "1"]) as lock_server:
+        app = make_app(
+            "paths-norepl", redis_url, prefix, lockguard_redis_url=lock_server.url, lockguard_on_unavailable=policy
+        )
+        ran: list[int] = []
+
+        @app.task(base=LockedTask, bind=True, name="p.norepl", lock_key="k:{a}")
+        def t(self: Any, a: int) -> int:
+            ran.append(a)
+            return a
+
+        with capture_logs() as logs:
+            out = deliver(t, (15,))
+        if policy == "fail_closed":
+            assert out.state == "RETRY" and ran == []
+            (wait_msg,) = published(r, app)
+            assert wait_msg.headers[headers.WAITS] == 1
+            assert any("NOREPLICAS" in str(e.get("reason")) for e in logs if e["event"] == "lock.backend_unavailable")
+        else:
+            assert out.state == "SUCCESS" and ran == [15] and "lock.fail_open" in names(logs)
+    connection.forget_clients()
+
+
+def test_busy_at_acquire_waits_and_the_next_delivery_runs(redis_url: str, r: redis.Redis, prefix: str) -> None:
+    with RedisServer(extra=["--busy-reply-threshold", "50"]) as lock_server:
+        app = make_app("paths-busy", redis_url, prefix, lockguard_redis_url=lock_server.url)
+
+        @app.task(base=LockedTask, bind=True, name="p.busy", lock_key="k:{a}")
+        def t(self: Any, a: int) -> int:
+            return a
+
+        blocker = lock_server.client()
+        thread = threading.Thread(target=_spin, args=(blocker,), daemon=True)
+        thread.start()
+        admin = lock_server.client()
+        wait_for(lambda: _answers_busy(admin), 5, interval=0.02, what="the lock Redis to answer BUSY")
+        try:
+            assert deliver(t, (16,)).state == "RETRY"
+        finally:
+            wait_for(lambda: _kill(admin), 5, interval=0.02, what="SCRIPT KILL")
+            thread.join(5)
+        (wait_msg,) = published(r, app)
+        assert redeliver(t, wait_msg).retval == 16
+    connection.forget_clients()
+
+
+def test_a_corrupt_fence_fails_the_task_before_the_body_and_leaves_no_lease(
+    app: Celery, r: redis.Redis, prefix: str
+) -> None:
+    ran: list[int] = []
+
+    @app.task(base=LockedTask, bind=True, name="p.fence", lock_key="k:{a}")
+    def t(self: Any, a: int) -> int:
+        ran.append(a)
+        return a
+
+    r.set(fence_name(prefix, "k:17"), "1e400")
+    out = deliver(t, (17,))
+    assert out.state == "FAILURE" and ran == []
+    assert not r.exists(lock_name(prefix, "k:17"))
+
+
+def test_until_done_retry_whose_publish_fails_frees_the_handed_over_claim(
+    redis_url: str, r: redis.Redis, prefix: str
+) -> None:
+    app = make_app(
+        "paths-retryfail",
+        "redis://127.0.0.1:1/0",
+        prefix,
+        lockguard_redis_url=redis_url,
+        result_backend=redis_url,
+        broker_connection_retry=False,
+        broker_connection_max_retries=0,
+    )
+
+    @app.task(base=LockedTask, bind=True, name="p.ud_retry", lock_key="k:{a}", lock_mode="until_done")
+    def t(self: Any, a: int) -> int:
+        raise self.retry(countdown=1)
+
+    assert deliver(t, (18,)).state != "RETRY", "Celery rejects a retry it could not publish"
+    assert not r.exists(lock_name(prefix, "k:18")), "no retry message exists: its claim must not block the entity"
+
+
+def _spin(c: redis.Redis) -> None:
+    try:
+        c.eval("while true do end", 0)
+    except redis.exceptions.ResponseError:  # "Script killed by user"
+        pass
+
+
+def _answers_busy(c: redis.Redis) -> bool:
+    try:
+        c.ping()
+    except redis.exceptions.ResponseError as exc:
+        return str(exc).startswith("BUSY")
+    return False
+
+
+def _kill(c: redis.Redis) -> bool:
+    try:
+        c.script_kill()
+    except redis.exceptions.ResponseError as exc:
+        return "No scripts in execution" in str(exc)
+    return True
+
+
+# -- answered from a record, skipped as a duplicate: the caller can tell -----------------------------
+
+
+@pytest.mark.parametrize("store", ["redis", "postgres"])
+@pytest.mark.parametrize("policy", ["raise", "warn"])
+def test_an_idempotency_key_reused_with_other_arguments_is_not_a_duplicate(
+    redis_url: str, r: redis.Redis, prefix: str, postgres_url: str, store: str, policy: str
+) -> None:
+    backend = postgres_url if store == "postgres" else "redis"
+    app = make_app("paths-idem", redis_url, prefix, lockguard_completion_backend=backend)
+    ran: list[tuple[int, int]] = []
+
+    @app.task(base=LockedTask, bind=True, name="p.charge", idempotency_key="pay:{key}", idempotency_mismatch=policy)
+    def charge(self: Any, customer: int, amount: int, key: str) -> int:
+        ran.append((customer, amount))
+        return amount
+
+    assert deliver(charge, (1, 1000, "pay-A")).retval == 1000
+    assert deliver(charge, (1, 1000, "pay-A")).retval == 1000  # the same work: answered from the record
+    with capture_logs() as logs:
+        other = deliver(charge, (1, 999, "pay-A"))  # the same key for other work: the caller's mistake
+    assert ran == [(1, 1000)]
+    assert "completion.key_reused" in names(logs)
+    if policy == "raise":
+        assert other.state == "FAILURE"
+        error = app.AsyncResult(other.task_id).result
+        assert type(error).__name__ == "IdempotencyKeyReused" and "pay-A" in str(error)
+    else:
+        assert (other.state, other.retval) == ("SUCCESS", 1000)
+
+
+def test_a_skipped_duplicate_names_the_task_that_did_the_work(app: Celery, r: redis.Redis, prefix: str) -> None:
+    @app.task(base=LockedTask, bind=True, name="p.dup", lock_key="k:{a}")
+    def t(self: Any, a: int) -> int:
+        return a
+
+    hold(r, prefix, "k:19", task_id="the-holder", task_name=t.name, dig=digest({"a": 19}))
+    out = deliver(t, (19,))
+    result = app.AsyncResult(out.task_id)
+    assert (result.state, result.result) == ("SUCCESS", None)
+    assert [child.id for child in result.children] == ["the-holder"], "the caller cannot tell a skip from a result"
