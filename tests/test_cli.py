@@ -148,7 +148,13 @@ def test_completions_show_and_forget(fleet: Any, redis_url: str, prefix: str, co
     scope = f"order:{order}"
 
     shown = cli_json(cfg, "completions", "show", scope)
-    assert shown["record"] == {"task_id": res.id, "result": {"order": order, "charged": 1}}
+    record = shown["record"]
+    assert {k: record[k] for k in ("task_id", "task", "result")} == {
+        "task_id": res.id,
+        "task": "idem_step",
+        "result": {"order": order, "charged": 1},
+    }
+    assert len(record["digest"]) == 16  # the arguments digest: a reused key with other arguments is told apart
     assert shown["checkpoints"] == {"charge": {"value": 1}}
     assert shown["record_ttl_ms"] > 0
     text = cli(cfg, "completions", "show", scope)
