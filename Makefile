@@ -50,15 +50,19 @@ bench: $(BENCH_STAMP)
 bench-quick: $(BENCH_STAMP)
 	$(BENCH_PY) -m bench.run --quick
 
-# The chaos soak (docs/chaos.md): real workers under SIGKILLs, a SIGSTOP pause, lock-Redis restarts and
-# redelivery, checked against a PostgreSQL ledger; exits 1 on any violation. Size it with CHAOS_ARGS,
-# e.g. make chaos CHAOS_ARGS="--jobs 100000 --duration 3600 --pauses 6 --restarts 12".
+# The chaos soak (docs/chaos.md): real workers under SIGKILLs, a SIGSTOP pause, lock-Redis restarts, BUSY and
+# NOREPLICAS replies, a PostgreSQL store outage and redelivery, in every lock_mode x on_locked cell, on both
+# completion backends, beside the negative controls (a guard off each: the check must catch it); checked
+# against a PostgreSQL ledger, exits 1 on any violation or uncaught control. Defaults: 500 jobs per cell,
+# ~15 cells per backend, ~10-15 minutes on 2 cores. Size it with CHAOS_ARGS, e.g.
+# make chaos CHAOS_ARGS="--jobs 2000 --duration 1800 --restarts 6 --busy 4 --noreplicas 4 --pg-outages 4".
 CHAOS_ARGS ?=
 
 chaos: $(STAMP)
 	$(PY) -m chaos.soak $(CHAOS_ARGS)
 
-# The bounded run CI makes: 600 jobs over 60 entities, every fault kind at least once, well under 2 minutes.
+# The bounded run CI makes: every cell and control briefly (40 jobs per cell), every fault kind at least once
+# per backend; ~2 minutes on 2 cores, budget 4.
 chaos-quick: $(STAMP)
 	$(PY) -m chaos.soak --quick $(CHAOS_ARGS)
 

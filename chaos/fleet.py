@@ -34,9 +34,10 @@ class Worker:
         self.log_path = log_dir / f"{name}.log"
         self.paused = False
         env = {**os.environ, "CHAOS_CONFIG": json.dumps(cfg), "PYTHONPATH": str(ROOT)}
+        queues = ",".join(cfg.get("queues") or [cfg["queue"]])  # the soak's bait queue beside the main one
         cmd = [
             sys.executable, "-m", "celery", "-A", "chaos.app:app", "worker",
-            "-P", "prefork", "-c", str(concurrency), "-n", self.nodename, "-Q", cfg["queue"],
+            "-P", "prefork", "-c", str(concurrency), "-n", self.nodename, "-Q", queues,
             "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
         ]  # fmt: skip
         with open(self.log_path, "wb") as log:
