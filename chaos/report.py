@@ -191,9 +191,11 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"\n{name}, first {len(items)}:")
         lines += [f"  {json.dumps(x, default=str)[:900]}" for x in items]
     for r in report["cells"]:
-        if r["control"] or r["ok"]:
-            continue
         for name, items in r["examples"].items():
+            if r["control"] and name == r["target"]:
+                continue  # a control's own violation is the expected one
+            if not r["control"] and r["ok"]:
+                continue
             lines.append(f"\n{r['cell']}: {name}, first {len(items)}:")
             lines += [f"  {json.dumps(x, default=str)[:900]}" for x in items]
     lines.append(f"\nLEG {report['backend']}: {'PASS' if report['ok'] else 'FAIL'}")

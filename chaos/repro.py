@@ -1,6 +1,6 @@
-"""``python -m chaos.repro [ignore-then-kill|watch-storm]``: one-job reductions of what the soak found.
+"""``python -m chaos.repro SCENARIO``: one-job reductions of what the soak found (each exits 1 if it shows).
 
-Both use the soak's app and environment (private Redis servers, PostgreSQL
+Each uses the soak's app and environment (private Redis servers, PostgreSQL
 tables of their own, real prefork workers), exit 1 when the defect shows and
 0 when it does not, and clean up like the soak.
 
@@ -30,11 +30,40 @@ lease while it reads the PostgreSQL completion record, and copies arriving in
 that window see "their own task id, alive" and leave further watches. The run
 reports deliveries and the broker backlog until the backlog drains, or for
 30 s after the commit.
+
+``wait-twice`` (two bodies of one task at once under one lease; found by the
+multi-mode soak). Two workers with one child each, TTL 2 s,
+``visibility_timeout`` 1 s, a 4 s body:
+
+1. the lock Redis is down: the first delivery waits (``lock.retry_scheduled``,
+   ``reason="backend_unavailable"``) and publishes its wait copy -- same task
+   id, a short countdown, and the ``lockguard_attempt`` token of the ACQUIRE it
+   follows;
+2. the worker holding the wait copy (unacknowledged: the Redis transport keeps
+   a countdown message in ``unacked``) is frozen (SIGSTOP) and the lock Redis
+   comes back; the visibility sweep hands the copy to the other worker, which
+   ACQUIREs with the attempt token and runs the body;
+3. the frozen worker resumes; its copy of the same wait message ACQUIREs with
+   the same token, is taken for the lease's owner, and runs the body too --
+   with the same fence, beside the first, and with no lock event at all.
+
+Any delay of a held wait copy past ``visibility_timeout`` (a busy pool, a GC
+pause) does the same; the soak saw it in every cell that waited.
+
+``checkpoint-outage`` (a checkpoint in an outage fails the task). Redis
+completion backend, one 4 s body whose checkpoint comes after 2 s: while the
+body runs, the lock Redis refuses writes (NOREPLICAS) for 4 s. The checkpoint
+raises the driver's own error instead of ``BackendUnavailable``, the task ends
+``FAILURE`` and the job never commits (the soak sees the same with BUSY, a
+restart, or a PostgreSQL store outage).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
+import math
 import os
 import shutil
 import signal
@@ -49,7 +78,7 @@ from typing import Any
 import psycopg
 
 from .app import TASK_NAME
-from .soak import Environment, Options, broker_backlog, default_pg, interrupt
+from .soak import Environment, Options, StoreFaults, broker_backlog, default_pg, interrupt
 
 IGNORED = "lock.skipped_duplicate|redelivery_of_running_original"
 WATCHES = "lock.retry_scheduled|watching_running_original"
@@ -159,10 +188,81 @@ def watch_storm(sc: Scenario, work_ms: int = 20_000) -> int:
     return 1 if storm else 0
 
 
+def wait_twice(sc: Scenario) -> int:
+    """Two copies of one wait message: the transport duplicates it, and both run the body under one lease."""
+    env = sc.env
+    env.lock_server.stop()
+    sc.publish(4000)
+    sc.say("lock Redis stopped: the first delivery waits and publishes its wait copy (same task id)")
+    poll("the first delivery to wait", lambda: env.events()["lock.retry_scheduled|backend_unavailable"], 15)
+
+    def holder() -> Any:
+        received = [
+            (line[:24], w)
+            for w in env.workers
+            for line in w.log_tail(200_000).splitlines()
+            if sc.task_id in line and line.rstrip().endswith("received")
+        ]
+        return sorted(received, key=lambda r: r[0])[-1][1] if len(received) >= 2 else None
+
+    worker = poll("a worker to receive the wait copy", holder, 10)
+    worker.pause()
+    sc.say(f"{worker.nodename.split('@')[0]} holds the wait copy (unacknowledged, countdown): SIGSTOP it")
+    env.lock_server.start()
+    sc.say("lock Redis back; the visibility sweep hands the held wait copy to the other worker")
+    rows = f"SELECT pid, fence, t_start, t_end FROM {env.tables.executions} WHERE job_id = 0 ORDER BY id"
+    poll("the other worker to run the body", lambda: sc.pg.execute(rows).fetchall(), 15)
+    worker.resume()
+    sc.say(f"SIGCONT {worker.nodename.split('@')[0]}: its copy of the wait message runs now (countdown passed)")
+    time.sleep(3 * env.opts.ttl)
+    runs = sc.pg.execute(rows).fetchall()
+    for pid, fence, start, end in runs:
+        sc.say(f"  body in pid {pid}: fence {fence}, {start - sc.t0:.2f}s -> {(end or 0) - sc.t0:.2f}s")
+    twice = any(
+        a[1] == b[1] and a[2] < (b[3] or math.inf) and b[2] < (a[3] or math.inf) for a, b in itertools.pairwise(runs)
+    )
+    sc.say("REPRODUCED: two bodies at once under one lease" if twice else "one body at a time: not reproduced")
+    if twice:
+        sc.log_lines()
+    return 1 if twice else 0
+
+
+def checkpoint_outage(sc: Scenario) -> int:
+    """A checkpoint meets the completion store refusing writes: the body must not fail for good."""
+    env = sc.env
+    sc.publish(4000)
+    rows = f"SELECT count(*) FROM {env.tables.executions} WHERE job_id = 0"
+    poll("the body to start", lambda: (sc.pg.execute(rows).fetchone() or (0,))[0], 15)
+    faults = StoreFaults(env.lock_server)
+    faults.noreplicas(True)
+    sc.say("body running (2 s of work before its checkpoint); lock Redis now refuses writes (NOREPLICAS) for 4 s")
+    time.sleep(4)
+    faults.noreplicas(False)
+    sc.say("lock Redis takes writes again")
+    try:
+        poll("job 0 to commit", sc.committed, 20)
+    except TimeoutError:
+        meta = env.broker_server.client(db=1).get(f"celery-task-meta-{sc.task_id}")
+        state = json.loads(meta) if meta else {}
+        result = state.get("result") or {}
+        sc.say(
+            f"REPRODUCED: job 0 never committed; the task ended {state.get('status')}"
+            f" with {result.get('exc_type')}: {str(result.get('exc_message'))[:160]}"
+        )
+        sc.log_lines()
+        return 1
+    sc.say("job 0 committed: not reproduced")
+    return 0
+
+
 SCENARIOS: dict[str, tuple[Callable[[Scenario], int], dict[str, float]]] = {
     "ignore-then-kill": (ignore_then_kill, {"ttl": 2.0, "visibility_timeout": 1.0}),
     "watch-storm": (watch_storm, {"ttl": 8.0, "visibility_timeout": 1.0}),
+    "wait-twice": (wait_twice, {"ttl": 2.0, "visibility_timeout": 1.0}),
+    "checkpoint-outage": (checkpoint_outage, {"ttl": 2.0, "visibility_timeout": 8.0}),
 }
+#: Scenarios that need the Redis completion backend (the others use PostgreSQL, as the soak's default cell).
+REDIS_BACKEND = {"checkpoint-outage"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     opts.ttl, opts.visibility_timeout = timing["ttl"], timing["visibility_timeout"]
     run_id = uuid.uuid4().hex[:8]
     log_dir = Path(tempfile.mkdtemp(prefix=f"chaos-repro-{run_id}-"))
-    env = Environment(opts, run_id, log_dir)
+    env = Environment(opts, run_id, log_dir, backend="redis" if ns.scenario in REDIS_BACKEND else "postgresql")
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         env.start()
