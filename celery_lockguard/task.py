@@ -181,7 +181,7 @@ class LockedTask(Task):
             )
         if call is None:
             return False
-        record, _ = completion.encode_record(self.request.id, result, self.name, call.digest)
+        record, _ = completion.encode_record(self.request.id, result, keys.meta(self.name), call.digest)
         return store.record_in(conn, call.scope, self.request.id, record, self._completion_ttl_ms(call))
 
     def _store(self, s: Settings) -> Store:
@@ -567,7 +567,7 @@ class LockedTask(Task):
             emit("lock.expired_before_release", self.name, **fields, hold_ms=round(hold_ms), reason=reason)
 
     def _record_for(self, call: CallNames, task_id: str, result: Any) -> tuple[str, int]:
-        record, dropped = completion.encode_record(keys.meta(task_id), result, self.name, call.digest)
+        record, dropped = completion.encode_record(keys.meta(task_id), result, keys.meta(self.name), call.digest)
         if dropped:
             emit("completion.result_dropped", self.name, task_id=task_id, scope=call.scope, reason=dropped)
         return record, self._completion_ttl_ms(call)
@@ -605,7 +605,7 @@ class LockedTask(Task):
         """
         recorded = completion.read_record(record)
         fields = {**self._fields(call), "scope": call.scope, "completed_by": recorded.task_id}
-        if not call.scope_is_task and recorded.other_work(self.name, call.digest):
+        if not call.scope_is_task and recorded.other_work(keys.meta(self.name), call.digest):
             policy = self.lockguard_options.idempotency_mismatch
             emit("completion.key_reused", self.name, **fields, policy=policy)
             if policy == "raise":
@@ -615,18 +615,27 @@ class LockedTask(Task):
 
     # -- exits --------------------------------------------------------------------
 
-    def _free_claim(self, s: Settings, opts: TaskOptions, call: CallNames, token: str) -> None:
-        """Free this delivery's queue claim (token-checked: never a newer message's); best effort."""
+    def _free_claim(
+        self, s: Settings, opts: TaskOptions, call: CallNames, token: str, task_id: str | None = None
+    ) -> None:
+        """Free a queue claim of ``task_id`` (this delivery's by default); best effort.
+
+        Token-checked, so it never frees a newer message's claim. Called on every exit that
+        consumes the message without handing the claim on, and when a publish that took (or
+        was handed) a claim failed — else identical work would be swallowed for ``queue_lock_ttl``.
+        """
         if not token or opts.mode == "while_running":
             return
+        task_id = task_id or self.request.id
+        fields = {"lock_key": call.key, "task_id": task_id}
         ckey = claims.claim_key(s.key_prefix, call.key, opts.mode)
         try:
-            freed = lease_ops.release_claim(connection.client(s), ckey, self.request.id, token)
+            freed = lease_ops.release_claim(connection.client(s), ckey, task_id, token)
         except Exception as exc:  # noqa: BLE001 - the claim then lives out its queue TTL; say so
-            emit("lock.backend_unavailable", self.name, **self._fields(call), reason=f"free claim: {_describe(exc)}")
+            emit("lock.backend_unavailable", self.name, **fields, reason=f"free claim: {_describe(exc)}")
             return
         if freed:
-            emit("lock.released", self.name, **self._fields(call), reason="claim freed")
+            emit("lock.released", self.name, **fields, reason="claim freed")
 
     def _fail_open(
         self,
@@ -785,7 +794,7 @@ class LockedTask(Task):
             try:
                 return super().apply_async(args, kwargs, task_id, link=link, **options)
             except BaseException:
-                self._free_published_claim(s, ckey, task_id, token, call)
+                self._free_claim(s, opts, call, token, task_id)
                 raise
         if action is PublishAction.MISCONFIGURED:
             assert failure is not None
@@ -806,19 +815,6 @@ class LockedTask(Task):
         if failure is not None:
             emit("lock.backend_unavailable", self.name, **fields, reason=f"publish without claim: {_describe(failure)}")
         return super().apply_async(args, kwargs, task_id, link=link, **options)
-
-    def _free_published_claim(self, s: Settings, ckey: str, task_id: str, token: str, call: CallNames) -> None:
-        """The publish failed: free the claim taken for it, or identical work would be swallowed for an hour."""
-        try:
-            lease_ops.release_claim(connection.client(s), ckey, task_id, token)
-        except Exception as exc:  # noqa: BLE001 - the publish error is what the caller must see
-            emit(
-                "lock.backend_unavailable",
-                self.name,
-                lock_key=call.key,
-                task_id=task_id,
-                reason=f"free claim after failed publish: {_describe(exc)}",
-            )
 
     def on_replace(self, sig: Any) -> Any:
         """Free the lease before the replacement is published under this task's id.
@@ -849,7 +845,7 @@ class LockedTask(Task):
         behind); if the retry's publish then fails, the handed-over claim is freed.
         """
         lease = self.lock
-        handed: tuple[str, str] | None = None
+        handed = ""  # the claim token handed over to the retry message
         s, opts, req = settings(self.app), self.lockguard_options, self.request
         if lease is not None and not lease.released:
             limit = self.max_retries if max_retries is None else max_retries
@@ -863,7 +859,7 @@ class LockedTask(Task):
                         connection.client(s), lease, token, claims.claim_ttl_ms(opts.queue_lock_ttl, delay, eta)
                     )
                     options["headers"] = {**(req.headers or {}), headers.CLAIM: token}
-                    handed = (lease.redis_key, token)
+                    handed = token
                 except Exception as err:  # noqa: BLE001 - the retry is published without a claim
                     lease.released = True
                     emit(
@@ -880,10 +876,10 @@ class LockedTask(Task):
         except Retry:
             raise
         except BaseException:
-            if handed is not None:  # the retry was not published (Celery raises Reject): free its claim
+            if handed:  # the retry was not published (Celery raises Reject): free its claim
                 call: CallNames | None = getattr(req, _CALL, None)
                 if call is not None:
-                    self._free_published_claim(s, handed[0], req.id, handed[1], call)
+                    self._free_claim(s, opts, call, handed)
             raise
 
 
