@@ -31,7 +31,7 @@ import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 from .keys import checkpoint_name, done_name
 
@@ -293,6 +293,15 @@ class PostgresStore:
         return int(cur.rowcount)
 
 
+#: How a caller wraps each store operation of a checkpoint: ``guard(operation, call)`` with
+#: ``operation`` ``"read"`` or ``"write"``; it may retry, raise, or return ``None`` to go on without.
+StoreGuard: TypeAlias = Callable[[str, Callable[[], Any]], Any]
+
+
+def _unguarded(operation: str, call: Callable[[], Any]) -> Any:
+    return call()
+
+
 def checkpoint(
     store: Store,
     scope: str,
@@ -301,25 +310,28 @@ def checkpoint(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    guard: StoreGuard = _unguarded,
 ) -> Any:
     """Run ``fn`` once per (scope, name); replay the recorded JSON value afterwards.
 
     The value returned is always the JSON round trip of ``fn``'s result, so the
-    first run and a replay see the same thing.
+    first run and a replay see the same thing. ``guard`` decides what a store
+    error means (the task's outage policy): before ``fn`` a wait is safe, after
+    it the step has happened and must not be run again blindly.
     """
-    stored = store.get_checkpoint(scope, name)
+    stored = guard("read", lambda: store.get_checkpoint(scope, name))
     if stored is not None:
         return json.loads(stored).get("value")
     value = fn(*args, **kwargs)
     try:
         encoded = json.dumps({"value": value}, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
-        store.put_checkpoint(scope, name, _NO_VALUE, ttl_ms)
+        guard("write", lambda: store.put_checkpoint(scope, name, _NO_VALUE, ttl_ms))
         raise CheckpointNotSerializable(
             f"checkpoint {name!r} of scope {scope!r}: result {type(value).__name__} is not JSON-serializable; "
             "recorded as done with no value so a retry will not repeat it"
         ) from exc
-    store.put_checkpoint(scope, name, encoded, ttl_ms)
+    guard("write", lambda: store.put_checkpoint(scope, name, encoded, ttl_ms))
     return json.loads(encoded)["value"]
 
 

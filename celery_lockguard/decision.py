@@ -42,7 +42,8 @@ class Action(enum.Enum):
 
     #: Run the body under the lease; the claim was freed (until_started) or adopted (until_done) by ACQUIRE.
     RUN = "run"
-    #: ACQUIRE again, replacing the holder's token: our own queue claim, or a dead child of ours on this host.
+    #: ACQUIRE again, replacing the holder's token: our own queue claim, our own orphan lease (an ACQUIRE that
+    #: errored but ran), or a dead child of ours on this host.
     ADOPT = "adopt"
     #: Identical work is running: return ``None`` now. Frees the claim.
     SKIP = "skip"
@@ -84,6 +85,8 @@ class HolderFacts:
     dead_here: bool = False
     #: A queue-time claim (state ``queued``), not a running lease.
     queued: bool = False
+    #: Our own id, carrying the token of an ACQUIRE of ours that errored but ran on the server.
+    orphan: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,8 +141,15 @@ def decide_delivery(d: Delivery) -> Decision:
     if h is None:
         raise ValueError("outcome 'held' needs holder facts")
     if h.own_id:
-        if h.queued or h.dead_here:
-            return Decision(Action.ADOPT, "adopting_own_claim" if h.queued else "taking_over_dead_holder_of_own_id")
+        if h.queued or h.dead_here or h.orphan:
+            reason = (
+                "adopting_own_claim"
+                if h.queued
+                else "adopting_own_orphan"
+                if h.orphan
+                else "taking_over_dead_holder_of_own_id"
+            )
+            return Decision(Action.ADOPT, reason)
         if h.alive:
             return Decision(Action.DROP_AND_WATCH, "redelivery_of_running_original")
         return _wait(d, "holder_of_own_id_dead")

@@ -71,9 +71,22 @@ MISCONFIGURED_TEXTS = ("unknown command", "the user executing the script can't",
 _EMBEDDED_CODE = re.compile(r"-([A-Z_]{3,})\s")
 
 
+#: redis-py's wrappers around the server's reply: a pipeline's failed command, an aborted MULTI/EXEC.
+_WRAPPED = re.compile(
+    r"^(?:Command # \d+ \(.*?\) of pipeline caused error: |Transaction discarded because of: )(.*)$", re.DOTALL
+)
+
+
 def reply_text(exc: BaseException) -> str:
-    """The server's reply as it was sent: redis-py strips the code of errors it maps to a class."""
+    """The server's reply as it was sent: redis-py strips the code of errors it maps to a class.
+
+    A reply inside a pipeline (``Command # 1 (...) of pipeline caused error: NOREPLICAS ...``) or an
+    aborted transaction (``Transaction discarded because of: BUSY ...``) is unwrapped to the reply.
+    """
     text = str(exc)
+    wrapped = _WRAPPED.match(text)
+    if wrapped:
+        return wrapped.group(1)
     code = getattr(exc, "status_code", None)
     if isinstance(exc, redis.exceptions.ResponseError) and code and not text.startswith(code):
         return f"{code} {text}"

@@ -25,7 +25,7 @@ from celery.exceptions import Ignore, Retry
 from . import calls, claims, completion, connection, errors, headers, keys, republish, signals
 from . import lease as lease_ops
 from .calls import CallNames
-from .completion import PostgresStore, RedisStore, Store
+from .completion import PostgresStore, RedisStore, Store, StoreGuard
 from .config import Settings, TaskOptions, resolve_task_options, settings
 from .decision import (
     FREES_CLAIM,
@@ -50,6 +50,9 @@ WAITS_HEADER = headers.WAITS
 WATCH_HEADER = headers.WATCH
 WATCH_TOKEN_HEADER = headers.WATCH_TOKEN
 wait_countdown = republish.wait_countdown
+
+#: Tries to record a checkpoint whose step has run, before the store error is final.
+CHECKPOINT_WRITE_ATTEMPTS = 4
 
 _LEASE = "_lockguard_lease"
 _CALL = "_lockguard_call"
@@ -163,7 +166,76 @@ class LockedTask(Task):
             raise ConfigurationError(f"task {self.name!r}: checkpoint name {name!r} used twice in one run")
         used.add(name)
         s = settings(self.app)
-        return completion.checkpoint(self._store(s), call.scope, name, self._completion_ttl_ms(call), fn, args, kwargs)
+        store, ttl_ms = self._store(s), self._completion_ttl_ms(call)
+        guard = self._checkpoint_guard(s, call, name)
+        return completion.checkpoint(store, call.scope, name, ttl_ms, fn, args, kwargs, guard)
+
+    def _checkpoint_guard(self, s: Settings, call: CallNames, name: str) -> StoreGuard:
+        """What a store error inside ``checkpoint`` does, by the task's ``on_unavailable``.
+
+        Reading (before the step): ``fail_closed`` re-delivers the call later (the body stops
+        here; earlier checkpoints replay), within the wait budget; ``fail_open`` runs the step
+        unrecorded. Writing (the step has run): retried briefly, then ``fail_closed`` fails the
+        task visibly with ``BackendUnavailable`` — re-running would repeat the step — and
+        ``fail_open`` goes on unrecorded. Misconfiguration is a ``ConfigurationError``.
+        """
+        opts = self.lockguard_options
+
+        def guard(operation: str, run: Callable[[], Any]) -> Any:
+            attempts = 1 if operation == "read" else CHECKPOINT_WRITE_ATTEMPTS
+            for attempt in range(attempts):
+                try:
+                    return run()
+                except Exception as exc:
+                    kind = errors.classify(exc)
+                    if kind is None:
+                        raise
+                    if kind == "misconfigured":
+                        raise errors.configuration_error(exc, self.name, f"checkpoint {name!r}") from exc
+                    failure = exc
+                if attempt + 1 < attempts:
+                    time.sleep(0.05 * 2**attempt)
+            reason = f"checkpoint {name!r} {operation}: {_describe(failure)}"
+            if opts.on_unavailable == "fail_open":
+                emit("lock.fail_open", self.name, **self._fields(call), policy=opts.on_unavailable, reason=reason)
+                return None
+            if operation == "write":
+                raise BackendUnavailable(
+                    f"task {self.name!r}: checkpoint {name!r} ran but could not be recorded ({_describe(failure)}); "
+                    "not re-delivered, since running it again would repeat the step"
+                ) from failure
+            self._wait_in_body(s, opts, call, failure, reason)
+            return guard(operation, run)
+
+        return guard
+
+    def _wait_in_body(
+        self, s: Settings, opts: TaskOptions, call: CallNames, failure: BaseException, reason: str
+    ) -> None:
+        """Stop the body and re-deliver the call later (``Retry``), or give up; returns after an in-process wait."""
+        facts = Delivery(
+            mode=opts.mode,  # type: ignore[arg-type]
+            on_locked=opts.on_locked,  # type: ignore[arg-type]
+            on_unavailable=opts.on_unavailable,  # type: ignore[arg-type]
+            outcome="unavailable",
+            waits=headers.read_int(self.request, headers.WAITS),
+            max_waits=opts.max_waits,
+        )
+        decision = decide_delivery(facts)
+        emit("lock.backend_unavailable", self.name, **self._fields(call), policy=opts.on_unavailable, reason=reason)
+        if decision.action is Action.GIVE_UP:
+            emit(
+                "lock.wait_budget_exhausted",
+                self.name,
+                **self._fields(call),
+                reason=reason,
+                waits=facts.waits,
+                policy=opts.on_unavailable,
+            )
+            raise self._contention_error(call, None, failure)
+        sig = self._wait(s, opts, call, decision, None, None)
+        if sig is not None:
+            raise Retry(exc=self._contention_error(call, None, failure), when=None, sig=sig)
 
     def record_completion(self, conn: Any, result: Any = None) -> bool:
         """Write this run's completion record inside the caller's PostgreSQL transaction.
@@ -233,9 +305,7 @@ class LockedTask(Task):
         replace_token = claim_token if opts.mode == "until_done" else ""
         start_claim = claim_token if opts.mode == "until_started" else ""
         while True:
-            # A wait after an ACQUIRE that errored reuses its token: if that ACQUIRE ran after all, the
-            # orphan lease carries the token and is ours (ACQUIRE renews a lease holding its own token).
-            token = headers.read_str(req, headers.ATTEMPT) or lease_ops.new_token()
+            token = lease_ops.new_token()
             got: Lease | Holder | Done | None = None
             failure: BaseException | None = None
             outcome: Outcome
@@ -449,6 +519,10 @@ class LockedTask(Task):
             alive=self._holder_alive(holder, own),
             dead_here=own and here and not lease_ops.pid_alive(holder.pid),
             queued=own and holder.state == "queued",
+            # A wait after an ACQUIRE that errored carries that attempt's token: if the ACQUIRE ran after
+            # all, this lease is its orphan. Adopting replaces the token, so a duplicated copy of the wait
+            # message finds a fresh token and is dropped instead of running the body beside us.
+            orphan=own and holder.token == headers.read_str(req, headers.ATTEMPT) != "",
         )
 
     def _holder_alive(self, holder: Holder, own: bool) -> bool:

@@ -356,3 +356,29 @@ def test_postgresql_outage_is_unavailable_and_a_bad_query_is_not(postgres_url: s
         assert errors.classify(bad) is None
         terminated = refusal(lambda: conn.execute("SELECT pg_terminate_backend(pg_backend_pid())"))
         assert isinstance(terminated, psycopg.OperationalError) and errors.classify(terminated) == "unavailable"
+
+
+@pytest.mark.parametrize(
+    ("text", "kind"),
+    [
+        (
+            'Command # 1 (HSET k:cp charge {"value":22}) of pipeline caused error: NOREPLICAS Not enough good replicas',
+            "unavailable",
+        ),
+        ("Command # 2 (PEXPIRE k 5) of pipeline caused error: BUSY Redis is busy running a script.", "unavailable"),
+        ("Transaction discarded because of: BUSY Redis is busy running a script.", "unavailable"),
+        ("Command # 1 (HSET k f v) of pipeline caused error: NOPERM User has no permissions", "misconfigured"),
+        ("Command # 1 (HSET k f v) of pipeline caused error: WRONGTYPE Operation against a key", None),
+    ],
+)
+def test_replies_wrapped_by_a_pipeline_are_classified_by_the_reply_inside(text: str, kind: str | None) -> None:
+    assert errors.classify(redis.exceptions.ResponseError(text)) == kind
+
+
+def test_a_refused_write_inside_a_transaction_is_unavailable() -> None:
+    with RedisServer(extra=["--min-replicas-to-write", "1"]) as server:
+        pipe = bare(server).pipeline(transaction=True)
+        pipe.hset("h", "f", "v")
+        pipe.pexpire("h", 1000)
+        exc = refusal(pipe.execute)
+        assert errors.classify(exc) == "unavailable", exc

@@ -531,3 +531,103 @@ def test_a_skipped_duplicate_names_the_task_that_did_the_work(app: Celery, r: re
     result = app.AsyncResult(out.task_id)
     assert (result.state, result.result) == ("SUCCESS", None)
     assert [child.id for child in result.children] == ["the-holder"], "the caller cannot tell a skip from a result"
+
+
+# -- found by the multi-mode chaos soak --------------------------------------------------------------
+
+
+def test_a_duplicated_wait_copy_never_runs_beside_the_one_that_adopted_the_orphan(
+    redis_url: str, r: redis.Redis, prefix: str
+) -> None:
+    """chaos.repro wait-twice: the transport hands the same wait message to two workers."""
+    app = make_app("paths-twice", redis_url, prefix, lockguard_redis_url="redis://127.0.0.1:1/0")
+    ran: list[str] = []
+    nested: list[Any] = []
+
+    @app.task(base=LockedTask, bind=True, name="p.twice", lock_key="k:{a}", completion=False)
+    def t(self: Any, a: int) -> int:
+        ran.append(self.request.id)
+        if len(ran) == 1:  # while the first copy runs, the duplicate copy of the same wait message arrives
+            nested.append(redeliver(t, wait_msg))
+        return a
+
+    tid = uuid()
+    assert deliver(t, (20,), task_id=tid).state == "RETRY"
+    (wait_msg,) = published(r, app)
+    hold(
+        r, prefix, "k:20", task_id=tid, task_name=t.name, dig=digest({"a": 20}), token=wait_msg.headers[headers.ATTEMPT]
+    )
+    app.conf.lockguard_redis_url = redis_url
+    from celery_lockguard.config import reset
+
+    reset(app)
+    assert redeliver(t, wait_msg).state == "SUCCESS"
+    assert ran == [tid], "the duplicated wait copy ran the body beside the first"
+    assert len(nested) == 1, "the duplicate copy was delivered"
+
+
+@pytest.mark.parametrize("policy", ["fail_closed", "fail_open"])
+def test_a_checkpoint_that_cannot_be_read_follows_the_outage_policy(
+    redis_url: str, r: redis.Redis, prefix: str, policy: str
+) -> None:
+    with RedisServer(extra=["--busy-reply-threshold", "50"]) as lock_server:
+        app = make_app(
+            "paths-cpread", redis_url, prefix, lockguard_redis_url=lock_server.url, lockguard_on_unavailable=policy
+        )
+        steps: list[int] = []
+        blocker = lock_server.client()
+        admin = lock_server.client()
+        spinner: list[threading.Thread] = []
+
+        @app.task(base=LockedTask, bind=True, name="p.cpread", lock_key="k:{a}")
+        def t(self: Any, a: int) -> int:
+            thread = threading.Thread(target=_spin, args=(blocker,), daemon=True)
+            thread.start()
+            spinner.append(thread)
+            wait_for(lambda: _answers_busy(admin), 5, interval=0.02, what="the store to answer BUSY")
+            return int(self.checkpoint("charge", lambda: steps.append(a) or a))
+
+        try:
+            out = deliver(t, (21,))
+        finally:
+            wait_for(lambda: _kill(admin), 5, interval=0.02, what="SCRIPT KILL")
+            spinner[0].join(5)
+        if policy == "fail_closed":
+            assert out.state == "RETRY" and steps == [], "the step must not run when its record cannot be read"
+            (wait_msg,) = published(r, app)
+            assert wait_msg.headers[headers.WAITS] == 1
+        else:
+            assert (out.state, steps) == ("SUCCESS", [21])
+    connection.forget_clients()
+
+
+@pytest.mark.parametrize("policy", ["fail_closed", "fail_open"])
+def test_a_checkpoint_that_ran_but_cannot_be_recorded_is_never_run_again_blindly(
+    redis_url: str, r: redis.Redis, prefix: str, policy: str
+) -> None:
+    with RedisServer() as lock_server:
+        app = make_app(
+            "paths-cpwrite", redis_url, prefix, lockguard_redis_url=lock_server.url, lockguard_on_unavailable=policy
+        )
+        admin = lock_server.client()
+        steps: list[int] = []
+
+        def step(a: int) -> int:
+            steps.append(a)
+            admin.config_set("min-replicas-to-write", 1)  # writes refused (NOREPLICAS) from now on
+            return a
+
+        @app.task(base=LockedTask, bind=True, name="p.cpwrite", lock_key="k:{a}")
+        def t(self: Any, a: int) -> int:
+            return int(self.checkpoint("charge", step, a))
+
+        out = deliver(t, (22,))
+        admin.config_set("min-replicas-to-write", 0)
+        assert steps == [22]
+        if policy == "fail_closed":
+            assert out.state == "FAILURE" and published(r, app) == []
+            error = app.AsyncResult(out.task_id).result
+            assert type(error).__name__ == "BackendUnavailable" and "could not be recorded" in str(error)
+        else:
+            assert out.state == "SUCCESS"
+    connection.forget_clients()
