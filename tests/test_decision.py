@@ -29,6 +29,7 @@ OWN_ALIVE = HolderFacts(own_id=True, duplicate=True, alive=True)
 OWN_DEAD_REMOTE = HolderFacts(own_id=True, duplicate=True, alive=False)
 OWN_DEAD_HERE = HolderFacts(own_id=True, duplicate=True, alive=False, dead_here=True)
 OWN_CLAIM = HolderFacts(own_id=True, duplicate=True, alive=True, queued=True)
+OWN_ORPHAN = HolderFacts(own_id=True, duplicate=True, alive=True, orphan=True)
 
 
 def d(outcome: str, holder: HolderFacts | None = None, **kw: object) -> Delivery:
@@ -63,6 +64,8 @@ TABLE = [
     ("held", OWN_DEAD_REMOTE, {"on_locked": "raise"}, Action.WAIT),
     ("held", OWN_DEAD_HERE, {}, Action.ADOPT),
     ("held", OWN_CLAIM, {"mode": "until_done"}, Action.ADOPT),
+    ("held", OWN_ORPHAN, {}, Action.ADOPT),
+    ("held", OWN_ORPHAN, {"on_locked": "raise", "waits": 100}, Action.ADOPT),
 ]
 
 
@@ -71,7 +74,17 @@ def test_delivery_table(outcome: str, holder: HolderFacts | None, over: dict[str
     assert decide_delivery(d(outcome, holder, **over)).action is expected
 
 
-HOLDERS = [None, OTHER_DUP_ALIVE, OTHER_DUP_DEAD, OTHER_DIFFERENT, OWN_ALIVE, OWN_DEAD_REMOTE, OWN_DEAD_HERE, OWN_CLAIM]
+HOLDERS = [
+    None,
+    OTHER_DUP_ALIVE,
+    OTHER_DUP_DEAD,
+    OTHER_DIFFERENT,
+    OWN_ALIVE,
+    OWN_DEAD_REMOTE,
+    OWN_DEAD_HERE,
+    OWN_CLAIM,
+    OWN_ORPHAN,
+]
 OUTCOMES = ("acquired", "held", "record", "unavailable", "late", "misconfigured")
 
 
@@ -121,6 +134,9 @@ def test_the_whole_space_keeps_the_promises() -> None:
         # Dropping a message is only for ourselves: a running original, or a watch copy whose original finished.
         if action in (Action.DROP, Action.DROP_AND_WATCH):
             assert (h is not None and h.own_id and h.alive) or (case.watch_copy and case.outcome == "record")
+        # Adopting is only ever taking over something of our own.
+        if action is Action.ADOPT:
+            assert h is not None and h.own_id and (h.queued or h.dead_here or h.orphan)
         # The decision is a function of the facts.
         assert decide_delivery(case) == decide_delivery(case)
 
