@@ -87,6 +87,8 @@ class HolderFacts:
     queued: bool = False
     #: Our own id, carrying the token of an ACQUIRE of ours that errored but ran on the server.
     orphan: bool = False
+    #: The holder published this delivery (its ``parent_id``): a task scheduling its own follow-up.
+    parent: bool = False
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,9 @@ def decide_delivery(d: Delivery) -> Decision:
         return _wait(d, "holder_of_own_id_dead")
     if d.on_locked == "raise":
         return Decision(Action.RAISE, "locked")
+    # A follow-up the holder published of itself (a poll loop) is new work, never a duplicate of its parent.
+    if h.parent:
+        return _wait(d, "follow_up_waits_for_parent")
     # until_started: a copy published after the holder started is kept and runs after it, never skipped.
     if d.mode != "until_started" and skips_duplicate(d.on_locked, h.duplicate, h.alive):
         return Decision(Action.SKIP, "identical_work_running")
@@ -200,6 +205,8 @@ class Publish:
     self_republish: bool = False
     #: The message belongs to a chain, group or chord (a skip would stall the canvas).
     in_canvas: bool = False
+    #: The claim is held by the publishing task itself (a running task scheduling its own follow-up).
+    held_by_publisher: bool = False
 
 
 @dataclass(frozen=True)
@@ -228,6 +235,8 @@ def decide_publish(p: Publish) -> PublishDecision:
         return PublishDecision(PublishAction.PUBLISH, "own_claim")
     if p.in_canvas:
         return PublishDecision(PublishAction.PUBLISH, "canvas_member")
+    if p.held_by_publisher:
+        return PublishDecision(PublishAction.PUBLISH, "held_by_publisher")
     if p.duplicate and p.on_locked == "raise":
         return PublishDecision(PublishAction.RAISE, "identical_work_queued")
     if skips_duplicate(p.on_locked, p.duplicate, p.holder_alive):

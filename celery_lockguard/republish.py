@@ -54,12 +54,22 @@ def _ours(request: Any) -> dict[str, Any]:
     return out
 
 
-def wait_headers(request: Any, attempt_token: str | None) -> dict[str, Any]:
+def without_ours(request: Any) -> dict[str, Any]:
+    """The request's message headers without lockguard's: what a new attempt (``retry()``) carries on."""
+    return {k: v for k, v in (request.headers or {}).items() if k not in headers.ALL}
+
+
+def wait_headers(request: Any, attempt_token: str | None, claim_token: str | None = None) -> dict[str, Any]:
     """Headers of a wait: one more wait spent, the claim handed over, the orphan-lease token if any.
 
-    A wait of a watch copy stays a watch copy (its watch number and token travel on).
+    ``claim_token`` replaces the delivery's claim (a claim handed back after ACQUIRE consumed
+    it; ``""``: none could be). A wait of a watch copy stays a watch copy.
     """
     out = {**_ours(request), headers.WAITS: headers.read_int(request, headers.WAITS) + 1}
+    if claim_token:
+        out[headers.CLAIM] = claim_token
+    elif claim_token == "":
+        out.pop(headers.CLAIM, None)
     if attempt_token:
         out[headers.ATTEMPT] = attempt_token
     else:

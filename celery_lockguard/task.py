@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from celery import Task, uuid
+from celery import Task, states, uuid
 from celery._state import _task_stack
 from celery.app.task import Context
 from celery.exceptions import Ignore, Retry
@@ -317,7 +317,7 @@ class LockedTask(Task):
                     raise
                 outcome, failure = kind, exc
             else:
-                outcome, got, failure = self._outcome(s, opts, call, store, got)
+                outcome, got, failure = self._outcome(s, opts, call, store, got, watch_copy)
             holder = got if isinstance(got, Holder) else None
             decision = decide_delivery(
                 Delivery(
@@ -355,13 +355,18 @@ class LockedTask(Task):
                 )
                 replace_token = holder.token
                 continue
-            if isinstance(got, Lease):  # held only to read the record or to find it came too late
-                self._release(s, opts, got)
+            handed: str | None = None  # the claim token a wait carries on, when the lease consumed the claim
+            if isinstance(got, Lease):  # held only to read the record, or it came too late, or the store is down
+                if action is Action.WAIT and claim_token:
+                    handed = self._hand_back(s, opts, call, got)
+                else:
+                    self._release(s, opts, got)
             self._met(opts, call, decision, holder, failure)
             if action in FREES_CLAIM and not (action is Action.FAIL_OPEN and opts.mode == "until_done"):
                 self._free_claim(s, opts, call, claim_token)
             if action is Action.WAIT:
-                sig = self._wait(s, opts, call, decision, holder, token if outcome == "unavailable" else None)
+                attempt = token if outcome == "unavailable" and got is None else None
+                sig = self._wait(s, opts, call, decision, holder, attempt, handed)
                 if sig is None:
                     continue  # waited in this process: eager, or the publish failed
                 raise Retry(exc=self._contention_error(call, holder, failure), when=None, sig=sig)
@@ -463,13 +468,24 @@ class LockedTask(Task):
         )
 
     def _outcome(
-        self, s: Settings, opts: TaskOptions, call: CallNames, store: Store | None, got: Lease | Holder | Done
+        self,
+        s: Settings,
+        opts: TaskOptions,
+        call: CallNames,
+        store: Store | None,
+        got: Lease | Holder | Done,
+        watch_copy: bool = False,
     ) -> tuple[Outcome, Lease | Holder | Done, BaseException | None]:
         """Name what ACQUIRE answered; with the PostgreSQL store, read the record under the fresh lease.
 
         The record is read *after* taking the lease: a finisher records before it releases, so
-        whoever holds the lease next sees the record.
+        whoever holds the lease next sees the record. A watch copy that got the lease also asks
+        the result backend whether its original settled without a record (it failed, retried or
+        was revoked): only an original that died mid-body is taken over.
         """
+        if watch_copy and isinstance(got, Lease) and not got.lost and self._original_settled():
+            self._release(s, opts, got)
+            return "record", Done(""), None
         if isinstance(got, Done):
             return "record", got, None
         if isinstance(got, Holder):
@@ -509,6 +525,18 @@ class LockedTask(Task):
         elif holder.task_id != keys.meta(self.request.id):
             emit("lock.contended", self.name, **fields, holder_task_id=holder.task_id, policy=opts.on_locked)
 
+    def _original_settled(self) -> bool:
+        """Whether this task id already ended in the result backend (any ready state, or RETRY).
+
+        Unknown (no result backend, ``ignore_result``, a backend error) counts as not settled: the
+        watch copy then falls back on the completion record alone, as documented.
+        """
+        try:
+            state = self.AsyncResult(self.request.id).state
+        except Exception:  # noqa: BLE001 - DisabledBackend, an unreachable backend: we cannot tell
+            return False
+        return state in states.READY_STATES or state == states.RETRY
+
     def _facts(self, call: CallNames, holder: Holder) -> HolderFacts:
         req = self.request
         own = holder.task_id == keys.meta(req.id)  # holder metadata is bounded (keys.MAX_META)
@@ -523,6 +551,7 @@ class LockedTask(Task):
             # all, this lease is its orphan. Adopting replaces the token, so a duplicated copy of the wait
             # message finds a fresh token and is dropped instead of running the body beside us.
             orphan=own and holder.token == headers.read_str(req, headers.ATTEMPT) != "",
+            parent=not own and bool(req.parent_id) and holder.task_id == keys.meta(str(req.parent_id)),
         )
 
     def _holder_alive(self, holder: Holder, own: bool) -> bool:
@@ -689,6 +718,35 @@ class LockedTask(Task):
 
     # -- exits --------------------------------------------------------------------
 
+    def _hand_back(self, s: Settings, opts: TaskOptions, call: CallNames, lease: Lease) -> str:
+        """Turn a lease that consumed this delivery's queue claim back into a claim for its wait.
+
+        ACQUIRE adopts the ``until_done`` claim (the lease hash itself) and deletes the
+        ``until_started`` one; a delivery that then waits (the store is down, the reply came
+        late) must hand a claim on, or an identical publish queues a second copy meanwhile.
+        Returns the new claim token ("" when none could be handed on; the wait goes on without).
+        """
+        client, token = connection.client(s), lease_ops.new_token()
+        ttl_ms = claims.claim_ttl_ms(opts.queue_lock_ttl)
+        try:
+            if opts.mode == "until_done":
+                return token if lease_ops.handover(client, lease, token, ttl_ms) else ""
+            self._release(s, opts, lease)
+            got = lease_ops.claim(
+                client,
+                claims.claim_key(s.key_prefix, call.key, opts.mode),
+                token=token,
+                ttl_ms=ttl_ms,
+                task_id=self.request.id,
+                task_name=self.name,
+                digest=call.digest,
+            )
+            return token if got.kind == "ok" else ""
+        except Exception as exc:  # noqa: BLE001 - the wait still goes out; the claim lives out its TTL or is gone
+            lease.released = True
+            emit("lock.backend_unavailable", self.name, **self._fields(call), reason=f"hand back: {_describe(exc)}")
+            return ""
+
     def _free_claim(
         self, s: Settings, opts: TaskOptions, call: CallNames, token: str, task_id: str | None = None
     ) -> None:
@@ -750,6 +808,7 @@ class LockedTask(Task):
         decision: Decision,
         holder: Holder | None,
         attempt_token: str | None,
+        claim_token: str | None = None,
     ) -> Any:
         """Re-deliver this call later, without spending ``max_retries``; the budget is ``lock_max_waits``.
 
@@ -763,7 +822,7 @@ class LockedTask(Task):
         countdown = min(republish.wait_countdown(waits, holder_ttl), republish.max_countdown(s))
         fields = {**self._fields(call), "reason": decision.reason, "waits": waits}
         emit("lock.retry_scheduled", self.name, **fields, countdown=round(countdown, 3), policy=opts.on_locked)
-        hdrs = republish.wait_headers(req, attempt_token)
+        hdrs = republish.wait_headers(req, attempt_token, claim_token)
         if not req.is_eager:
             try:
                 return republish.publish(self, req.args or (), req.kwargs or {}, countdown, hdrs)
@@ -859,6 +918,7 @@ class LockedTask(Task):
                 claim=got.kind if got is not None else errors.classify(failure),  # type: ignore[arg-type]
                 duplicate=got is not None and got.task_name == self.name and got.digest == call.digest,
                 in_canvas=claims.in_canvas(options, link),
+                held_by_publisher=got is not None and publisher is not None and got.task_id == keys.meta(publisher),
             )
         )
         fields = {"lock_key": call.key, "task_id": task_id, "policy": opts.on_locked}
@@ -921,6 +981,9 @@ class LockedTask(Task):
         lease = self.lock
         handed = ""  # the claim token handed over to the retry message
         s, opts, req = settings(self.app), self.lockguard_options, self.request
+        # A retry is a new attempt: it must not inherit this delivery's waits, orphan token, watch marker or
+        # claim (Celery copies the request's headers into the retry message).
+        options["headers"] = {**republish.without_ours(req), **(options.get("headers") or {})}
         if lease is not None and not lease.released:
             limit = self.max_retries if max_retries is None else max_retries
             exhausted = limit is not None and req.retries + 1 > limit
@@ -929,11 +992,11 @@ class LockedTask(Task):
                 delay = countdown if countdown is not None or eta is not None else self.default_retry_delay
                 renewer().untrack(lease)
                 try:
-                    lease_ops.handover(
+                    if lease_ops.handover(
                         connection.client(s), lease, token, claims.claim_ttl_ms(opts.queue_lock_ttl, delay, eta)
-                    )
-                    options["headers"] = {**(req.headers or {}), headers.CLAIM: token}
-                    handed = token
+                    ):
+                        options["headers"][headers.CLAIM] = token
+                        handed = token
                 except Exception as err:  # noqa: BLE001 - the retry is published without a claim
                     lease.released = True
                     emit(

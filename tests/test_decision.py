@@ -30,6 +30,7 @@ OWN_DEAD_REMOTE = HolderFacts(own_id=True, duplicate=True, alive=False)
 OWN_DEAD_HERE = HolderFacts(own_id=True, duplicate=True, alive=False, dead_here=True)
 OWN_CLAIM = HolderFacts(own_id=True, duplicate=True, alive=True, queued=True)
 OWN_ORPHAN = HolderFacts(own_id=True, duplicate=True, alive=True, orphan=True)
+PARENT = HolderFacts(own_id=False, duplicate=True, alive=True, parent=True)
 
 
 def d(outcome: str, holder: HolderFacts | None = None, **kw: object) -> Delivery:
@@ -65,6 +66,8 @@ TABLE = [
     ("held", OWN_DEAD_HERE, {}, Action.ADOPT),
     ("held", OWN_CLAIM, {"mode": "until_done"}, Action.ADOPT),
     ("held", OWN_ORPHAN, {}, Action.ADOPT),
+    ("held", PARENT, {}, Action.WAIT),
+    ("held", PARENT, {"on_locked": "raise"}, Action.RAISE),
     ("held", OWN_ORPHAN, {"on_locked": "raise", "waits": 100}, Action.ADOPT),
 ]
 
@@ -84,6 +87,7 @@ HOLDERS = [
     OWN_DEAD_HERE,
     OWN_CLAIM,
     OWN_ORPHAN,
+    PARENT,
 ]
 OUTCOMES = ("acquired", "held", "record", "unavailable", "late", "misconfigured")
 
@@ -118,7 +122,7 @@ def test_the_whole_space_keeps_the_promises() -> None:
         h = case.holder
         # Only identical work behind a live holder is ever skipped, only under skip, never in until_started.
         if action is Action.SKIP:
-            assert h is not None and h.duplicate and h.alive and not h.own_id
+            assert h is not None and h.duplicate and h.alive and not h.own_id and not h.parent
             assert case.on_locked == "skip" and case.mode != "until_started"
         # Raise is the policy's own answer to a foreign holder, never to ourselves.
         if action is Action.RAISE:
@@ -175,6 +179,8 @@ PUBLISH_TABLE = [
     (Publish("retry", claim="held", duplicate=True), PublishAction.PUBLISH),
     (Publish("raise", claim="held", duplicate=True), PublishAction.RAISE),
     (Publish("raise", claim="held", duplicate=False), PublishAction.PUBLISH),
+    (Publish("skip", claim="held", duplicate=True, held_by_publisher=True), PublishAction.PUBLISH),
+    (Publish("raise", claim="held", duplicate=True, held_by_publisher=True), PublishAction.PUBLISH),
 ]
 
 

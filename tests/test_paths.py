@@ -631,3 +631,83 @@ def test_a_checkpoint_that_ran_but_cannot_be_recorded_is_never_run_again_blindly
         else:
             assert out.state == "SUCCESS"
     connection.forget_clients()
+
+
+# -- found by the fresh review -------------------------------------------------------------------
+
+
+def test_a_retry_carries_none_of_the_deliverys_lockguard_headers(app: Celery, r: redis.Redis, prefix: str) -> None:
+    @app.task(base=LockedTask, bind=True, name="p.hdr", lock_key="k:{a}")
+    def t(self: Any, a: int) -> int:
+        raise self.retry(countdown=300)
+
+    ours = {headers.WATCH: 1, headers.WATCH_TOKEN: "w", headers.WAITS: 2, headers.ATTEMPT: "x"}
+    assert deliver(t, (23,), headers=ours).state == "RETRY"
+    (retry_msg,) = published(r, app)
+    assert retry_msg.custom() == {}, "a retry inherited a watch marker, a wait count or an orphan token"
+
+
+@pytest.mark.parametrize("ending", ["failure", "retry"])
+def test_a_watch_copy_never_reruns_an_original_that_failed_or_retried(
+    app: Celery, r: redis.Redis, prefix: str, ending: str
+) -> None:
+    runs: list[dict[str, Any]] = []
+
+    @app.task(base=LockedTask, bind=True, name=f"p.watch_{ending}", lock_key="k:{a}")
+    def t(self: Any, a: int) -> int:
+        runs.append({"watch": headers.read(self.request, headers.WATCH)})
+        if ending == "retry":
+            raise self.retry(countdown=300)
+        raise RuntimeError("the provider said no")
+
+    tid = uuid()
+    original = deliver(t, (24,), task_id=tid)
+    assert original.state == ("RETRY" if ending == "retry" else "FAILURE")
+    watch = deliver(t, (24,), task_id=tid, headers={headers.WATCH: 1, headers.WATCH_TOKEN: "w"})
+    assert runs == [{"watch": None}], "the watch copy ran the job again"
+    assert app.AsyncResult(tid).state == original.state, "the watch copy overwrote the original's state"
+    assert watch.state == original.state
+
+
+def test_a_task_scheduling_its_own_follow_up_is_never_deduplicated(app: Celery, r: redis.Redis, prefix: str) -> None:
+    runs: list[str] = []
+    follow_ups: list[Any] = []
+
+    @app.task(base=LockedTask, bind=True, name="p.poll", lock_key="k:{a}", lock_mode="until_done")
+    def poll(self: Any, a: int) -> int:
+        runs.append(self.request.id)
+        if len(runs) == 1:
+            follow_ups.append(self.apply_async(args=(a,), countdown=1))
+            (msg,) = published(r, app)
+            assert msg.task_id == follow_ups[0].id != self.request.id, "the follow-up was swallowed"
+            r.delete(app.conf.broker_transport_options["global_keyprefix"] + app.conf.task_default_queue)
+            follow_ups.append(redeliver(poll, msg))  # delivered while this run still holds the entity
+        return a
+
+    first = deliver(poll, (25,))
+    assert first.state == "SUCCESS" and runs == [first.task_id]
+    assert follow_ups[1].state == "RETRY", "the follow-up was skipped as a duplicate of its parent"
+    (wait_msg,) = published(r, app)
+    assert redeliver(poll, wait_msg).state == "SUCCESS"
+    assert runs == [first.task_id, follow_ups[0].id]
+
+
+@pytest.mark.parametrize("mode", ["until_done", "until_started"])
+def test_a_wait_after_the_lease_consumed_the_claim_hands_a_claim_on(
+    redis_url: str, r: redis.Redis, prefix: str, mode: str
+) -> None:
+    app = make_app(
+        "paths-handback", redis_url, prefix, lockguard_completion_backend="postgresql://postgres@127.0.0.1:1/x"
+    )
+
+    @app.task(base=LockedTask, bind=True, name=f"p.handback_{mode}", lock_key="k:{a}", lock_mode=mode)
+    def t(self: Any, a: int) -> int:
+        return a
+
+    sent = t.apply_async(args=(26,))
+    (msg,) = published(r, app)
+    assert redeliver(t, msg).state == "RETRY"  # the completion store is down: fail_closed waits
+    wait_msg = published(r, app)[-1]
+    assert wait_msg.task_id == sent.id and wait_msg.headers[headers.CLAIM] != msg.headers[headers.CLAIM]
+    again = t.apply_async(args=(26,))
+    assert again.id == sent.id, "an identical publish queued a second copy while the first waits"

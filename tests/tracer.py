@@ -67,6 +67,7 @@ def deliver(
     headers: dict[str, Any] | None = None,
     retries: int = 0,
     chain: list[Any] | None = None,
+    parent_id: str | None = None,
 ) -> Traced:
     """Run one delivery through the real tracer (custom headers arrive as request attributes, as on a worker)."""
     task_id = task_id or uuid()
@@ -80,7 +81,7 @@ def deliver(
         "retries": retries,
         "is_eager": False,
         "root_id": task_id,
-        "parent_id": None,
+        "parent_id": parent_id,
         "delivery_info": {"exchange": "", "routing_key": task.app.conf.task_default_queue, "redelivered": False},
         "chain": chain,
         **(headers or {}),
@@ -92,7 +93,14 @@ def deliver(
 
 def redeliver(task: Any, msg: Message) -> Traced:
     """Deliver a message read from the queue."""
-    return deliver(task, tuple(msg.args), msg.kwargs, task_id=msg.task_id, headers=msg.custom())
+    return deliver(
+        task,
+        tuple(msg.args),
+        msg.kwargs,
+        task_id=msg.task_id,
+        headers=msg.custom(),
+        parent_id=msg.headers.get("parent_id"),
+    )
 
 
 def published(r: redis.Redis, app: Celery) -> list[Message]:
