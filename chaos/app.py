@@ -177,6 +177,23 @@ class Keys:
         self.answered = f"{base}:answered"  # set: task ids that stored SUCCESS or FAILURE
 
 
+def connect(dsn: str, autocommit: bool = True, patience: float = 120.0) -> psycopg.Connection[Any]:
+    """A connection to the soak's own PostgreSQL (ledger, history), waiting while the server refuses one.
+
+    The soak never faults this server, but it is shared: when other users fill ``max_connections`` a
+    connect fails with "too many clients". Waiting for a slot keeps the soak's bookkeeping from failing
+    a task for a reason that has nothing to do with the library.
+    """
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return psycopg.connect(dsn, autocommit=autocommit, connect_timeout=5)
+        except psycopg.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 class _Connection:
     """One PostgreSQL connection per process, made lazily (never inherited across fork), remade when broken."""
 
@@ -189,7 +206,7 @@ class _Connection:
     def get(self) -> psycopg.Connection[Any]:
         conn = self._conn
         if conn is None or self._pid != os.getpid() or conn.closed or conn.broken:
-            conn = self._conn = psycopg.connect(self.dsn, autocommit=self.autocommit, connect_timeout=5)
+            conn = self._conn = connect(self.dsn, self.autocommit)
             self._pid = os.getpid()
         return conn
 

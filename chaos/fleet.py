@@ -29,15 +29,17 @@ ROOT = Path(__file__).resolve().parent.parent
 class Worker:
     """One prefork worker of the chaos app; ``pause``/``resume`` act on its whole process group."""
 
-    def __init__(self, name: str, cfg: dict[str, Any], log_dir: Path, concurrency: int) -> None:
+    def __init__(
+        self, name: str, cfg: dict[str, Any], log_dir: Path, concurrency: int, queues: list[str] | None = None
+    ) -> None:
         self.nodename = f"{name}@{socket.gethostname()}"
         self.log_path = log_dir / f"{name}.log"
         self.paused = False
         env = {**os.environ, "CHAOS_CONFIG": json.dumps(cfg), "PYTHONPATH": str(ROOT)}
-        queues = ",".join(cfg.get("queues") or [cfg["queue"]])  # the soak's bait queue beside the main one
+        queue_list = ",".join(queues or [cfg["queue"]])
         cmd = [
             sys.executable, "-m", "celery", "-A", "chaos.app:app", "worker",
-            "-P", "prefork", "-c", str(concurrency), "-n", self.nodename, "-Q", queues,
+            "-P", "prefork", "-c", str(concurrency), "-n", self.nodename, "-Q", queue_list,
             "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
         ]  # fmt: skip
         with open(self.log_path, "wb") as log:

@@ -56,6 +56,14 @@ body runs, the lock Redis refuses writes (NOREPLICAS) for 4 s. The checkpoint
 raises the driver's own error instead of ``BackendUnavailable``, the task ends
 ``FAILURE`` and the job never commits (the soak sees the same with BUSY, a
 restart, or a PostgreSQL store outage).
+
+``watch-outage`` (a lost job: the watch copy dropped in a store outage). The
+``ignore-then-kill`` setup with the PostgreSQL completion backend: the
+redelivered copy of a running 4 s body is dropped and leaves a watch copy;
+then the completion store's PostgreSQL goes away for 3 s and the body's
+child is killed. The watch copy, which reads the record before it acquires,
+meets the outage and is dropped (``Ignore``) instead of waiting, so nothing
+is left to run the job.
 """
 
 from __future__ import annotations
@@ -255,11 +263,44 @@ def checkpoint_outage(sc: Scenario) -> int:
     return 0
 
 
+def watch_outage(sc: Scenario) -> int:
+    """The watch copy that must take over a killed original meets the completion store down."""
+    env = sc.env
+    assert env.proxy is not None
+    sc.publish(4000)
+    pid, worker = poll(
+        "the body to start",
+        lambda: sc.pg.execute(f"SELECT pid, worker FROM {env.tables.executions} WHERE job_id = 0").fetchone(),
+        15,
+    )
+    poll("the redelivered copy to be dropped", lambda: env.events()[IGNORED], 15)
+    sc.say(f"body running in pid {pid} on {worker}; its redelivered copy was dropped, leaving a watch copy")
+    env.proxy.cut()
+    os.kill(pid, signal.SIGKILL)
+    sc.say(f"completion store (PostgreSQL) cut; SIGKILL -> pid {pid}: the watch copy is all that is left")
+    time.sleep(3)
+    env.proxy.restore()
+    sc.say("completion store back")
+    try:
+        poll("job 0 to commit", sc.committed, 20)
+    except TimeoutError:
+        ev = env.events()
+        sc.say(
+            f"REPRODUCED: job 0 never committed and the broker holds {sc.backlog()} messages;"
+            f" watch copies left {ev[WATCHES]}, store outages met {ev['lock.backend_unavailable']}"
+        )
+        sc.log_lines()
+        return 1
+    sc.say("job 0 committed: not reproduced")
+    return 0
+
+
 SCENARIOS: dict[str, tuple[Callable[[Scenario], int], dict[str, float]]] = {
     "ignore-then-kill": (ignore_then_kill, {"ttl": 2.0, "visibility_timeout": 1.0}),
     "watch-storm": (watch_storm, {"ttl": 8.0, "visibility_timeout": 1.0}),
     "wait-twice": (wait_twice, {"ttl": 2.0, "visibility_timeout": 1.0}),
     "checkpoint-outage": (checkpoint_outage, {"ttl": 2.0, "visibility_timeout": 8.0}),
+    "watch-outage": (watch_outage, {"ttl": 2.0, "visibility_timeout": 1.0}),
 }
 #: Scenarios that need the Redis completion backend (the others use PostgreSQL, as the soak's default cell).
 REDIS_BACKEND = {"checkpoint-outage"}

@@ -76,6 +76,7 @@ from .app import (
     Cell,
     Keys,
     Tables,
+    connect,
     create_app,
     reason_of,
 )
@@ -88,6 +89,8 @@ __all__ = ["TASK_NAME", "Environment", "Options", "broker_backlog", "default_pg"
 DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432/test"
 #: Progress (share of publishes answered) between which the scheduled faults are placed.
 FAULT_WINDOW = (0.1, 0.9)
+#: Pool children of the worker that runs the baits (see FaultLoop._restart).
+BAIT_CONCURRENCY = 8
 #: The lock Redis answers BUSY once a script has run this long (``busy-reply-threshold``, ms).
 BUSY_THRESHOLD_MS = 100
 
@@ -127,7 +130,7 @@ class Options:
     jobs: int = 500  # per cell
     entities: int = 25  # per cell
     duplicates: float = 0.3
-    duration: float = 0.0
+    duration: float = 180.0
     workers: int = 3
     concurrency: int = 3
     seed: int | None = None
@@ -162,6 +165,7 @@ class Options:
 QUICK: dict[str, Any] = {
     "jobs": 40,
     "entities": 5,
+    "duration": 25.0,
     "ttl": 2.0,
     "visibility_timeout": 3.0,
     "slow": 0.01,
@@ -198,7 +202,9 @@ def parse_args(argv: list[str] | None = None) -> Options:
     p.add_argument("--jobs", type=int, help=f"distinct jobs per cell (default {d.jobs})")
     p.add_argument("--entities", type=int, help=f"entities per cell (default {d.entities})")
     p.add_argument("--duplicates", type=float, help=f"share of jobs published twice (default {d.duplicates})")
-    p.add_argument("--duration", type=float, help="seconds to spread publishing over (default 0: all at once)")
+    p.add_argument(
+        "--duration", type=float, help=f"seconds over which a leg publishes, 0 = at once (default {d.duration:g})"
+    )
     p.add_argument("--workers", type=int, help=f"celery worker processes (default {d.workers})")
     p.add_argument("--concurrency", type=int, help=f"pool children per worker (default {d.concurrency})")
     p.add_argument("--seed", type=int, help="random seed (default: random, printed)")
@@ -283,10 +289,22 @@ class Plan:
     def jobs_of(self, k: int) -> list[int]:
         return [j for j, (c, _, _) in enumerate(self.jobs) if c == k]
 
+    entities: int = 0  # per cell: cell k owns entities [k * entities, (k + 1) * entities)
+    baits: dict[int, int] = field(default_factory=dict)  # entity -> cell, for entities of baits
+
     def add_job(self, k: int, entity: int, work_ms: int) -> int:
         """A job beyond the plan (a bait the fault loop publishes itself); returns its id."""
         self.jobs.append((k, entity, work_ms))
         return len(self.jobs) - 1
+
+    def bait_entity(self, k: int) -> int:
+        """An entity of cell ``k`` that no planned job uses."""
+        entity = len(self.cells) * self.entities + len(self.baits)
+        self.baits[entity] = k
+        return entity
+
+    def cell_of_entity(self, entity: int) -> int:
+        return self.baits.get(entity, entity // max(1, self.entities))
 
 
 def _work_ms(cell: Cell, opts: Options, rng: random.Random, tail: bool) -> int:
@@ -321,7 +339,7 @@ def make_plan(opts: Options, cells: list[Cell], rng: random.Random) -> Plan:
             offset = rng.uniform(0.5, 4) if rng.random() < 0.5 else rng.uniform(0.5, n)
             keyed.append((j + offset, k, first + j))
     keyed.sort()
-    return Plan(cells, jobs, [job for _, _, job in keyed], sorted(slow))
+    return Plan(cells, jobs, [job for _, _, job in keyed], sorted(slow), opts.entities)
 
 
 # -- the run --------------------------------------------------------------------
@@ -372,7 +390,9 @@ def claim_holder(lock: redis.Redis, cell: Cell, entity: int) -> str | None:
     return str(holder or "")
 
 
-def send(run: Run, app: Any, plan: Plan, lock: redis.Redis, job: int, queue: str | None = None) -> check.Publish:
+def send(
+    run: Run, app: Any, plan: Plan, lock: redis.Redis, job: int, queue: str | None = None, countdown: float = 0.0
+) -> check.Publish:
     """Publish one message of ``job`` under a fresh task id and record what the publish returned.
 
     In queue-time modes the entity's claim is read just before and just after
@@ -383,7 +403,9 @@ def send(run: Run, app: Any, plan: Plan, lock: redis.Redis, job: int, queue: str
     task_id = f"{run.run_id}-{job}-{uuid.uuid4().hex[:8]}"
     run.task_ids.setdefault(job, []).append(task_id)
     args = (job, entity, work_ms)
-    options = {"queue": queue} if queue else {}
+    options: dict[str, Any] = {"queue": queue} if queue else {}
+    if countdown:
+        options["countdown"] = countdown
     answered_by = None
     before = claim_holder(lock, cell, entity)
     t_sent = time.monotonic()
@@ -427,6 +449,23 @@ def publish(run: Run, app: Any, plan: Plan, lock: redis.Redis) -> None:
 def committed(conn: psycopg.Connection[Any], tables: Tables) -> int:
     row = conn.execute(f"SELECT count(DISTINCT job_id) FROM {tables.effects}").fetchone()
     return int(row[0]) if row else 0
+
+
+def running_bodies(pg: psycopg.Connection[Any], tables: Tables) -> int:
+    """Bodies started in the last minute, not ended, whose process is still alive (a killed child's never end)."""
+    alive = 0
+    rows = pg.execute(
+        f"SELECT pid FROM {tables.executions} WHERE t_end IS NULL AND t_start > %s", (time.monotonic() - 60,)
+    )
+    for (pid,) in rows:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        except PermissionError:
+            pass
+        alive += 1
+    return alive
 
 
 def broker_backlog(broker: redis.Redis, queue: str) -> int:
@@ -562,8 +601,8 @@ class FaultLoop:
         self.killed_jobs: set[int] = set()
         self.bait_jobs: set[int] = set()
         self.lock = env.lock_server.client(socket_timeout=1)
-        self.timed: list[tuple[float, Any]] = [(0.0, self._bait_tails)]  # (due, action), driven by step()
-        self.restart_wait: float | None = None  # since when a due restart waits for idle children
+        self.timed: list[tuple[float, Any]] = [(0.0, self._bait_start)]  # (due, action), driven by step()
+        self.quiet_until = 0.0  # no scheduled fault starts before (a restart's baits are playing out)
 
     def _draw_kill(self, now: float) -> float:
         every = self.opts.kill_every
@@ -601,6 +640,8 @@ class FaultLoop:
         ttl = self.opts.ttl
         if self.paused is not None or self.store_fault is not None or self.pg_cut is not None:
             return False
+        if time.monotonic() < self.quiet_until:
+            return False
         if kind == "pause":
             self._pause()
         elif kind == "pg_outage":
@@ -624,14 +665,16 @@ class FaultLoop:
     def _cells(self, wanted: tuple[Cell, ...]) -> list[int]:
         return [k for k, cell in enumerate(self.plan.cells) if cell in wanted]
 
-    def _bait(self, k: int, work_ms: int, job: int | None = None, entity: int | None = None) -> tuple[int, int]:
+    def _bait(
+        self, k: int, work_ms: int, job: int | None = None, entity: int | None = None, countdown: float = 0.0
+    ) -> tuple[int, int]:
         """Publish a job of cell ``k`` on the bait queue (a new one, or another copy of ``job``)."""
         if job is None:
             if entity is None:
-                entity = k * self.opts.entities + self.rng.randrange(self.opts.entities)
+                entity = self.plan.bait_entity(k)  # a fresh entity: no other job of the cell disturbs the bait
             job = self.plan.add_job(k, entity, work_ms)
             self.bait_jobs.add(job)
-        send(self.run, self.env.app, self.plan, self.env.claims, job, queue=self.env.bait_queue)
+        send(self.run, self.env.app, self.plan, self.env.claims, job, queue=self.env.bait_queue, countdown=countdown)
         return job, self.plan.jobs[job][1]
 
     def _run_timed(self) -> None:
@@ -654,48 +697,47 @@ class FaultLoop:
             self._run_timed()
             time.sleep(0.05)
 
-    def _free_children(self) -> int:
-        """Pool children of awake workers not running a body right now."""
-        kids = {pid for w in self.workers if not w.paused for pid in w.children()}
-        busy = {
-            pid
-            for (pid,) in self.pg.execute(
-                f"SELECT DISTINCT pid FROM {self.env.tables.executions} WHERE t_end IS NULL AND t_start > %s",
-                (time.monotonic() - 60,),
-            )
-        }
-        return len(kids - busy)
+    def _bait_start(self) -> None:
+        """At the start: the billing cells' heavy tail, and contention for every ``raise`` cell.
 
-    def _bait_tails(self) -> None:
-        """Billing cells, at the start: one job of the heavy tail, then other work on its entity 3 s later.
+        Billing cells: one job of the tail (40 x 200 ms), then other work on its entity 3 s later. With
+        renewal the second waits for the first; without (the no-renew control) the first's lease expires
+        after the TTL and the second runs beside it, with no fault to explain it.
 
-        With renewal the second waits for the first; without (the no-renew control) the first's lease
-        expires after the TTL and the second runs beside it, with no fault to explain it.
+        ``raise`` cells: a 3 s job, then other work on its entity 1 s later, which meets the holder and
+        must fail visibly with ``LockContended`` (the swallow-contended control turns that into a silent
+        success, a lost job).
+
+        Queue-time cells that deduplicate (``skip``, ``raise``): a job published with a 1 s countdown
+        (its claim waits with it) and at once its duplicate, which must be answered at publish (the
+        no-claim control enqueues it); in ``until_done`` also a duplicate 1 s into a 3 s body.
         """
-        tail_ms = 40 * 200
+        now = time.monotonic()
         for k, cell in enumerate(self.plan.cells):
             if cell.workload == "billing":
-                _, entity = self._bait(k, tail_ms)
-                self.timed.append((time.monotonic() + 3.0, lambda k=k, e=entity: self._bait(k, 200, entity=e)))
+                _, entity = self._bait(k, 40 * 200)
+                self.timed.append((now + 3.0, lambda k=k, e=entity: self._bait(k, 200, entity=e)))
+            if cell.policy == "raise":
+                _, entity = self._bait(k, 3000)
+                self.timed.append((now + 1.0, lambda k=k, e=entity: self._bait(k, 20, entity=e)))
+            if cell.queue_mode and cell.policy != "retry":
+                job, _ = self._bait(k, 20, countdown=1.0)
+                self._bait(k, 20, job=job)
+                if cell.mode == "until_done":
+                    job, _ = self._bait(k, 3000)
+                    self.timed.append((now + 1.0, lambda k=k, j=job: self._bait(k, 3000, job=j)))
 
     def _restart(self) -> bool:
         """Kill the lock Redis and start it empty, with baits for the cells whose guard needs it.
 
-        Before: a long job of each RESTART_BAIT recipe starts (the restart waits up to 15 s for enough
-        idle children). During the outage: a long job of each OUTAGE_BAIT cell. After: other work on the
-        entity of a running bait (it runs and commits while the bait still runs) and other work on the
-        entity of each outage bait; then a duplicate of a running bait's job (it runs beside the bait).
+        Before: a long job of each RESTART_BAIT recipe starts (on the bait worker, waited for up to
+        5 s). During the outage: a long job of each OUTAGE_BAIT cell. After: other work on the entity of
+        a running bait (it runs and commits while the bait still runs) and other work on the entity of
+        each outage bait; then a duplicate of a running bait's job (it runs beside the bait).
         """
         index = {cell: k for k, cell in enumerate(self.plan.cells)}
         recipes = [(index[cell], other, dup) for cell, other, dup in RESTART_BAIT if cell in index]
         outage_cells = self._cells(OUTAGE_BAIT)
-        if recipes or outage_cells:
-            if self.restart_wait is None:
-                self.restart_wait = time.monotonic()
-            enough = len(recipes) + len(outage_cells) + 1
-            if time.monotonic() - self.restart_wait < 15 and self._free_children() < enough:
-                return False  # try again at the next step
-        self.restart_wait = None
         bait_ms = int(max(3.0, self.opts.ttl + 1.5) * 1000)
         running = [(k, other, dup, *self._bait(k, bait_ms)) for k, other, dup in recipes]
         self._wait_bodies([job for *_, job, _ in running], 5)
@@ -714,6 +756,7 @@ class FaultLoop:
         for k, _, dup, job, _ in running:
             if dup:
                 self._bait(k, bait_ms, job=job)  # a duplicate of the job whose lease vanished under it
+        self.quiet_until = time.monotonic() + bait_ms / 1000 + 1  # no other fault while the baits play out
         return True
 
     def _store_fault_end(self) -> None:
@@ -907,9 +950,10 @@ class Environment:
         self.tables = Tables(f"chaos_{run_id}")
         self.keys = Keys(self.EVENTS_KEY)
         self.queue = f"{self.QUEUE_PREFIX}{run_id}"
-        self.bait_queue = f"{self.queue}-bait"  # workers take it beside the main queue: baits skip the backlog
+        self.bait_queue = f"{self.queue}-bait"  # served by a worker of its own: baits skip the backlog
         self.servers: list[RedisServer] = []
         self.workers: list[Worker] = []
+        self.bait_worker: Worker | None = None
         self.proxy: CutProxy | None = None
         self.created = False
 
@@ -921,7 +965,7 @@ class Environment:
             persistent=False, extra=["--busy-reply-threshold", str(BUSY_THRESHOLD_MS)]
         ).start()
         self.servers.append(self.lock_server)
-        with psycopg.connect(opts.pg, autocommit=True) as conn:
+        with connect(opts.pg) as conn:
             self.created = True
             for ddl in self.tables.ddl():
                 conn.execute(ddl)
@@ -940,7 +984,6 @@ class Environment:
             "store": store,
             "tables": self.tables.base,
             "queue": self.queue,
-            "queues": [self.queue, self.bait_queue],
             "prefix": self.LOCK_PREFIX,
             "ttl": opts.ttl,
             "visibility_timeout": opts.visibility_timeout,
@@ -957,7 +1000,12 @@ class Environment:
         self.workers = [
             Worker(f"chaos{k}-{self.run_id}", self.cfg, self.log_dir, opts.concurrency) for k in range(opts.workers)
         ]
-        wait_ready(self.app, self.workers)
+        # The baits' own worker: they start at once instead of queueing behind the backlog the other
+        # workers have prefetched. It is faulted like the others, except that it is never paused.
+        self.bait_worker = Worker(
+            f"chaosbait-{self.run_id}", self.cfg, self.log_dir, BAIT_CONCURRENCY, queues=[self.bait_queue]
+        )
+        wait_ready(self.app, [*self.workers, self.bait_worker])
         return self
 
     def events(self) -> Counter[str]:
@@ -989,11 +1037,11 @@ class Environment:
 
     def close(self, keep: bool) -> None:
         """Stop the workers first (they hold PostgreSQL connections), then drop the tables, then the servers."""
-        stop_all(self.workers)
+        stop_all([*self.workers, *([self.bait_worker] if self.bait_worker else [])])
         if self.proxy is not None:
             self.proxy.close()
         if self.created and not keep:
-            with psycopg.connect(self.opts.pg, autocommit=True) as conn:
+            with connect(self.opts.pg) as conn:
                 conn.execute("SET lock_timeout = '10s'")
                 conn.execute(f"DROP TABLE IF EXISTS {', '.join(self.tables.all())}")
         for server in self.servers:
@@ -1011,7 +1059,7 @@ def drive(env: Environment, run: Run, plan: Plan, rng: random.Random) -> FaultLo
     settle = 2.0
     last_print = 0.0
     last_answered, last_progress = -1, time.monotonic()
-    with psycopg.connect(opts.pg, autocommit=True) as pg:
+    with connect(opts.pg) as pg:
         loop = FaultLoop(run, env, plan, rng, pg)
         try:
             while True:
@@ -1034,8 +1082,10 @@ def drive(env: Environment, run: Run, plan: Plan, rng: random.Random) -> FaultLo
                         flush=True,
                     )
                 if run.publish_done is not None:
-                    # Done when the broker holds nothing (queued or unacknowledged) for a while and every fault ran.
-                    idle = broker_backlog(broker, env.queue) == 0
+                    # Done when the broker holds nothing (queued or unacknowledged) and no body runs, for a
+                    # while, and every fault ran. A body can run with no unacknowledged entry left: the Redis
+                    # transport's ack of one copy of a message deletes the entry its redelivered twin shares.
+                    idle = broker_backlog(broker, env.queue) == 0 and not running_bodies(pg, env.tables)
                     idle_since = (idle_since or now) if idle else None
                     if idle_since is not None and now - idle_since > settle and not loop.pending():
                         return loop
@@ -1049,6 +1099,12 @@ def drive(env: Environment, run: Run, plan: Plan, rng: random.Random) -> FaultLo
 
 
 _ENTITY = re.compile(r"acct:(\d+)")
+
+
+def cell_of_key(plan: Plan, name: str) -> int | None:
+    """The cell whose entity a lease or claim key names."""
+    m = _ENTITY.search(name)
+    return plan.cell_of_entity(int(m.group(1))) if m else None
 
 
 def run_leg(opts: Options, backend: str, rng: random.Random, log_dir: Path) -> dict[str, Any]:
@@ -1072,7 +1128,7 @@ def run_leg(opts: Options, backend: str, rng: random.Random, log_dir: Path) -> d
         leases_left = [describe_key(lock, name) for name in lease_keys(lock, env.LOCK_PREFIX)]
         broker_left = broker_backlog(env.broker_server.client(), env.queue)
         elapsed = time.monotonic() - run.started
-        with psycopg.connect(opts.pg, autocommit=True) as pg:
+        with connect(opts.pg) as pg:
             effects, executions, provider = read_rows(pg, env.tables)
         publishes = [p._replace(claimed=False) if p.task_id in run.unclaimed else p for p in run.publishes]
         ids = {p.task_id for p in publishes} | {p.answered_by for p in publishes if p.answered_by}
@@ -1084,7 +1140,6 @@ def run_leg(opts: Options, backend: str, rng: random.Random, log_dir: Path) -> d
         published = {p.job_id for p in publishes}
         for k, cell in enumerate(cells):
             jobs = set(plan.jobs_of(k)) & published
-            lo, hi = k * opts.entities, (k + 1) * opts.entities
             verdict = check.check_all(
                 sorted(jobs),
                 [e for e in effects if e.job_id in jobs],
@@ -1092,7 +1147,7 @@ def run_leg(opts: Options, backend: str, rng: random.Random, log_dir: Path) -> d
                 [p for p in provider if p[1] in jobs],
                 run.faults,
                 opts.ttl,
-                [name for name in leases_left if (m := _ENTITY.search(name)) and lo <= int(m.group(1)) < hi],
+                [name for name in leases_left if cell_of_key(plan, name) == k],
                 publishes=[p for p in publishes if p.job_id in jobs],
                 results=results,
                 first_delivery=first_delivery,
