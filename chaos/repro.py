@@ -64,6 +64,17 @@ then the completion store's PostgreSQL goes away for 3 s and the body's
 child is killed. The watch copy, which reads the record before it acquires,
 meets the outage and is dropped (``Ignore``) instead of waiting, so nothing
 is left to run the job.
+
+``retried-then-killed`` (a lost job: a watch copy trusts a retry that was
+dropped). A 4 s body runs; the lock Redis restarts under it, other work on
+the entity commits with a newer fence, and the visibility sweep's copy of the
+message runs the body beside it. The original's commit meets the newer
+fence and retries (``StaleFence``, state ``RETRY``); the retry message finds
+the copy running and is dropped, leaving a watch copy; the copy's child is
+then killed. The watch copy takes the dead holder's lease over, reads
+``RETRY`` in the result backend, takes it for "the original retried, its
+retry will run it", and is consumed -- but that retry was the message just
+dropped.
 """
 
 from __future__ import annotations
@@ -295,12 +306,44 @@ def watch_outage(sc: Scenario) -> int:
     return 0
 
 
+def retried_then_killed(sc: Scenario) -> int:
+    """An original that retried, whose retry message was dropped behind a running copy that then died."""
+    env = sc.env
+    sc.publish(4000)
+    rows = f"SELECT pid, t_start FROM {env.tables.executions} WHERE job_id = 0 ORDER BY id"
+    first = poll("the body to start", lambda: sc.pg.execute(rows).fetchall(), 15)[0][0]
+    env.lock_server.stop()
+    env.lock_server.start()
+    sc.say(f"body running in pid {first}; lock Redis restarted empty: its lease is gone")
+    env.app.tasks[TASK_NAME].apply_async((1, 0, 20), task_id=f"{env.run_id}-job1")
+    sc.say("job 1 on the same entity takes the free lease and commits with a newer fence")
+    copy = poll("the redelivered copy to run a body beside it", lambda: sc.pg.execute(rows).fetchall()[1:], 15)[0][0]
+    sc.say(f"the visibility sweep redelivered job 0: its copy runs the body in pid {copy}")
+    poll("the original to retry (StaleFence)", lambda: env.events()["fence.stale"], 15)
+    sc.say("the original's commit met the newer fence: StaleFence, retried (state RETRY)")
+    poll("the retry to be dropped behind the running copy", lambda: env.events()[IGNORED], 15)
+    os.kill(copy, signal.SIGKILL)
+    sc.say(f"its retry was dropped behind the running copy (watch left); SIGKILL -> pid {copy}")
+    try:
+        poll("job 0 to commit", sc.committed, 20)
+    except TimeoutError:
+        meta = env.broker_server.client(db=1).get(f"celery-task-meta-{sc.task_id}")
+        state = json.loads(meta).get("status") if meta else "PENDING"
+        sc.say(f"REPRODUCED: job 0 never committed; broker holds {sc.backlog()} messages; its state is {state}")
+        sc.log_lines()
+        return 1
+    sc.say("job 0 committed: not reproduced")
+    sc.log_lines()
+    return 0
+
+
 SCENARIOS: dict[str, tuple[Callable[[Scenario], int], dict[str, float]]] = {
     "ignore-then-kill": (ignore_then_kill, {"ttl": 2.0, "visibility_timeout": 1.0}),
     "watch-storm": (watch_storm, {"ttl": 8.0, "visibility_timeout": 1.0}),
     "wait-twice": (wait_twice, {"ttl": 2.0, "visibility_timeout": 1.0}),
     "checkpoint-outage": (checkpoint_outage, {"ttl": 2.0, "visibility_timeout": 8.0}),
     "watch-outage": (watch_outage, {"ttl": 2.0, "visibility_timeout": 1.0}),
+    "retried-then-killed": (retried_then_killed, {"ttl": 2.0, "visibility_timeout": 1.0}),
 }
 #: Scenarios that need the Redis completion backend (the others use PostgreSQL, as the soak's default cell).
 REDIS_BACKEND = {"checkpoint-outage"}
