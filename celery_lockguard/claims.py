@@ -32,6 +32,17 @@ def claim_key(prefix: str, key: str, mode: str) -> str:
     return lock_name(prefix, key) if mode == "until_done" else claim_name(prefix, key)
 
 
+def claim_keys(prefix: str, key: str, mode: str) -> list[str]:
+    """Every key a message of ``mode`` may hold its claim in, for CLAIM and RELEASE_CLAIM.
+
+    ``until_done`` claims the lease hash, or, while *different* work holds the entity,
+    ``{K}:claim`` behind it (so identical work still queues once); ``until_started`` ``{K}:claim``.
+    """
+    if mode == "until_done":
+        return [lock_name(prefix, key), claim_name(prefix, key)]
+    return [claim_name(prefix, key)]
+
+
 def claim_ttl_ms(queue_lock_ttl: float, countdown: float | None = None, eta: Any = None) -> int:
     """How long a claim lives: the queue TTL, plus the delay until a countdown/eta task is due.
 

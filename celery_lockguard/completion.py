@@ -351,3 +351,17 @@ def postgres_store(dsn: str, table: str = DEFAULT_TABLE, namespace: str = "lockg
         if store is None:
             store = _pg_stores[cache_key] = PostgresStore(dsn, table, namespace)
     return store
+
+
+def forget_stores() -> None:
+    """Close and drop the cached PostgreSQL stores (tests that make many namespaces, or a server restart)."""
+    with _pg_stores_lock:
+        stores = list(_pg_stores.values())
+        _pg_stores.clear()
+    for store in stores:
+        conn, store._conn = store._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001 - closing a dead connection must not fail the caller
+                pass

@@ -324,25 +324,27 @@ class Claimed:
 
 
 def claim(
-    client: Any, claim_key: str, *, token: str, ttl_ms: int, task_id: str, task_name: str, digest: str
+    client: Any, claim_key: str | list[str], *, token: str, ttl_ms: int, task_id: str, task_name: str, digest: str
 ) -> Claimed:
-    """Take a queue-time claim on ``claim_key`` (a lease hash or a ``:claim`` hash) for a message."""
+    """Take a queue-time claim for a message: ``claim_key`` is the key, or the keys, of its mode (claims.claim_keys)."""
+    keys = [claim_key] if isinstance(claim_key, str) else claim_key
     reply = scripts.claim(
-        client, [claim_key], [token, ttl_ms, meta(task_id), meta(task_name), meta(digest), meta(HOST), os.getpid()]
+        client, keys, [token, ttl_ms, meta(task_id), meta(task_name), meta(digest), meta(HOST), os.getpid()]
     )
     if reply[0] != "held":
         return Claimed(reply[0])
     return Claimed("held", reply[1], reply[2], reply[3], reply[4], int(reply[5]))
 
 
-def release_claim(client: Any, claim_key: str, task_id: str, token: str = "") -> bool:
+def release_claim(client: Any, claim_key: str | list[str], task_id: str, token: str = "") -> bool:
     """Free ``task_id``'s queued claim (never a running lease).
 
     ``token``: only the claim carrying it (a publisher freeing the claim it
     took); ``""`` any claim of that task id (the worker's main process on a
     revoke, which never saw the token).
     """
-    return bool(scripts.release_claim(client, [claim_key], [meta(task_id), token]))
+    keys = [claim_key] if isinstance(claim_key, str) else claim_key
+    return bool(scripts.release_claim(client, keys, [meta(task_id), token]))
 
 
 def handover(client: Any, lease: Lease, new_token: str, ttl_ms: int) -> bool:

@@ -203,43 +203,59 @@ return {deleted, next_fence(KEYS[2], ARGV[1], now_us), holder}
 CLAIM = """
 -- CLAIM: at publish time, claim entity K for a message about to be sent (until_started, until_done).
 -- KEYS[1] claim hash: the lease hash itself (until_done) or {prefix}:v1:{K}:claim (until_started)
+-- KEYS[2] until_done only: {prefix}:v1:{K}:claim, where a message queues while *different* work holds
+--         the lease hash (so "one copy queued or running" holds behind other work too)
 -- ARGV[1] token  ARGV[2] ttl_ms (queue_lock_ttl, plus the delay of a countdown/eta)
 -- ARGV[3] task_id  ARGV[4] task_name  ARGV[5] args digest  ARGV[6] host  ARGV[7] pid
 -- Returns:
---   {'ok'}    claimed (state queued)
+--   {'ok'}    claimed (state queued), in KEYS[1], or in KEYS[2] behind different work
 --   {'own'}   already claimed or held by this task id (a retry or replace): a queued claim's TTL is
 --             extended (never shortened); a running lease is left untouched (its TTL is its liveness)
---   {'held', task_id, task_name, digest, state, pttl_ms}
-local cur = redis.call('HMGET', KEYS[1], 'task_id', 'task_name', 'digest', 'state')
-if cur[1] then
-  if cur[1] == ARGV[3] then
-    if cur[4] == 'queued' and redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
-      redis.call('PEXPIRE', KEYS[1], ARGV[2])
-    end
-    return {'own'}
-  end
-  return {'held', cur[1], cur[2] or '', cur[3] or '', cur[4] or '', redis.call('PTTL', KEYS[1])}
+--   {'held', task_id, task_name, digest, state, pttl_ms}   the claim (or lease) identical work holds,
+--             or, without KEYS[2], whatever holds KEYS[1]
+local function read(key) return redis.call('HMGET', key, 'task_id', 'task_name', 'digest', 'state') end
+local function own(key, cur)
+  if cur[4] == 'queued' and redis.call('PTTL', key) < tonumber(ARGV[2]) then redis.call('PEXPIRE', key, ARGV[2]) end
+  return {'own'}
 end
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('HSET', KEYS[1], 'token', ARGV[1], 'task_id', ARGV[3], 'task_name', ARGV[4], 'digest', ARGV[5],
-           'host', ARGV[6], 'pid', ARGV[7], 'worker', '', 'state', 'queued', 'acquired_at', now_ms,
-           'renewed_at', now_ms, 'ttl', ARGV[2], 'fence', '')
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return {'ok'}
+local function held(key, cur)
+  return {'held', cur[1], cur[2] or '', cur[3] or '', cur[4] or '', redis.call('PTTL', key)}
+end
+local function identical(cur) return cur[2] == ARGV[4] and cur[3] == ARGV[5] end
+local function claim(key)
+  local t = redis.call('TIME')
+  local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  redis.call('HSET', key, 'token', ARGV[1], 'task_id', ARGV[3], 'task_name', ARGV[4], 'digest', ARGV[5],
+             'host', ARGV[6], 'pid', ARGV[7], 'worker', '', 'state', 'queued', 'acquired_at', now_ms,
+             'renewed_at', now_ms, 'ttl', ARGV[2], 'fence', '')
+  redis.call('PEXPIRE', key, ARGV[2])
+  return {'ok'}
+end
+local cur = read(KEYS[1])
+local queued = nil
+if KEYS[2] then queued = read(KEYS[2]) end
+if cur[1] == ARGV[3] then return own(KEYS[1], cur) end
+if queued and queued[1] == ARGV[3] then return own(KEYS[2], queued) end
+if cur[1] and (not KEYS[2] or identical(cur)) then return held(KEYS[1], cur) end
+if queued and queued[1] and (cur[1] or identical(queued)) then return held(KEYS[2], queued) end
+if cur[1] then return claim(KEYS[2]) end
+return claim(KEYS[1])
 """
 
 RELEASE_CLAIM = """
 -- RELEASE_CLAIM: free a queue-time claim that will never be adopted (revoked or expired message),
 -- from the worker's main process (which knows the task id but not the token) or from a publisher
--- that knows the token of the claim it took.
--- KEYS[1] claim hash (the lease hash for until_done, {prefix}:v1:{K}:claim for until_started)
+-- or a delivery that knows the token of its claim.
+-- KEYS[1..n] the claim hashes a message of this mode may hold (until_done: the lease hash and
+--            {prefix}:v1:{K}:claim; until_started: {prefix}:v1:{K}:claim)
 -- ARGV[1] task_id  ARGV[2] token ('' = any claim of that task id; else only the claim carrying it)
 -- Returns 1 freed; 0 not a queued claim of that task (and token) (a running lease is never touched here)
-local cur = redis.call('HMGET', KEYS[1], 'task_id', 'state', 'token')
-if cur[1] == ARGV[1] and cur[2] == 'queued' and (not ARGV[2] or ARGV[2] == '' or cur[3] == ARGV[2]) then
-  redis.call('DEL', KEYS[1])
-  return 1
+for _, key in ipairs(KEYS) do
+  local cur = redis.call('HMGET', key, 'task_id', 'state', 'token')
+  if cur[1] == ARGV[1] and cur[2] == 'queued' and (not ARGV[2] or ARGV[2] == '' or cur[3] == ARGV[2]) then
+    redis.call('DEL', key)
+    return 1
+  end
 end
 return 0
 """

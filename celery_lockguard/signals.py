@@ -127,7 +127,7 @@ def free_claim_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason
         return False
     try:
         key = task._names(opts, task_id, tuple(args), dict(kwargs)).key
-        freed = lease_ops.release_claim(connection.client(s), claims.claim_key(s.key_prefix, key, opts.mode), task_id)
+        freed = lease_ops.release_claim(connection.client(s), claims.claim_keys(s.key_prefix, key, opts.mode), task_id)
     except Exception as exc:  # BUSY, NOREPLICAS, NOPERM... arrive as ResponseError: classify, log, never fail
         kind = classify(exc)
         if kind is None:

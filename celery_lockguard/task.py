@@ -303,7 +303,8 @@ class LockedTask(Task):
         claim_token = headers.read_str(req, headers.CLAIM)
         # until_done: adopt our own queue claim (fresh token, state running); until_started: free it on start.
         replace_token = claim_token if opts.mode == "until_done" else ""
-        start_claim = claim_token if opts.mode == "until_started" else ""
+        # until_started: free it on start; until_done: free it too when it queued in {K}:claim behind other work.
+        start_claim = claim_token
         while True:
             token = lease_ops.new_token()
             got: Lease | Holder | Done | None = None
@@ -760,7 +761,7 @@ class LockedTask(Task):
             return
         task_id = task_id or self.request.id
         fields = {"lock_key": call.key, "task_id": task_id}
-        ckey = claims.claim_key(s.key_prefix, call.key, opts.mode)
+        ckey = claims.claim_keys(s.key_prefix, call.key, opts.mode)
         try:
             freed = lease_ops.release_claim(connection.client(s), ckey, task_id, token)
         except Exception as exc:  # noqa: BLE001 - the claim then lives out its queue TTL; say so
@@ -894,7 +895,7 @@ class LockedTask(Task):
         task_id = task_id or uuid()
         call = calls.render(opts, task_id, tuple(args or ()), dict(kwargs or {}))
         token = lease_ops.new_token()
-        ckey = claims.claim_key(s.key_prefix, call.key, opts.mode)
+        ckey = claims.claim_keys(s.key_prefix, call.key, opts.mode)
         got: lease_ops.Claimed | None = None
         failure: BaseException | None = None
         try:

@@ -711,3 +711,26 @@ def test_a_wait_after_the_lease_consumed_the_claim_hands_a_claim_on(
     assert wait_msg.task_id == sent.id and wait_msg.headers[headers.CLAIM] != msg.headers[headers.CLAIM]
     again = t.apply_async(args=(26,))
     assert again.id == sent.id, "an identical publish queued a second copy while the first waits"
+
+
+def test_until_done_keeps_one_identical_copy_queued_behind_different_work(
+    app: Celery, r: redis.Redis, prefix: str
+) -> None:
+    runs: list[str] = []
+
+    @app.task(base=LockedTask, bind=True, name="p.ud_behind", lock_key="inv:{a}", lock_mode="until_done")
+    def charge(self: Any, a: int, amount: int) -> int:
+        runs.append(self.request.id)
+        return amount
+
+    refund = hold(r, prefix, "inv:42", task_id="the-refund", task_name="refund")  # different work runs
+    first = charge.apply_async(args=(42, 100))
+    assert [charge.apply_async(args=(42, 100)).id for _ in range(2)] == [first.id, first.id]
+    (msg,) = published(r, app)
+    assert redeliver(charge, msg).state == "RETRY"  # waits behind the refund, its claim handed on
+    assert charge.apply_async(args=(42, 100)).id == first.id
+    L.release(r, refund, prefix)
+    wait_msg = published(r, app)[-1]
+    assert redeliver(charge, wait_msg).state == "SUCCESS"
+    assert runs == [first.id]
+    assert not r.exists(claim_name(prefix, "inv:42")) and not r.exists(lock_name(prefix, "inv:42"))

@@ -234,6 +234,56 @@ def test_release_claim_by_token_or_any_token_of_the_task(c: Any) -> None:
     assert c.exists(key)
 
 
+def until_done(c: Any, token: str, task_id: str, digest: str = "d", task_name: str = "n") -> L.Claimed:
+    keys = [lock_name(P, "k"), claim_name(P, "k")]
+    return L.claim(c, keys, token=token, ttl_ms=60_000, task_id=task_id, task_name=task_name, digest=digest)
+
+
+def test_until_done_claim_queues_behind_different_work_once(c: Any) -> None:
+    """The lease hash is held by different work: one identical copy queues in {K}:claim, the next is held."""
+    take(c, task_id="refund", task_name="refund")  # different work runs on the entity
+    assert until_done(c, "a", "t1").kind == "ok"
+    assert c.hget(claim_name(P, "k"), "token") == "a"
+    again = until_done(c, "b", "t2")
+    assert (again.kind, again.task_id, again.state) == ("held", "t1", "queued")
+    assert until_done(c, "c", "t3", digest="other").kind == "held"  # different work too: one queued copy
+    assert until_done(c, "d", "t1").kind == "own"
+
+
+def test_until_done_claim_on_a_free_entity_sees_identical_work_queued_behind(c: Any) -> None:
+    take(c, task_id="refund", task_name="refund")
+    assert until_done(c, "a", "t1").kind == "ok"  # queued behind the refund
+    c.delete(lock_name(P, "k"))  # the refund finished
+    held = until_done(c, "b", "t2")
+    assert (held.kind, held.task_id) == ("held", "t1"), "a second identical copy was queued"
+    assert until_done(c, "e", "t5", digest="other").kind == "ok"  # different work claims the free lease hash
+    assert c.hget(lock_name(P, "k"), "task_id") == "t5"
+
+
+def test_until_done_claim_on_identical_running_work_is_held(c: Any) -> None:
+    take(c, task_id="t0", task_name="n", digest="d")
+    held = until_done(c, "a", "t1")
+    assert (held.kind, held.task_id, held.state) == ("held", "t0", "running")
+    assert not c.exists(claim_name(P, "k"))
+
+
+def test_release_claim_frees_whichever_key_holds_the_claim(c: Any) -> None:
+    take(c, task_id="refund", task_name="refund")
+    assert until_done(c, "a", "t1").kind == "ok"
+    keys = [lock_name(P, "k"), claim_name(P, "k")]
+    assert not L.release_claim(c, keys, "t1", token="wrong")
+    assert L.release_claim(c, keys, "t1", token="a")
+    assert not c.exists(claim_name(P, "k")) and c.hget(lock_name(P, "k"), "task_id") == "refund"
+
+
+def test_acquire_frees_the_until_done_claim_queued_behind_other_work(c: Any) -> None:
+    take(c, task_id="refund", task_name="refund")
+    assert until_done(c, "a", "t1").kind == "ok"
+    c.delete(lock_name(P, "k"))
+    got = take(c, task_id="t1", replace_token="a", claim_token="a")
+    assert isinstance(got, L.Lease) and not c.exists(claim_name(P, "k"))
+
+
 def test_held_reply_carries_the_holders_own_ttl(c: Any) -> None:
     take(c, ttl_ms=60_000)
     holder = take(c, task_id="t2", ttl_ms=1_000)
