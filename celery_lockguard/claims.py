@@ -19,6 +19,10 @@ from typing import Any
 from . import headers
 from .keys import claim_name, lock_name
 
+#: Seconds a claim stays ``publishing`` before its message must be confirmed; a publisher that fails or
+#: dies mid-publish blocks identical publishes at most this long (they wait, never answered by it).
+PUBLISH_GRACE = 15.0
+
 #: Kept for callers of 0.1: the header now lives in :mod:`celery_lockguard.headers`.
 CLAIM_HEADER = headers.CLAIM
 

@@ -189,6 +189,8 @@ class PublishAction(enum.Enum):
     RAISE = "raise"
     #: The server refused CLAIM for a reason retrying cannot fix.
     MISCONFIGURED = "misconfigured"
+    #: Identical work's claim is still ``publishing``: wait for it to be confirmed or freed, then ask again.
+    AWAIT = "await"
 
 
 @dataclass(frozen=True)
@@ -207,6 +209,8 @@ class Publish:
     in_canvas: bool = False
     #: The claim is held by the publishing task itself (a running task scheduling its own follow-up).
     held_by_publisher: bool = False
+    #: The holder's message is still being published (claim state ``publishing``): it may never exist.
+    holder_publishing: bool = False
 
 
 @dataclass(frozen=True)
@@ -237,6 +241,9 @@ def decide_publish(p: Publish) -> PublishDecision:
         return PublishDecision(PublishAction.PUBLISH, "canvas_member")
     if p.held_by_publisher:
         return PublishDecision(PublishAction.PUBLISH, "held_by_publisher")
+    if p.duplicate and p.holder_publishing and p.on_locked != "retry":
+        # Answering now could hand the caller the result of a message whose publish then fails.
+        return PublishDecision(PublishAction.AWAIT, "holder_publishing")
     if p.duplicate and p.on_locked == "raise":
         return PublishDecision(PublishAction.RAISE, "identical_work_queued")
     if skips_duplicate(p.on_locked, p.duplicate, p.holder_alive):

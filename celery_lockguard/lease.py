@@ -324,12 +324,26 @@ class Claimed:
 
 
 def claim(
-    client: Any, claim_key: str | list[str], *, token: str, ttl_ms: int, task_id: str, task_name: str, digest: str
+    client: Any,
+    claim_key: str | list[str],
+    *,
+    token: str,
+    ttl_ms: int,
+    task_id: str,
+    task_name: str,
+    digest: str,
+    publish_ttl_ms: int = 0,
 ) -> Claimed:
-    """Take a queue-time claim for a message: ``claim_key`` is the key, or the keys, of its mode (claims.claim_keys)."""
+    """Take a queue-time claim for a message: ``claim_key`` is the key, or the keys, of its mode (claims.claim_keys).
+
+    ``publish_ttl_ms`` > 0 takes it in state ``publishing`` for that long; :func:`confirm_claim`
+    makes it ``queued`` once the message is out.
+    """
     keys = [claim_key] if isinstance(claim_key, str) else claim_key
     reply = scripts.claim(
-        client, keys, [token, ttl_ms, meta(task_id), meta(task_name), meta(digest), meta(HOST), os.getpid()]
+        client,
+        keys,
+        [token, ttl_ms, meta(task_id), meta(task_name), meta(digest), meta(HOST), os.getpid(), publish_ttl_ms],
     )
     if reply[0] != "held":
         return Claimed(reply[0])
@@ -345,6 +359,12 @@ def release_claim(client: Any, claim_key: str | list[str], task_id: str, token: 
     """
     keys = [claim_key] if isinstance(claim_key, str) else claim_key
     return bool(scripts.release_claim(client, keys, [meta(task_id), token]))
+
+
+def confirm_claim(client: Any, claim_key: str | list[str], token: str, ttl_ms: int) -> bool:
+    """The claim's message is published: ``publishing`` → ``queued`` for ``ttl_ms``."""
+    keys = [claim_key] if isinstance(claim_key, str) else claim_key
+    return bool(scripts.confirm_claim(client, keys, [token, ttl_ms]))
 
 
 def handover(client: Any, lease: Lease, new_token: str, ttl_ms: int) -> bool:

@@ -207,8 +207,11 @@ CLAIM = """
 --         the lease hash (so "one copy queued or running" holds behind other work too)
 -- ARGV[1] token  ARGV[2] ttl_ms (queue_lock_ttl, plus the delay of a countdown/eta)
 -- ARGV[3] task_id  ARGV[4] task_name  ARGV[5] args digest  ARGV[6] host  ARGV[7] pid
+-- ARGV[8] publish_ttl_ms: > 0, the claim is written in state 'publishing' and lives that long until
+--         CONFIRM_CLAIM makes it 'queued' for ARGV[2] (a publish that fails or dies never swallows
+--         identical work for the queue TTL); '' or 0, written 'queued' at once
 -- Returns:
---   {'ok'}    claimed (state queued), in KEYS[1], or in KEYS[2] behind different work
+--   {'ok'}    claimed (state publishing or queued), in KEYS[1], or in KEYS[2] behind different work
 --   {'own'}   already claimed or held by this task id (a retry or replace): a queued claim's TTL is
 --             extended (never shortened); a running lease is left untouched (its TTL is its liveness)
 --   {'held', task_id, task_name, digest, state, pttl_ms}   the claim (or lease) identical work holds,
@@ -225,10 +228,13 @@ local function identical(cur) return cur[2] == ARGV[4] and cur[3] == ARGV[5] end
 local function claim(key)
   local t = redis.call('TIME')
   local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local publish_ttl = tonumber(ARGV[8] or '') or 0
+  local state = 'queued'
+  if publish_ttl > 0 then state = 'publishing' end
   redis.call('HSET', key, 'token', ARGV[1], 'task_id', ARGV[3], 'task_name', ARGV[4], 'digest', ARGV[5],
-             'host', ARGV[6], 'pid', ARGV[7], 'worker', '', 'state', 'queued', 'acquired_at', now_ms,
+             'host', ARGV[6], 'pid', ARGV[7], 'worker', '', 'state', state, 'acquired_at', now_ms,
              'renewed_at', now_ms, 'ttl', ARGV[2], 'fence', '')
-  redis.call('PEXPIRE', key, ARGV[2])
+  if publish_ttl > 0 then redis.call('PEXPIRE', key, publish_ttl) else redis.call('PEXPIRE', key, ARGV[2]) end
   return {'ok'}
 end
 local cur = read(KEYS[1])
@@ -249,11 +255,30 @@ RELEASE_CLAIM = """
 -- KEYS[1..n] the claim hashes a message of this mode may hold (until_done: the lease hash and
 --            {prefix}:v1:{K}:claim; until_started: {prefix}:v1:{K}:claim)
 -- ARGV[1] task_id  ARGV[2] token ('' = any claim of that task id; else only the claim carrying it)
--- Returns 1 freed; 0 not a queued claim of that task (and token) (a running lease is never touched here)
+-- Returns 1 freed; 0 not a queued (or publishing) claim of that task (and token); a running lease is
+-- never touched here
 for _, key in ipairs(KEYS) do
   local cur = redis.call('HMGET', key, 'task_id', 'state', 'token')
-  if cur[1] == ARGV[1] and cur[2] == 'queued' and (not ARGV[2] or ARGV[2] == '' or cur[3] == ARGV[2]) then
+  local waiting = cur[2] == 'queued' or cur[2] == 'publishing'
+  if cur[1] == ARGV[1] and waiting and (not ARGV[2] or ARGV[2] == '' or cur[3] == ARGV[2]) then
     redis.call('DEL', key)
+    return 1
+  end
+end
+return 0
+"""
+
+CONFIRM_CLAIM = """
+-- CONFIRM_CLAIM: the message of a claim taken in state 'publishing' was published: make it 'queued'
+-- for the queue TTL. Identical publishes that met it meanwhile waited instead of being answered.
+-- KEYS[1..n] the claim hashes a message of this mode may hold (see RELEASE_CLAIM)
+-- ARGV[1] token  ARGV[2] ttl_ms (queue_lock_ttl, plus the delay of a countdown/eta)
+-- Returns 1 confirmed; 0 no publishing claim carries the token (the worker adopted it already, or it expired)
+for _, key in ipairs(KEYS) do
+  local cur = redis.call('HMGET', key, 'token', 'state')
+  if cur[1] == ARGV[1] and cur[2] == 'publishing' then
+    redis.call('HSET', key, 'state', 'queued')
+    redis.call('PEXPIRE', key, ARGV[2])
     return 1
   end
 end
@@ -348,4 +373,5 @@ force_release = Script("FORCE_RELEASE", FORCE_RELEASE)
 claim = Script("CLAIM", CLAIM)
 release_claim = Script("RELEASE_CLAIM", RELEASE_CLAIM)
 handover = Script("HANDOVER", HANDOVER)
+confirm_claim = Script("CONFIRM_CLAIM", CONFIRM_CLAIM)
 watch_arm = Script("WATCH_ARM", WATCH_ARM)

@@ -547,7 +547,7 @@ class LockedTask(Task):
             duplicate=holder.task_name == self.name and holder.digest == call.digest,
             alive=self._holder_alive(holder, own),
             dead_here=own and here and not lease_ops.pid_alive(holder.pid),
-            queued=own and holder.state == "queued",
+            queued=own and holder.state in ("queued", "publishing"),
             # A wait after an ACQUIRE that errored carries that attempt's token: if the ACQUIRE ran after
             # all, this lease is its orphan. Adopting replaces the token, so a duplicated copy of the wait
             # message finds a fresh token and is dropped instead of running the body beside us.
@@ -563,7 +563,7 @@ class LockedTask(Task):
         holder is presumed alive (skip stays safe: it finishes or its TTL frees the entity), a holder
         of our own id is presumed dead (waiting it out never loses the job).
         """
-        if holder.state == "queued":
+        if holder.state in ("queued", "publishing"):
             return True
         if holder.host == lease_ops.HOST:
             return lease_ops.pid_alive(holder.pid)
@@ -896,41 +896,38 @@ class LockedTask(Task):
         call = calls.render(opts, task_id, tuple(args or ()), dict(kwargs or {}))
         token = lease_ops.new_token()
         ckey = claims.claim_keys(s.key_prefix, call.key, opts.mode)
-        got: lease_ops.Claimed | None = None
-        failure: BaseException | None = None
-        try:
-            got = lease_ops.claim(
-                connection.client(s),
-                ckey,
-                token=token,
-                ttl_ms=claims.claim_ttl_ms(opts.queue_lock_ttl, options.get("countdown"), options.get("eta")),
-                task_id=task_id,
-                task_name=self.name,
-                digest=call.digest,
+        ttl_ms = claims.claim_ttl_ms(opts.queue_lock_ttl, options.get("countdown"), options.get("eta"))
+        deadline, pause = time.monotonic() + claims.PUBLISH_GRACE + 1.0, 0.01
+        while True:
+            got, failure = self._claim(s, ckey, token, ttl_ms, task_id, call)
+            decision = decide_publish(
+                Publish(
+                    on_locked=opts.on_locked,  # type: ignore[arg-type]
+                    claim=got.kind if got is not None else errors.classify(failure),  # type: ignore[arg-type]
+                    duplicate=got is not None and got.task_name == self.name and got.digest == call.digest,
+                    in_canvas=claims.in_canvas(options, link),
+                    held_by_publisher=got is not None and publisher is not None and got.task_id == keys.meta(publisher),
+                    holder_publishing=got is not None and got.state == "publishing" and time.monotonic() < deadline,
+                )
             )
-        except Exception as exc:
-            kind = errors.classify(exc)
-            if kind is None:
-                raise
-            failure = exc
-        decision = decide_publish(
-            Publish(
-                on_locked=opts.on_locked,  # type: ignore[arg-type]
-                claim=got.kind if got is not None else errors.classify(failure),  # type: ignore[arg-type]
-                duplicate=got is not None and got.task_name == self.name and got.digest == call.digest,
-                in_canvas=claims.in_canvas(options, link),
-                held_by_publisher=got is not None and publisher is not None and got.task_id == keys.meta(publisher),
-            )
-        )
+            if decision.action is not PublishAction.AWAIT:
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
         fields = {"lock_key": call.key, "task_id": task_id, "policy": opts.on_locked}
         action = decision.action
         if action is PublishAction.PUBLISH_CLAIMED:
             options["headers"] = {**(options.get("headers") or {}), headers.CLAIM: token}
             try:
-                return super().apply_async(args, kwargs, task_id, link=link, **options)
+                result = super().apply_async(args, kwargs, task_id, link=link, **options)
             except BaseException:
                 self._free_claim(s, opts, call, token, task_id)
                 raise
+            try:
+                lease_ops.confirm_claim(connection.client(s), ckey, token, ttl_ms)
+            except Exception as exc:  # noqa: BLE001 - the message is out; its claim then lapses after the grace
+                emit("lock.backend_unavailable", self.name, **fields, reason=f"confirm claim: {_describe(exc)}")
+            return result
         if action is PublishAction.MISCONFIGURED:
             assert failure is not None
             raise errors.configuration_error(failure, self.name, "CLAIM") from failure
@@ -950,6 +947,27 @@ class LockedTask(Task):
         if failure is not None:
             emit("lock.backend_unavailable", self.name, **fields, reason=f"publish without claim: {_describe(failure)}")
         return super().apply_async(args, kwargs, task_id, link=link, **options)
+
+    def _claim(
+        self, s: Settings, ckey: list[str], token: str, ttl_ms: int, task_id: str, call: CallNames
+    ) -> tuple[lease_ops.Claimed | None, BaseException | None]:
+        """CLAIM in state ``publishing``; an error the outage policy handles comes back as the second value."""
+        try:
+            got = lease_ops.claim(
+                connection.client(s),
+                ckey,
+                token=token,
+                ttl_ms=ttl_ms,
+                task_id=task_id,
+                task_name=self.name,
+                digest=call.digest,
+                publish_ttl_ms=int(claims.PUBLISH_GRACE * 1000),
+            )
+        except Exception as exc:
+            if errors.classify(exc) is None:
+                raise
+            return None, exc
+        return got, None
 
     def on_replace(self, sig: Any) -> Any:
         """Free the lease before the replacement is published under this task's id.

@@ -180,6 +180,10 @@ PUBLISH_TABLE = [
     (Publish("raise", claim="held", duplicate=True), PublishAction.RAISE),
     (Publish("raise", claim="held", duplicate=False), PublishAction.PUBLISH),
     (Publish("skip", claim="held", duplicate=True, held_by_publisher=True), PublishAction.PUBLISH),
+    (Publish("skip", claim="held", duplicate=True, holder_publishing=True), PublishAction.AWAIT),
+    (Publish("raise", claim="held", duplicate=True, holder_publishing=True), PublishAction.AWAIT),
+    (Publish("retry", claim="held", duplicate=True, holder_publishing=True), PublishAction.PUBLISH),
+    (Publish("skip", claim="held", duplicate=False, holder_publishing=True), PublishAction.PUBLISH),
     (Publish("raise", claim="held", duplicate=True, held_by_publisher=True), PublishAction.PUBLISH),
 ]
 

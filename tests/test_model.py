@@ -216,7 +216,8 @@ def machine(mode: str, policy: str, redis_url: str, store: str = "redis") -> typ
             for a in ENTITIES:
                 for key in (claim_name(self.prefix, f"k:{a}"), lock_name(self.prefix, f"k:{a}")):
                     holder = self.r.hgetall(key)
-                    if holder.get("state") == "queued" and holder["task_id"] not in self.excused:
+                    waiting = holder.get("state") in ("queued", "publishing")
+                    if waiting and holder["task_id"] not in self.excused:
                         assert holder["task_id"] in queued_ids, f"claim {key} of {holder['task_id']} has no message"
 
         @invariant()

@@ -734,3 +734,41 @@ def test_until_done_keeps_one_identical_copy_queued_behind_different_work(
     assert redeliver(charge, wait_msg).state == "SUCCESS"
     assert runs == [first.id]
     assert not r.exists(claim_name(prefix, "inv:42")) and not r.exists(lock_name(prefix, "inv:42"))
+
+
+@pytest.mark.parametrize("publisher_fails", [True, False])
+def test_an_identical_publish_waits_for_a_claim_still_publishing(
+    app: Celery, r: redis.Redis, prefix: str, publisher_fails: bool
+) -> None:
+    """A took the claim and is still publishing: B must not be answered with a message that may never exist."""
+
+    @app.task(base=LockedTask, bind=True, name="p.race", lock_key="inv:{a}", lock_mode="until_done")
+    def charge(self: Any, a: int) -> int:
+        return a
+
+    keys = [lock_name(prefix, "inv:27"), claim_name(prefix, "inv:27")]
+    L.claim(
+        r,
+        keys,
+        token="a-token",
+        ttl_ms=60_000,
+        task_id="task-a",
+        task_name=charge.name,
+        digest=digest({"a": 27}),
+        publish_ttl_ms=15_000,
+    )
+    answer: list[Any] = []
+    b = threading.Thread(target=lambda: answer.append(charge.apply_async(args=(27,))), daemon=True)
+    b.start()
+    b.join(0.3)
+    assert b.is_alive(), "B was answered while A's message was still being published"
+    if publisher_fails:
+        assert L.release_claim(r, keys, "task-a", token="a-token")  # A's publish failed: it frees its claim
+    else:
+        assert L.confirm_claim(r, keys, "a-token", 60_000)  # A's message is out
+    b.join(10)
+    (result,) = answer
+    if publisher_fails:
+        assert result.id != "task-a" and [m.task_id for m in published(r, app)] == [result.id]
+    else:
+        assert result.id == "task-a" and published(r, app) == []

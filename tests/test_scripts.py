@@ -284,6 +284,30 @@ def test_acquire_frees_the_until_done_claim_queued_behind_other_work(c: Any) -> 
     assert isinstance(got, L.Lease) and not c.exists(claim_name(P, "k"))
 
 
+def test_a_claim_taken_publishing_lapses_after_the_grace_unless_confirmed(c: Any) -> None:
+    keys = [lock_name(P, "k"), claim_name(P, "k")]
+    args = {"ttl_ms": 60_000, "task_name": "n", "digest": "d", "publish_ttl_ms": 2_000}
+    assert L.claim(c, keys, token="a", task_id="t1", **args).kind == "ok"
+    assert c.hget(lock_name(P, "k"), "state") == "publishing" and 0 < c.pttl(lock_name(P, "k")) <= 2_000
+    met = L.claim(c, keys, token="b", task_id="t2", **args)
+    assert (met.kind, met.task_id, met.state) == ("held", "t1", "publishing")
+    assert not L.confirm_claim(c, keys, "wrong", 60_000)
+    assert L.confirm_claim(c, keys, "a", 60_000)
+    assert c.hget(lock_name(P, "k"), "state") == "queued" and c.pttl(lock_name(P, "k")) > 2_000
+    assert not L.confirm_claim(c, keys, "a", 60_000), "only a publishing claim is confirmed"
+
+
+def test_a_publishing_claim_is_freed_by_its_token_and_adopted_by_its_worker(c: Any) -> None:
+    keys = [lock_name(P, "k"), claim_name(P, "k")]
+    args = {"ttl_ms": 60_000, "task_name": "n", "digest": "d", "publish_ttl_ms": 5_000}
+    assert L.claim(c, keys, token="a", task_id="t1", **args).kind == "ok"
+    assert L.release_claim(c, keys, "t1", token="a") and not c.exists(lock_name(P, "k"))
+    assert L.claim(c, keys, token="b", task_id="t1", **args).kind == "ok"
+    got = take(c, task_id="t1", replace_token="b", claim_token="b")  # the message beat the confirm
+    assert isinstance(got, L.Lease) and c.hget(lock_name(P, "k"), "state") == "running"
+    assert not L.confirm_claim(c, keys, "b", 60_000) and c.hget(lock_name(P, "k"), "state") == "running"
+
+
 def test_held_reply_carries_the_holders_own_ttl(c: Any) -> None:
     take(c, ttl_ms=60_000)
     holder = take(c, task_id="t2", ttl_ms=1_000)
