@@ -527,8 +527,11 @@ class LockedTask(Task):
             emit("lock.contended", self.name, **fields, holder_task_id=holder.task_id, policy=opts.on_locked)
 
     def _original_settled(self) -> bool:
-        """Whether this task id already ended in the result backend (any ready state, or RETRY).
+        """Whether this task id already ended in the result backend (SUCCESS, FAILURE or REVOKED).
 
+        ``RETRY`` is not an end: the retry message may be the very copy that was dropped behind a
+        running duplicate (then this watch copy is the job's last message), so the watch copy runs
+        the job, at worst before the retry's countdown, and the retry is answered from its record.
         Unknown (no result backend, ``ignore_result``, a backend error) counts as not settled: the
         watch copy then falls back on the completion record alone, as documented.
         """
@@ -536,7 +539,7 @@ class LockedTask(Task):
             state = self.AsyncResult(self.request.id).state
         except Exception:  # noqa: BLE001 - DisabledBackend, an unreachable backend: we cannot tell
             return False
-        return state in states.READY_STATES or state == states.RETRY
+        return state in states.READY_STATES
 
     def _facts(self, call: CallNames, holder: Holder) -> HolderFacts:
         req = self.request
