@@ -34,6 +34,8 @@ from celery_lockguard.testing import delete_prefix
 
 from .tracer import Message, deliver, make_app
 
+pytestmark = pytest.mark.model
+
 MODES = ("while_running", "until_started", "until_done")
 POLICIES = ("skip", "retry", "raise")
 DOWN = "redis://127.0.0.1:1/0"

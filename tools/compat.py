@@ -41,7 +41,9 @@ TEST_DEPS = [
     "psycopg[binary]>=3.1",
     "opentelemetry-sdk>=1.20",
 ]
-PYTEST_ARGS = ["-m", "not integration", "-q", "-p", "no:cacheprovider", "--timeout", "180"]
+# The stateful model (tests/test_model.py, ~2 min) checks our own decisions, not a version's behaviour:
+# tests/test_paths.py drives each of them through every version's tracer already.
+PYTEST_ARGS = ["-m", "not integration and not model", "-q", "-p", "no:cacheprovider", "--timeout", "180"]
 
 
 def run(cmd: list[str], log: Path, env: dict[str, str] | None = None, timeout: float = 1800) -> int:
