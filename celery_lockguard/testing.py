@@ -136,6 +136,55 @@ class RedisServer:
 
 
 @contextlib.contextmanager
+def busy(server: RedisServer, timeout: float = 5.0) -> Iterator[None]:
+    """Make ``server`` answer ``BUSY`` to every other client until the block ends.
+
+    A Lua script that never finishes runs on a connection of its own; the server
+    must start with a short ``busy-reply-threshold`` (``RedisServer(extra=
+    ["--busy-reply-threshold", "50"])``). ``SCRIPT KILL`` ends it on exit. This is
+    how a slow script elsewhere on a shared Redis looks to the lock client.
+    """
+    import threading
+
+    blocker, admin = server.client(), server.client()
+
+    def spin() -> None:
+        with contextlib.suppress(redis.exceptions.ResponseError):  # "Script killed by user"
+            blocker.eval("while true do end", 0)
+
+    def answers_busy() -> bool:
+        try:
+            admin.ping()
+        except redis.exceptions.ResponseError as exc:
+            return str(exc).startswith("BUSY")
+        return False
+
+    def killed() -> bool:
+        try:
+            admin.script_kill()
+        except redis.exceptions.ResponseError as exc:
+            return "No scripts in execution" in str(exc)
+        return True
+
+    thread = threading.Thread(target=spin, name="lockguard-busy", daemon=True)
+    thread.start()
+    try:
+        _poll(answers_busy, timeout, "the server to answer BUSY")
+        yield
+    finally:
+        _poll(killed, timeout, "SCRIPT KILL to end the busy script")
+        thread.join(timeout)
+
+
+def _poll(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
 def lockguard_disabled(app: Any) -> Iterator[None]:
     """Run tasks of ``app`` with no lock and no record (``lockguard_enabled = False``)."""
     from .config import reset

@@ -17,7 +17,7 @@ from celery_lockguard import connection, errors
 from celery_lockguard import lease as L
 from celery_lockguard.exceptions import ConfigurationError, CorruptFence
 from celery_lockguard.keys import lock_name
-from celery_lockguard.testing import RedisServer, free_port
+from celery_lockguard.testing import RedisServer, busy, free_port
 
 from .harness import wait_for
 
@@ -159,41 +159,10 @@ def test_configuration_error_names_task_operation_reply_and_fix() -> None:
 def test_busy_from_a_script_that_does_not_finish() -> None:
     with RedisServer(extra=["--busy-reply-threshold", "50"]) as server:
         c = bare(server)
-        blocker = server.client()
-        done: list[BaseException] = []
-
-        def loop() -> None:
-            try:
-                blocker.eval("while true do end", 0)
-            except redis.exceptions.ResponseError as exc:  # "Script killed by user"
-                done.append(exc)
-
-        thread = threading.Thread(target=loop, daemon=True)
-        thread.start()
-        try:
-
-            def busy() -> bool:
-                try:
-                    c.ping()
-                except redis.exceptions.ResponseError as exc:
-                    return str(exc).startswith("BUSY")
-                return False
-
-            wait_for(busy, 5, interval=0.02, what="the server to answer BUSY")
+        with busy(server):
             exc = refusal(lambda: take(c))
             assert str(exc).startswith("BUSY") and errors.classify(exc) == "unavailable"
-        finally:
-            wait_for(lambda: _kill(c), 5, interval=0.02, what="SCRIPT KILL")
-            thread.join(5)
-        assert done and c.ping()
-
-
-def _kill(c: redis.Redis) -> bool:
-    try:
-        c.script_kill()
-    except redis.exceptions.ResponseError as exc:
-        return "No scripts in execution" in str(exc)
-    return True
+        assert c.ping()
 
 
 def test_noreplicas_writes_nothing() -> None:

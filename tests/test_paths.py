@@ -19,9 +19,8 @@ from structlog.testing import capture_logs
 from celery_lockguard import LockedTask, connection, headers
 from celery_lockguard import lease as L
 from celery_lockguard.keys import claim_name, digest, fence_name, lock_name
-from celery_lockguard.testing import RedisServer
+from celery_lockguard.testing import RedisServer, busy
 
-from .harness import wait_for
 from .tracer import deliver, make_app, published, redeliver
 
 
@@ -415,16 +414,8 @@ def test_busy_at_acquire_waits_and_the_next_delivery_runs(redis_url: str, r: red
         def t(self: Any, a: int) -> int:
             return a
 
-        blocker = lock_server.client()
-        thread = threading.Thread(target=_spin, args=(blocker,), daemon=True)
-        thread.start()
-        admin = lock_server.client()
-        wait_for(lambda: _answers_busy(admin), 5, interval=0.02, what="the lock Redis to answer BUSY")
-        try:
+        with busy(lock_server):
             assert deliver(t, (16,)).state == "RETRY"
-        finally:
-            wait_for(lambda: _kill(admin), 5, interval=0.02, what="SCRIPT KILL")
-            thread.join(5)
         (wait_msg,) = published(r, app)
         assert redeliver(t, wait_msg).retval == 16
     connection.forget_clients()
@@ -465,29 +456,6 @@ def test_until_done_retry_whose_publish_fails_frees_the_handed_over_claim(
 
     assert deliver(t, (18,)).state != "RETRY", "Celery rejects a retry it could not publish"
     assert not r.exists(lock_name(prefix, "k:18")), "no retry message exists: its claim must not block the entity"
-
-
-def _spin(c: redis.Redis) -> None:
-    try:
-        c.eval("while true do end", 0)
-    except redis.exceptions.ResponseError:  # "Script killed by user"
-        pass
-
-
-def _answers_busy(c: redis.Redis) -> bool:
-    try:
-        c.ping()
-    except redis.exceptions.ResponseError as exc:
-        return str(exc).startswith("BUSY")
-    return False
-
-
-def _kill(c: redis.Redis) -> bool:
-    try:
-        c.script_kill()
-    except redis.exceptions.ResponseError as exc:
-        return "No scripts in execution" in str(exc)
-    return True
 
 
 # -- answered from a record, skipped as a duplicate: the caller can tell -----------------------------
@@ -575,23 +543,13 @@ def test_a_checkpoint_that_cannot_be_read_follows_the_outage_policy(
             "paths-cpread", redis_url, prefix, lockguard_redis_url=lock_server.url, lockguard_on_unavailable=policy
         )
         steps: list[int] = []
-        blocker = lock_server.client()
-        admin = lock_server.client()
-        spinner: list[threading.Thread] = []
 
         @app.task(base=LockedTask, bind=True, name="p.cpread", lock_key="k:{a}")
         def t(self: Any, a: int) -> int:
-            thread = threading.Thread(target=_spin, args=(blocker,), daemon=True)
-            thread.start()
-            spinner.append(thread)
-            wait_for(lambda: _answers_busy(admin), 5, interval=0.02, what="the store to answer BUSY")
-            return int(self.checkpoint("charge", lambda: steps.append(a) or a))
+            with busy(lock_server):  # the store answers BUSY from the checkpoint on
+                return int(self.checkpoint("charge", lambda: steps.append(a) or a))
 
-        try:
-            out = deliver(t, (21,))
-        finally:
-            wait_for(lambda: _kill(admin), 5, interval=0.02, what="SCRIPT KILL")
-            spinner[0].join(5)
+        out = deliver(t, (21,))
         if policy == "fail_closed":
             assert out.state == "RETRY" and steps == [], "the step must not run when its record cannot be read"
             (wait_msg,) = published(r, app)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,7 +15,7 @@ from celery_lockguard import lease as L
 from celery_lockguard import scripts
 from celery_lockguard.keys import lock_name
 from celery_lockguard.renewer import Renewer
-from celery_lockguard.testing import RedisServer
+from celery_lockguard.testing import RedisServer, busy
 
 from .harness import wait_for
 from .proxy import DelayProxy
@@ -87,7 +86,7 @@ class Fault:
         self.admin = server.client()
         self.code = {"busy": "BUSY", "noreplicas": "NOREPLICAS", "noperm": "NOPERM"}[name]
         self.kind = "misconfigured" if name == "noperm" else "unavailable"
-        self._blocker: threading.Thread | None = None
+        self._busy = contextlib.ExitStack()
         # The renewer authenticates as its own user, so an ACL change can hit it alone.
         self.admin.execute_command("ACL", "SETUSER", "renewer", "on", ">pw", "~*", "+@all")
         self.client = server.client(username="renewer", password="pw", socket_timeout=2)
@@ -98,22 +97,7 @@ class Fault:
         elif self.name == "noperm":
             self.admin.execute_command("ACL", "SETUSER", "renewer", "-evalsha")
         else:
-            blocker = self.server.client()
-
-            def loop() -> None:
-                with contextlib.suppress(redis.exceptions.ResponseError):  # "Script killed by user"
-                    blocker.eval("while true do end", 0)
-
-            self._blocker = threading.Thread(target=loop, daemon=True)
-            self._blocker.start()
-            wait_for(self._busy, 5, interval=0.02, what="the server to answer BUSY")
-
-    def _busy(self) -> bool:
-        try:
-            self.admin.ping()
-        except redis.exceptions.ResponseError as exc:
-            return str(exc).startswith("BUSY")
-        return False
+            self._busy.enter_context(busy(self.server))
 
     def stop(self) -> None:
         if self.name == "noreplicas":
@@ -121,16 +105,7 @@ class Fault:
         elif self.name == "noperm":
             self.admin.execute_command("ACL", "SETUSER", "renewer", "+evalsha")
         else:
-            wait_for(self._kill, 5, interval=0.02, what="SCRIPT KILL")
-            assert self._blocker is not None
-            self._blocker.join(5)
-
-    def _kill(self) -> bool:
-        try:
-            self.admin.script_kill()
-        except redis.exceptions.ResponseError as exc:
-            return "No scripts in execution" in str(exc)
-        return True
+            self._busy.close()
 
 
 @pytest.fixture(params=["busy", "noreplicas", "noperm"])
