@@ -65,6 +65,14 @@ child is killed. The watch copy, which reads the record before it acquires,
 meets the outage and is dropped (``Ignore``) instead of waiting, so nothing
 is left to run the job.
 
+``wait-then-kill`` (a lost job: a watch copy reads a wait's ``RETRY`` as a
+retry). ``ignore-then-kill``, except that the lock Redis is down when the job
+is published: the first delivery waits (Celery stores ``RETRY`` for the wait),
+the wait copy runs the body, its redelivered copy is dropped and leaves a
+watch copy, and the body's child is killed. The watch copy finds ``RETRY`` in
+the result backend, takes it for "the original retried, its retry will run
+it", and is consumed without running the job.
+
 ``retried-then-killed`` (a lost job: a watch copy trusts a retry that was
 dropped). A 4 s body runs; the lock Redis restarts under it, other work on
 the entity commits with a newer fence, and the visibility sweep's copy of the
@@ -151,8 +159,14 @@ class Scenario:
                     print(f"  {w.nodename.split('@')[0]}: {line[:220]}", flush=True)
 
 
-def ignore_then_kill(sc: Scenario) -> int:
+def ignore_then_kill(sc: Scenario, wait_first: bool = False) -> int:
+    if wait_first:
+        sc.env.lock_server.stop()
     sc.publish(4000)
+    if wait_first:
+        poll("the first delivery to wait", lambda: sc.env.events()["lock.retry_scheduled|backend_unavailable"], 15)
+        sc.env.lock_server.start()
+        sc.say("the lock Redis was down: the first delivery waited (state RETRY); it is back")
     pid, worker = poll(
         "the body to start",
         lambda: sc.pg.execute(f"SELECT pid, worker FROM {sc.env.tables.executions} WHERE job_id = 0").fetchone(),
@@ -344,6 +358,7 @@ SCENARIOS: dict[str, tuple[Callable[[Scenario], int], dict[str, float]]] = {
     "checkpoint-outage": (checkpoint_outage, {"ttl": 2.0, "visibility_timeout": 8.0}),
     "watch-outage": (watch_outage, {"ttl": 2.0, "visibility_timeout": 1.0}),
     "retried-then-killed": (retried_then_killed, {"ttl": 2.0, "visibility_timeout": 1.0}),
+    "wait-then-kill": (lambda sc: ignore_then_kill(sc, wait_first=True), {"ttl": 2.0, "visibility_timeout": 1.0}),
 }
 #: Scenarios that need the Redis completion backend (the others use PostgreSQL, as the soak's default cell).
 REDIS_BACKEND = {"checkpoint-outage"}

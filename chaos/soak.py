@@ -378,16 +378,18 @@ def observe_publisher(run: Run) -> None:
 def claim_holder(lock: redis.Redis, cell: Cell, entity: int) -> str | None:
     """The task id holding the entity's queue-time claim ("" = none; None = unreadable or not a queue mode).
 
-    Names from the data model (DESIGN: ``{prefix}:v1:{K}:lock``; until_started claims ``{K}:claim``).
+    Names from the data model (DESIGN: ``{prefix}:v1:{K}:lock``): ``until_started`` claims ``{K}:claim``;
+    ``until_done`` claims the lease hash itself, or ``{K}:claim`` beside it while other work holds the lease.
     """
     if not cell.queue_mode:
         return None
-    kind = "lock" if cell.mode == "until_done" else "claim"
+    base = f"{Environment.LOCK_PREFIX}:v1:{{acct:{entity}}}"
+    kinds = ("claim", "lock") if cell.mode == "until_done" else ("claim",)
     try:
-        holder = lock.hget(f"{Environment.LOCK_PREFIX}:v1:{{acct:{entity}}}:{kind}", "task_id")
+        holders = [lock.hget(f"{base}:{kind}", "task_id") for kind in kinds]
     except redis.RedisError:
         return None
-    return str(holder or "")
+    return str(next((h for h in holders if h), ""))
 
 
 def send(
