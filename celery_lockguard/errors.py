@@ -65,11 +65,27 @@ MISCONFIGURED_CODES = frozenset({"NOPERM", "CROSSSLOT", "WRONGPASS", "NOAUTH", "
 
 #: Plain ``ERR`` replies that no retry can fix: scripting disabled or renamed (managed services),
 #: an ACL denial of a command or key called inside a script (Redis 7.0 reports it as ERR).
-MISCONFIGURED_TEXTS = ("unknown command", "the user executing the script can't", "no permissions to")
+MISCONFIGURED_TEXTS = (
+    "unknown command",
+    "the user executing the script can't",
+    "no permissions to",  # Redis 7.2+ and Valkey: "ACL failure in script: ... no permissions to run ..."
+    "unauthenticated",  # a server that requires AUTH closing an unauthenticated request (redis-py < 6)
+)
 
 # Redis < 7 wraps the error of a command called by a script: "Error running script ...: -NOREPLICAS ...".
 _EMBEDDED_CODE = re.compile(r"-([A-Z_]{3,})\s")
 
+
+#: The reply code behind each class redis-py maps a reply to (most specific first).
+_CLASS_CODES: tuple[tuple[type[BaseException], str], ...] = (
+    (redis.exceptions.NoPermissionError, "NOPERM"),
+    (redis.exceptions.NoScriptError, "NOSCRIPT"),
+    (redis.exceptions.ReadOnlyError, "READONLY"),
+    (redis.exceptions.OutOfMemoryError, "OOM"),
+    (redis.exceptions.BusyLoadingError, "LOADING"),
+    (redis.exceptions.TryAgainError, "TRYAGAIN"),
+    (redis.exceptions.ClusterCrossSlotError, "CROSSSLOT"),
+)
 
 #: redis-py's wrappers around the server's reply: a pipeline's failed command, an aborted MULTI/EXEC.
 _WRAPPED = re.compile(
@@ -87,10 +103,18 @@ def reply_text(exc: BaseException) -> str:
     wrapped = _WRAPPED.match(text)
     if wrapped:
         return wrapped.group(1)
-    code = getattr(exc, "status_code", None)
+    code = getattr(exc, "status_code", None) or _class_code(exc)
     if isinstance(exc, redis.exceptions.ResponseError) and code and not text.startswith(code):
         return f"{code} {text}"
     return text
+
+
+def _class_code(exc: BaseException) -> str | None:
+    """The reply code redis-py stripped when it mapped the reply to ``exc``'s class (redis-py < 6 keeps no code)."""
+    for cls, code in _CLASS_CODES:
+        if isinstance(exc, cls):
+            return code
+    return None
 
 
 def _reply_code(exc: redis.exceptions.ResponseError) -> str:
@@ -131,13 +155,19 @@ def _fix(exc: BaseException) -> str:
     text = str(exc).lower()
     if isinstance(exc, CorruptFence) or code == "LOCKGUARD_CORRUPT_FENCE":
         return "repair the fence counter (an integer at least the last fence issued) or delete it"
-    if isinstance(exc, redis.exceptions.NoPermissionError) or code == "NOPERM" or "script can't" in text:
+    if (
+        isinstance(exc, redis.exceptions.NoPermissionError)
+        or code == "NOPERM"
+        or "script can't" in text
+        or "no permissions to" in text
+    ):
         return "grant the lock user the commands and keys in celery_lockguard.acl (acl.rule(prefix))"
     if isinstance(exc, redis.exceptions.ClusterCrossSlotError) or code == "CROSSSLOT":
         return "keys of one call must share a slot: keep the {K} hash tag in lock_key/idempotency_key templates"
-    if isinstance(exc, (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError)) or code in (
-        "WRONGPASS",
-        "NOAUTH",
+    if (
+        isinstance(exc, (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError))
+        or code in ("WRONGPASS", "NOAUTH")
+        or "unauthenticated" in text
     ):
         return "check the credentials in lockguard_redis_url / lockguard_redis_kwargs"
     if isinstance(exc, redis.exceptions.NoScriptError) or code == "NOSCRIPT":

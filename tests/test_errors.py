@@ -242,7 +242,8 @@ def test_masterdown_on_a_replica_cut_off_from_its_primary() -> None:
         c.config_set("replica-serve-stale-data", "no")
         c.replicaof("127.0.0.1", free_port())  # nobody listens there
         exc = refusal(lambda: take(c))
-        assert isinstance(exc, redis.exceptions.MasterDownError) and errors.classify(exc) == "unavailable"
+        # redis-py >= 6 raises MasterDownError, older versions a plain ResponseError: the reply decides.
+        assert errors.reply_text(exc).startswith("MASTERDOWN") and errors.classify(exc) == "unavailable"
 
 
 def test_connection_refused_and_timeout() -> None:
@@ -305,7 +306,9 @@ def test_wrong_password_and_no_auth(redis_url: str, prefix: str) -> None:
     with RedisServer() as server:
         server.client().config_set("requirepass", "s3cret")  # new connections must now authenticate
         noauth = refusal(lambda: take(bare(server)))
-        assert isinstance(noauth, redis.exceptions.AuthenticationError) and errors.classify(noauth) == "misconfigured"
+        # NOAUTH (redis-py >= 6), or the server closing the unauthenticated request (older redis-py).
+        assert errors.classify(noauth) == "misconfigured", noauth
+        assert "lockguard_redis_url" in str(errors.configuration_error(noauth, "t", "ACQUIRE"))
 
 
 def test_scripting_disabled_is_misconfigured() -> None:
