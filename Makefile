@@ -54,15 +54,15 @@ bench-quick: $(BENCH_STAMP)
 # NOREPLICAS replies, a PostgreSQL store outage and redelivery, in every lock_mode x on_locked cell, on both
 # completion backends, beside the negative controls (a guard off each: the check must catch it); checked
 # against a PostgreSQL ledger, exits 1 on any violation or uncaught control. Defaults: 500 jobs per cell,
-# ~15 cells per backend, ~10-15 minutes on 2 cores. Size it with CHAOS_ARGS, e.g.
-# make chaos CHAOS_ARGS="--jobs 2000 --duration 1800 --restarts 6 --busy 4 --noreplicas 4 --pg-outages 4".
+# ~15 cells per backend, each backend's publishing paced over 180 s: ~8 minutes on 2 cores. Size it with CHAOS_ARGS,
+# e.g. make chaos CHAOS_ARGS="--jobs 2000 --duration 1800 --restarts 6 --busy 4 --noreplicas 4 --pg-outages 4".
 CHAOS_ARGS ?=
 
 chaos: $(STAMP)
 	$(PY) -m chaos.soak $(CHAOS_ARGS)
 
 # The bounded run CI makes: every cell and control briefly (40 jobs per cell), every fault kind at least once
-# per backend; ~2 minutes on 2 cores, budget 4.
+# per backend; 1.5-2 minutes on 2 cores (budget: 4).
 chaos-quick: $(STAMP)
 	$(PY) -m chaos.soak --quick $(CHAOS_ARGS)
 
