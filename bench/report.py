@@ -259,9 +259,9 @@ def render(res: Results, plot_name: str | None) -> str:
         )
     add(_table(["task body", "LockedTask", "celery-once", "celery-singleton"], rows) + "\n")
     add(
-        "`LockedTask until_done` also claims the entity at publish (one more round trip there) and adopts "
-        "the claim in its ACQUIRE, so it costs 3 round trips per task in all; the `<= 2` target is the "
-        "default mode's.\n"
+        "`LockedTask until_done` also claims the entity at publish (CLAIM, then CONFIRM_CLAIM once the "
+        "message is out: two more round trips there) and adopts the claim in its ACQUIRE, so it costs 4 "
+        "round trips per task in all; the `<= 2` target is the default mode's.\n"
     )
     add("### Where a locked task's time goes\n")
     add(
