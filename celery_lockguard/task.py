@@ -370,7 +370,13 @@ class LockedTask(Task):
                 sig = self._wait(s, opts, call, decision, holder, attempt, handed)
                 if sig is None:
                     continue  # waited in this process: eager, or the publish failed
+                if watch_copy:
+                    # A watch copy shares its original's task id: RETRY stored now would overwrite the
+                    # original's SUCCESS for good if the wait then finds the record and drops itself.
+                    raise Ignore()
                 raise Retry(exc=self._contention_error(call, holder, failure), when=None, sig=sig)
+            if watch_copy and action in (Action.RAISE, Action.GIVE_UP) and self._original_settled():
+                raise Ignore()  # the original ended; a failure stored now would overwrite its state
             return self._finish(s, opts, call, decision, got, holder, failure, claim_token, args, kwargs)
 
     def _finish(

@@ -300,7 +300,7 @@ def test_a_watch_copy_meeting_an_unreachable_store_does_not_record_failure(
         return a
 
     out = deliver(t, (11,), headers={headers.WATCH: 1, headers.WATCH_TOKEN: "w"})
-    assert out.state == "RETRY"
+    assert out.state == "PENDING", "a watch copy stores no state over its original's (no FAILURE, no RETRY)"
     (msg,) = published(r, app)
     assert msg.headers[headers.WATCH] == 1, "a wait of a watch copy stays a watch copy"
 
@@ -747,3 +747,21 @@ def test_an_identical_publish_waits_for_a_claim_still_publishing(
         assert result.id != "task-a" and [m.task_id for m in published(r, app)] == [result.id]
     else:
         assert result.id == "task-a" and published(r, app) == []
+
+
+def test_a_watch_copy_that_waits_never_overwrites_its_originals_state(app: Celery, r: redis.Redis, prefix: str) -> None:
+    """chaos-quick (PostgreSQL leg): the watch copy's wait stored RETRY over the original's SUCCESS, then found
+    the record and dropped itself: the job showed RETRY forever."""
+
+    @app.task(base=LockedTask, bind=True, name="p.watch_wait", lock_key="k:{a}", lock_mode="until_started")
+    def t(self: Any, a: int) -> int:
+        return a
+
+    tid = uuid()
+    assert deliver(t, (29,), task_id=tid).state == "SUCCESS"
+    r.delete(*r.keys(f"{prefix}:v1:{{task:{tid}}}:done"))  # the record out of sight (a store outage)
+    hold(r, prefix, "k:29", task_id="identical-twin", task_name=t.name, dig=digest({"a": 29}))
+    watch = deliver(t, (29,), task_id=tid, headers={headers.WATCH: 1, headers.WATCH_TOKEN: "w"})
+    assert app.AsyncResult(tid).state == "SUCCESS", "the watch copy's wait overwrote the original's state"
+    (wait_msg,) = published(r, app)
+    assert wait_msg.headers[headers.WATCH] == 1 and watch.state == "SUCCESS"
