@@ -16,15 +16,11 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from . import headers
 from .keys import claim_name, lock_name
 
 #: Seconds a claim stays ``publishing`` before its message must be confirmed; a publisher that fails or
 #: dies mid-publish blocks identical publishes at most this long (they wait, never answered by it).
 PUBLISH_GRACE = 15.0
-
-#: Kept for callers of 0.1: the header now lives in :mod:`celery_lockguard.headers`.
-CLAIM_HEADER = headers.CLAIM
 
 #: Options Celery sets on a message that belongs to a canvas; a publish-time skip would stall it.
 #: Presence counts, not truth: Celery publishes a chain's last link with ``chain=[]``.
@@ -80,8 +76,3 @@ def publishing_task_id() -> str | None:
     if request is None or request.called_directly:
         return None
     return getattr(request, "id", None)
-
-
-def header(request: Any, name: str) -> Any:
-    """A custom message header (kept for 0.1 callers; see :func:`headers.read`)."""
-    return headers.read(request, name)

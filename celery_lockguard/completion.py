@@ -74,12 +74,6 @@ class Record:
         return bool(self.digest) and self.task_name == task_name and self.digest != digest
 
 
-def decode_record(record: str) -> tuple[str | None, Any]:
-    """``(task id that completed, recorded result)`` of a record."""
-    data = read_record(record)
-    return data.task_id, data.result
-
-
 def read_record(record: str) -> Record:
     """The whole record, including the work it recorded."""
     data = json.loads(record)

@@ -45,12 +45,6 @@ from .lease import Done, Holder, Lease
 from .metrics import observe_hold
 from .renewer import renewer
 
-#: Kept for 0.1 callers; the names live in :mod:`celery_lockguard.headers`.
-WAITS_HEADER = headers.WAITS
-WATCH_HEADER = headers.WATCH
-WATCH_TOKEN_HEADER = headers.WATCH_TOKEN
-wait_countdown = republish.wait_countdown
-
 #: Tries to record a checkpoint whose step has run, before the store error is final.
 CHECKPOINT_WRITE_ATTEMPTS = 4
 
@@ -1051,6 +1045,3 @@ class LockedTask(Task):
 def _describe(exc: BaseException | None) -> str:
     return f"{exc.__class__.__name__}: {exc}" if exc is not None else ""
 
-
-# 0.1 name, kept for importers.
-_below_visibility = republish.max_countdown
