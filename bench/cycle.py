@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import redis
 
-from celery_lockguard import completion
-from celery_lockguard import lease as lease_ops
-from celery_lockguard.lease import Lease
+from celery_lockguard import _completion as completion
+from celery_lockguard import _lease as lease_ops
+from celery_lockguard._lease import Lease
 
 from . import counting
 from .stats import Summary, paired, run_rounds

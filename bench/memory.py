@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import redis
 
-from celery_lockguard import completion
-from celery_lockguard import lease as lease_ops
-from celery_lockguard.keys import done_name, fence_name, lock_name, task_scope
-from celery_lockguard.lease import Lease
+from celery_lockguard import _completion as completion
+from celery_lockguard import _lease as lease_ops
+from celery_lockguard._keys import done_name, fence_name, lock_name, task_scope
+from celery_lockguard._lease import Lease
 
 from .e2e import BenchFailure
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import redis
 
-from celery_lockguard import lease as lease_ops
-from celery_lockguard.lease import Lease
-from celery_lockguard.renewer import Renewer, renewer
+from celery_lockguard import _lease as lease_ops
+from celery_lockguard._lease import Lease
+from celery_lockguard._renewer import Renewer, renewer
 
 from . import counting
 from .e2e import BenchFailure

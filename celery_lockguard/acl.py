@@ -17,7 +17,7 @@ from __future__ import annotations
 CONNECTION = ("hello", "client|setname", "ping")
 SETINFO = ("client|setinfo",)
 
-#: What the Lua scripts call (scripts.py, cluster.py): checked against the caller's ACL.
+#: What the Lua scripts call (_scripts.py, _cluster.py): checked against the caller's ACL.
 IN_SCRIPTS = ("time", "get", "set", "hget", "hmget", "hset", "pexpire", "pttl", "del")
 
 #: Workers: scripts; completion records on Cluster (GET, SET); checkpoints (HGET, then HSET +

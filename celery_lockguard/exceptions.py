@@ -116,3 +116,15 @@ class CorruptFence(LockGuardError):
 
 class ConfigurationError(LockGuardError):
     """A task option or ``lockguard_*`` setting is invalid; names the task, option and value."""
+
+
+class UnstableText(ConfigurationError):
+    """An argument has no text form that is the same in every process."""
+
+
+class EmptyField(ConfigurationError):
+    """A key field rendered as empty text: the key would lose its entity (or its Cluster hash tag)."""
+
+
+class CheckpointNotSerializable(TypeError):
+    """``fn`` returned a value JSON cannot hold; the step is recorded as done with no value."""

@@ -20,9 +20,9 @@ import re
 import sqlite3
 from typing import Any
 
-from .events import emit
+from ._events import emit
+from ._lease import Lease
 from .exceptions import BackendUnavailable, LockContended, StaleFence
-from .lease import Lease
 
 DEFAULT_TABLE = "lockguard_fences"
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?$")

@@ -187,7 +187,7 @@ def _poll(predicate: Any, timeout: float, what: str) -> None:
 @contextlib.contextmanager
 def lockguard_disabled(app: Any) -> Iterator[None]:
     """Run tasks of ``app`` with no lock and no record (``lockguard_enabled = False``)."""
-    from .config import reset
+    from ._config import reset
 
     previous = app.conf.get("lockguard_enabled", None)
     app.conf.lockguard_enabled = False

@@ -61,7 +61,7 @@ import redis
 import structlog
 
 from celery_lockguard import AlreadyQueued, create_fence_table
-from celery_lockguard.completion import PostgresStore
+from celery_lockguard._completion import PostgresStore
 from celery_lockguard.testing import RedisServer
 
 from . import check

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import redis
 
-from celery_lockguard import connection, metrics
+from celery_lockguard import _connection as connection
+from celery_lockguard import _metrics as metrics
 from celery_lockguard.testing import RedisServer, delete_prefix, env_flag
 
 from .harness import Beat, Worker

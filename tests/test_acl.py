@@ -17,11 +17,15 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_lockguard import LockContended, LockedTask, acl, connection, doctor, metrics, stats
-from celery_lockguard import lease as L
-from celery_lockguard.cli import _show_redis, read_locks
-from celery_lockguard.config import settings
-from celery_lockguard.keys import checkpoint_name, done_name, lock_name
+from celery_lockguard import LockContended, LockedTask, acl
+from celery_lockguard import _connection as connection
+from celery_lockguard import _doctor as doctor
+from celery_lockguard import _lease as L
+from celery_lockguard import _metrics as metrics
+from celery_lockguard import _stats as stats
+from celery_lockguard._cli import _show_redis, read_locks
+from celery_lockguard._config import settings
+from celery_lockguard._keys import checkpoint_name, done_name, lock_name
 from celery_lockguard.testing import RedisServer, free_port
 
 from .harness import wait_for

@@ -17,9 +17,9 @@ import psycopg
 import pytest
 import redis
 
-from celery_lockguard import lease as L
-from celery_lockguard import metrics
-from celery_lockguard.keys import fence_name, lock_name
+from celery_lockguard import _lease as L
+from celery_lockguard import _metrics as metrics
+from celery_lockguard._keys import fence_name, lock_name
 from celery_lockguard.testing import RedisServer, free_port
 
 from .conftest import make_cfg
@@ -440,7 +440,7 @@ def test_release_takes_the_fence_databases_from_lockguard_fence_dsn(
     from click.testing import CliRunner
 
     from celery_lockguard import StaleFence, advance_fence
-    from celery_lockguard.cli import lockguard
+    from celery_lockguard._cli import lockguard
 
     app = Celery("fenced", broker=redis_url, set_as_current=False)
     app.conf.lockguard_key_prefix = prefix
@@ -458,7 +458,7 @@ def test_release_takes_the_fence_databases_from_lockguard_fence_dsn(
 
 
 def test_completions_respect_the_apps_prefix(redis_url: str, prefix: str, postgres_url: str) -> None:
-    from celery_lockguard.completion import PostgresStore
+    from celery_lockguard._completion import PostgresStore
 
     table = f"lgt_{uuid.uuid4().hex[:8]}_completions"
     other = f"lgt:{uuid.uuid4().hex[:10]}"

@@ -16,12 +16,13 @@ import pytest
 from celery import Celery
 from structlog.testing import capture_logs
 
-from celery_lockguard import LockContended, LockedTask, connection
-from celery_lockguard import cluster as C
-from celery_lockguard import lease as L
-from celery_lockguard.config import settings
-from celery_lockguard.keys import checkpoint_name, claim_name, done_name, fence_name, lock_name, task_scope
-from celery_lockguard.renewer import Renewer
+from celery_lockguard import LockContended, LockedTask
+from celery_lockguard import _cluster as C
+from celery_lockguard import _connection as connection
+from celery_lockguard import _lease as L
+from celery_lockguard._config import settings
+from celery_lockguard._keys import checkpoint_name, claim_name, done_name, fence_name, lock_name, task_scope
+from celery_lockguard._renewer import Renewer
 
 from .harness import wait_for
 from .topologies import LocalCluster
@@ -328,7 +329,7 @@ def test_cli_locks_stats_doctor_and_release_cover_every_master(
     assert sorted(r["key"] for r in rows) == sorted(keys)
     assert len({C.node_name(rc, r["redis_key"]) for r in rows}) == 3
 
-    from celery_lockguard import metrics
+    from celery_lockguard import _metrics as metrics
 
     metrics.count("cl.task", "lock.acquired", 7)
     metrics.flush(rc, prefix)
@@ -381,7 +382,8 @@ def test_real_worker_on_the_cluster_runs_duplicates_one_at_a_time(
 
 
 def test_checkpoints_and_metrics_flush_are_one_slot_transactions(app: Celery, rc: Any, cprefix: str) -> None:
-    from celery_lockguard import metrics, stats
+    from celery_lockguard import _metrics as metrics
+    from celery_lockguard import _stats as stats
 
     calls: list[int] = []
 

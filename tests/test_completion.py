@@ -12,7 +12,7 @@ from celery import Celery
 from structlog.testing import capture_logs
 
 from celery_lockguard import LockedTask
-from celery_lockguard.completion import PostgresStore, postgres_store
+from celery_lockguard._completion import PostgresStore, postgres_store
 from celery_lockguard.exceptions import ConfigurationError
 from celery_lockguard.testing import free_port
 

@@ -8,7 +8,7 @@ import pytest
 from celery import Celery
 
 from celery_lockguard import ConfigurationError, LockedTask
-from celery_lockguard.config import settings
+from celery_lockguard._config import settings
 
 
 def make(broker: str = "redis://127.0.0.1:6379/0", **conf: Any) -> Celery:
@@ -235,7 +235,7 @@ def test_celery_options_hooks_and_a_subclass_own_methods_are_not_flagged(redis_u
 
 
 def test_validate_tasks_raises_the_first_bad_task_and_caches_nothing(redis_url: str, prefix: str) -> None:
-    from celery_lockguard.config import validate_tasks
+    from celery_lockguard._config import validate_tasks
 
     app = make(redis_url, lockguard_key_prefix=prefix)
 
@@ -255,7 +255,7 @@ def test_validate_tasks_raises_the_first_bad_task_and_caches_nothing(redis_url: 
 
 
 def test_the_shared_worker_app_and_the_example_app_validate(redis_url: str, prefix: str) -> None:
-    from celery_lockguard.config import validate_tasks
+    from celery_lockguard._config import validate_tasks
     from example_app.celery_app import app as example
 
     from .conftest import make_cfg
@@ -269,7 +269,7 @@ def test_the_shared_worker_app_and_the_example_app_validate(redis_url: str, pref
 def test_finalize_logs_a_bad_task_and_a_task_defined_later_fails_at_first_use(redis_url: str, prefix: str) -> None:
     from structlog.testing import capture_logs
 
-    from celery_lockguard import signals
+    from celery_lockguard import _signals as signals
 
     app = make(redis_url, lockguard_key_prefix=prefix)
     signals.install(app)  # what LockedTask.on_bound does with its app

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from celery_lockguard.decision import (
+from celery_lockguard._decision import (
     FREES_CLAIM,
     Action,
     Delivery,

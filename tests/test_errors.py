@@ -13,10 +13,11 @@ from redis._parsers.base import BaseParser
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from celery_lockguard import connection, errors
-from celery_lockguard import lease as L
+from celery_lockguard import _connection as connection
+from celery_lockguard import _errors as errors
+from celery_lockguard import _lease as L
+from celery_lockguard._keys import lock_name
 from celery_lockguard.exceptions import ConfigurationError, CorruptFence
-from celery_lockguard.keys import lock_name
 from celery_lockguard.testing import RedisServer, busy, free_port
 
 from .harness import wait_for

@@ -13,9 +13,9 @@ from celery import Celery
 from structlog.testing import capture_logs
 
 from celery_lockguard import BackendUnavailable, LockedTask
-from celery_lockguard import connection as conn_mod
-from celery_lockguard.keys import done_name, lock_name
-from celery_lockguard.renewer import renewer
+from celery_lockguard import _connection as conn_mod
+from celery_lockguard._keys import done_name, lock_name
+from celery_lockguard._renewer import renewer
 from celery_lockguard.testing import RedisServer
 
 from .harness import wait_for
@@ -158,8 +158,8 @@ def test_terminate_of_a_dead_child_leaves_a_same_id_holder_in_another_child(serv
     import os
     from types import SimpleNamespace
 
-    from celery_lockguard import lease as L
-    from celery_lockguard import signals
+    from celery_lockguard import _lease as L
+    from celery_lockguard import _signals as signals
 
     app = make_app(server.url, prefix)
 

@@ -13,8 +13,8 @@ import psycopg
 import pytest
 
 from celery_lockguard import BackendUnavailable, LockContended, StaleFence, advance_fence, create_fence_table
+from celery_lockguard._lease import Lease
 from celery_lockguard.fencing import advisory_key, advisory_xact_lock
-from celery_lockguard.lease import Lease
 
 
 def lease(fence: int, key: str = "invoice:1") -> Lease:

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 import redis
 
-from celery_lockguard.keys import lock_name
+from celery_lockguard._keys import lock_name
 
 from .conftest import make_cfg
 from .harness import wait_for

@@ -22,9 +22,10 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from celery_lockguard import ConfigurationError, LockedTask, connection
-from celery_lockguard import lease as L
-from celery_lockguard.keys import (
+from celery_lockguard import ConfigurationError, LockedTask
+from celery_lockguard import _connection as connection
+from celery_lockguard import _lease as L
+from celery_lockguard._keys import (
     MAX_KEY,
     MAX_META,
     EmptyField,
@@ -294,7 +295,7 @@ def test_a_pickle_planted_in_redis_is_never_loaded(app: Celery, r: redis.Redis, 
 def _release(app: Celery, key: str) -> Any:
     from celery.bin.base import CLIContext
 
-    from celery_lockguard.cli import lockguard
+    from celery_lockguard._cli import lockguard
 
     obj = CLIContext(app=app, no_color=True, workdir=None, quiet=True)
     return CliRunner().invoke(lockguard, ["release", key, "--yes"], obj=obj)
@@ -311,7 +312,7 @@ def _release(app: Celery, key: str) -> Any:
 @example("inv:*")
 def test_release_only_ever_deletes_the_one_key_named(app: Celery, r: redis.Redis, prefix: str, key: str) -> None:
     app.conf.lockguard_key_prefix = prefix
-    from celery_lockguard.config import reset
+    from celery_lockguard._config import reset
 
     reset(app)
     others = ["inv:1", "inv:2", "inv:*", "a"]

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from celery_lockguard._keys import MAX_KEY, EmptyField, KeyRenderer, bind, digest, lock_name
 from celery_lockguard.exceptions import ConfigurationError
-from celery_lockguard.keys import MAX_KEY, EmptyField, KeyRenderer, bind, digest, lock_name
 
 
 def sig(fn: Any) -> inspect.Signature:

@@ -11,8 +11,8 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_lockguard import metrics
-from celery_lockguard.config import reset
+from celery_lockguard import _metrics as metrics
+from celery_lockguard._config import reset
 from celery_lockguard.exceptions import ConfigurationError
 from celery_lockguard.testing import RedisServer
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_lockguard import metrics
+from celery_lockguard import _metrics as metrics
 
 from .conftest import make_cfg
 from .harness import wait_for

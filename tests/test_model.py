@@ -26,10 +26,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from celery_lockguard import AlreadyQueued, LockedTask, completion, connection, signals
-from celery_lockguard import lease as L
-from celery_lockguard.config import reset
-from celery_lockguard.keys import claim_name, digest, lock_name
+from celery_lockguard import AlreadyQueued, LockedTask
+from celery_lockguard import _completion as completion
+from celery_lockguard import _connection as connection
+from celery_lockguard import _lease as L
+from celery_lockguard import _signals as signals
+from celery_lockguard._config import reset
+from celery_lockguard._keys import claim_name, digest, lock_name
 from celery_lockguard.testing import delete_prefix
 
 from .tracer import Message, deliver, make_app

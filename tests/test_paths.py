@@ -16,9 +16,11 @@ import redis
 from celery import Celery, uuid
 from structlog.testing import capture_logs
 
-from celery_lockguard import LockedTask, connection, headers
-from celery_lockguard import lease as L
-from celery_lockguard.keys import claim_name, digest, fence_name, lock_name
+from celery_lockguard import LockedTask
+from celery_lockguard import _connection as connection
+from celery_lockguard import _headers as headers
+from celery_lockguard import _lease as L
+from celery_lockguard._keys import claim_name, digest, fence_name, lock_name
 from celery_lockguard.testing import RedisServer, busy
 
 from .tracer import deliver, make_app, published, redeliver
@@ -249,7 +251,7 @@ def test_a_wait_after_a_failed_acquire_carries_its_token_and_recognises_its_orph
     # Suppose that ACQUIRE did reach the server: the orphan lease carries our id, this host, a live pid.
     hold(r, prefix, "k:9", task_id=tid, task_name=t.name, dig=digest({"a": 9}), token=token)
     app.conf.lockguard_redis_url = redis_url
-    from celery_lockguard.config import reset
+    from celery_lockguard._config import reset
 
     reset(app)
     out = redeliver(t, wait_msg)
@@ -526,7 +528,7 @@ def test_a_duplicated_wait_copy_never_runs_beside_the_one_that_adopted_the_orpha
         r, prefix, "k:20", task_id=tid, task_name=t.name, dig=digest({"a": 20}), token=wait_msg.headers[headers.ATTEMPT]
     )
     app.conf.lockguard_redis_url = redis_url
-    from celery_lockguard.config import reset
+    from celery_lockguard._config import reset
 
     reset(app)
     assert redeliver(t, wait_msg).state == "SUCCESS"

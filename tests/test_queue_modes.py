@@ -14,7 +14,7 @@ import redis
 from celery import chain, chord, group
 
 from celery_lockguard import AlreadyQueued
-from celery_lockguard.keys import claim_name, lock_name
+from celery_lockguard._keys import claim_name, lock_name
 
 from .harness import wait_for
 

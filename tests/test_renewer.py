@@ -11,10 +11,10 @@ import pytest
 import redis
 from structlog.testing import capture_logs
 
-from celery_lockguard import lease as L
-from celery_lockguard import scripts
-from celery_lockguard.keys import lock_name
-from celery_lockguard.renewer import Renewer
+from celery_lockguard import _lease as L
+from celery_lockguard import _scripts as scripts
+from celery_lockguard._keys import lock_name
+from celery_lockguard._renewer import Renewer
 from celery_lockguard.testing import RedisServer, busy
 
 from .harness import wait_for

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from celery_lockguard import lease as L
-from celery_lockguard import scripts
-from celery_lockguard.keys import claim_name, done_name, fence_name, lock_name
+from celery_lockguard import _lease as L
+from celery_lockguard import _scripts as scripts
+from celery_lockguard._keys import claim_name, done_name, fence_name, lock_name
 from celery_lockguard.testing import RedisServer
 
 from .harness import wait_for
@@ -180,7 +180,7 @@ def test_noscript_after_script_flush_reloads(c: Any, name: str) -> None:
 
 
 def test_watch_arm_keeps_one_pending_watch_per_task(c: Any) -> None:
-    from celery_lockguard.keys import watch_name
+    from celery_lockguard._keys import watch_name
 
     assert L.watch_arm(c, P, "k", "t1", "", "w1", 5000)  # first watch of t1
     assert not L.watch_arm(c, P, "k", "t1", "", "dup", 5000)  # another dropped copy: one is pending
@@ -325,7 +325,7 @@ CORRUPT = ["inf", "1e400", "abc", "1.5", "-3", "", "9007199254740992", "99999999
 
 @pytest.mark.parametrize("value", CORRUPT)
 def test_acquire_refuses_a_corrupt_fence_before_writing_anything(c: Any, value: str) -> None:
-    from celery_lockguard.errors import classify
+    from celery_lockguard._errors import classify
     from celery_lockguard.exceptions import CorruptFence
 
     c.set(fence_name(P, "k"), value)
@@ -441,7 +441,7 @@ class FlushAfterLoadProxy:
 def test_noscript_that_survives_a_reload_is_misconfigured(own_redis: RedisServer) -> None:
     from redis.exceptions import NoScriptError
 
-    from celery_lockguard.errors import classify, configuration_error
+    from celery_lockguard._errors import classify, configuration_error
 
     proxy = FlushAfterLoadProxy(own_redis)
     try:
@@ -460,7 +460,7 @@ def test_noscript_that_survives_a_reload_is_misconfigured(own_redis: RedisServer
 def test_no_script_load_on_the_server_is_misconfigured() -> None:
     from redis.exceptions import ResponseError
 
-    from celery_lockguard.errors import classify
+    from celery_lockguard._errors import classify
 
     with RedisServer(extra=["--rename-command", "SCRIPT", '""']) as server:
         c = server.client()

@@ -23,10 +23,11 @@ import redis
 from celery import Celery
 from structlog.testing import capture_logs
 
-from celery_lockguard import LockedTask, StaleFence, advance_fence, connection
-from celery_lockguard.config import settings
+from celery_lockguard import LockedTask, StaleFence, advance_fence
+from celery_lockguard import _connection as connection
+from celery_lockguard._config import settings
+from celery_lockguard._keys import done_name, lock_name
 from celery_lockguard.fencing import create_fence_table
-from celery_lockguard.keys import done_name, lock_name
 
 from .harness import wait_for
 from .topologies import SentinelSet
@@ -243,7 +244,7 @@ def test_an_acl_user_on_the_sentinel_managed_primary(sset: SentinelSet) -> None:
     assert t.apply(args=(5,)).get() == [1, 5]
     assert [e for e in sset.master.client().acl_log() if e.get("username") == "lg"] == []
     app.conf.lockguard_redis_kwargs = {"username": "lg", "password": "wrong"}
-    from celery_lockguard.config import reset
+    from celery_lockguard._config import reset
 
     reset(app)
     with pytest.raises(redis.exceptions.AuthenticationError):

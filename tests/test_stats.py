@@ -7,7 +7,8 @@ from typing import Any
 
 import redis
 
-from celery_lockguard import metrics, stats
+from celery_lockguard import _metrics as metrics
+from celery_lockguard import _stats as stats
 
 
 def write_minute(r: redis.Redis, prefix: str, minute: int, task: str, counts: dict[str, int]) -> None:

@@ -12,10 +12,10 @@ from celery import Celery
 from structlog.testing import capture_logs
 
 from celery_lockguard import BackendUnavailable, LockContended, LockedTask, LockLost
-from celery_lockguard import lease as L
-from celery_lockguard.completion import CheckpointNotSerializable
-from celery_lockguard.config import reset
-from celery_lockguard.keys import done_name, lock_name
+from celery_lockguard import _lease as L
+from celery_lockguard._completion import CheckpointNotSerializable
+from celery_lockguard._config import reset
+from celery_lockguard._keys import done_name, lock_name
 from celery_lockguard.testing import free_port, lockguard_disabled
 
 from .harness import wait_for
@@ -158,7 +158,7 @@ def test_identical_work_held_elsewhere_is_skipped(app: Celery, r: redis.Redis, p
 
 
 def _digest(task: Any, *args: Any) -> str:
-    from celery_lockguard import keys
+    from celery_lockguard import _keys as keys
 
     return keys.digest(keys.bind(task.lockguard_options.signature, args, {}))
 

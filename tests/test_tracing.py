@@ -10,8 +10,8 @@ import redis
 from celery import Celery
 
 from celery_lockguard import LockContended, LockedTask
-from celery_lockguard import lease as L
-from celery_lockguard.keys import digest, lock_name
+from celery_lockguard import _lease as L
+from celery_lockguard._keys import digest, lock_name
 
 sdk_trace = pytest.importorskip("opentelemetry.sdk.trace")
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402

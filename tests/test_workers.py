@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import redis
 
-from celery_lockguard import lease as L
-from celery_lockguard.keys import lock_name
+from celery_lockguard import _lease as L
+from celery_lockguard._keys import lock_name
 
 from .harness import wait_for
 

@@ -15,8 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ._keys import KeyRenderer
 from .exceptions import ConfigurationError
-from .keys import KeyRenderer
 
 ON_LOCKED = ("skip", "retry", "raise")
 ON_UNAVAILABLE = ("fail_closed", "fail_open")
@@ -313,7 +313,7 @@ def check_option_names(task: Any) -> None:
     ``on_``, ``idempotency``, ``completion``) or is within two edits of one.
     Other unknown names are the user's own attributes and are left alone.
     """
-    from .task import LockedTask  # task.py imports this module
+    from ._task import LockedTask  # _task.py imports this module
 
     known = set(dir(LockedTask)) | _CELERY_EXTRA_OPTIONS
     ours = sorted(
@@ -345,7 +345,7 @@ def validate_tasks(app: Any) -> None:
     settings stay "read at first use", so a value set on ``app.conf`` after
     this check still counts.
     """
-    from .task import LockedTask  # task.py imports this module
+    from ._task import LockedTask  # _task.py imports this module
 
     locked = [app.tasks[n] for n in sorted(app.tasks) if isinstance(app.tasks[n], LockedTask)]
     if not locked:

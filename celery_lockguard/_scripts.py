@@ -330,7 +330,7 @@ class Script:
 
         A second NOSCRIPT means the server does not keep what was just loaded
         (a proxy spreading calls over nodes, a flush racing every load): it is
-        raised as ``NoScriptError``, which :func:`celery_lockguard.errors.classify`
+        raised as ``NoScriptError``, which :func:`celery_lockguard._errors.classify`
         reports as misconfigured, rather than retried forever.
         """
         try:

@@ -33,7 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias
 
-from .keys import checkpoint_name, done_name
+from ._keys import checkpoint_name, done_name
+from .exceptions import CheckpointNotSerializable
 
 #: Largest JSON result kept in a completion record; larger results record ``None``.
 MAX_RECORD_BYTES = 1024
@@ -78,10 +79,6 @@ def read_record(record: str) -> Record:
     """The whole record, including the work it recorded."""
     data = json.loads(record)
     return Record(data.get("task_id"), data.get("result"), data.get("task") or "", data.get("digest") or "")
-
-
-class CheckpointNotSerializable(TypeError):
-    """``fn`` returned a value JSON cannot hold; the step is recorded as done with no value."""
 
 
 class Store(Protocol):

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from . import connection
-from .config import Settings, settings
-from .connection import UNAVAILABLE_ERRORS
+from . import _connection as connection
+from ._config import Settings, settings
+from ._connection import UNAVAILABLE_ERRORS
 from .exceptions import ConfigurationError
 
 #: Keys sampled from the lock database to look for cache traffic.
@@ -90,7 +90,7 @@ def _broker_url(app: Any) -> str:
 
 def locked_tasks(app: Any) -> list[Any]:
     """The app's ``LockedTask`` instances, sorted by name (task modules imported first)."""
-    from .task import LockedTask
+    from ._task import LockedTask
 
     app.loader.import_default_modules()
     return sorted((t for t in app.tasks.values() if isinstance(t, LockedTask)), key=lambda t: t.name)
@@ -198,7 +198,7 @@ def _task_findings(app: Any, s: Settings, tasks: list[Any]) -> list[Finding]:
 
 def _node_infos(client: Any, section: str) -> dict[str, dict[str, Any]]:
     """INFO ``section`` of every master: one entry per node on Cluster (INFO goes to one node by default)."""
-    from .cluster import is_cluster
+    from ._cluster import is_cluster
 
     if not is_cluster(client):
         return {"": dict(client.info(section) or {})}

@@ -31,11 +31,12 @@ from typing import Any
 
 import structlog
 
-from . import cluster, errors
-from . import lease as lease_ops
-from .connection import follow_failover
-from .events import emit
-from .lease import Lease
+from . import _cluster as cluster
+from . import _errors as errors
+from . import _lease as lease_ops
+from ._connection import follow_failover
+from ._events import emit
+from ._lease import Lease
 
 logger = structlog.get_logger("celery_lockguard")
 

@@ -10,7 +10,8 @@ from typing import Any
 
 import structlog
 
-from . import metrics, tracing
+from . import _metrics as metrics
+from . import _tracing as tracing
 
 logger = structlog.get_logger("celery_lockguard")
 

@@ -181,7 +181,7 @@ def flush(client: Any, prefix: str) -> int:
 
 def flush_interval(app: Any) -> float:
     """The app's ``lockguard_metrics_flush_interval`` in seconds, validated."""
-    from .config import setting
+    from ._config import setting
     from .exceptions import ConfigurationError
 
     value = setting(app, "metrics_flush_interval", DEFAULT_FLUSH_INTERVAL)
@@ -197,7 +197,7 @@ def bind(app: Any) -> None:
     counts: binding in a parent that then forks starts nothing there.
     """
     global _target
-    from .config import settings
+    from ._config import settings
 
     try:
         _target = (settings(app), flush_interval(app))
@@ -218,8 +218,8 @@ def flush_bound() -> int:
     target = _target
     if target is None:
         return 0
-    from . import connection
-    from .errors import classify
+    from . import _connection as connection
+    from ._errors import classify
 
     s = target[0]
     try:

@@ -45,7 +45,7 @@ import string
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .exceptions import ConfigurationError
+from .exceptions import ConfigurationError, EmptyField, UnstableText
 
 MAX_PART = 64
 MAX_KEY = 200
@@ -60,14 +60,6 @@ _MAX_DEPTH = 64
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+>")
 
 KeySource = str | Callable[..., str]
-
-
-class UnstableText(ConfigurationError):
-    """An argument has no text form that is the same in every process."""
-
-
-class EmptyField(ConfigurationError):
-    """A key field rendered as empty text: the key would lose its entity (or its Cluster hash tag)."""
 
 
 def text(value: Any, strict: bool = True) -> str:

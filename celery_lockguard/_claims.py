@@ -16,7 +16,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from .keys import claim_name, lock_name
+from ._keys import claim_name, lock_name
 
 #: Seconds a claim stays ``publishing`` before its message must be confirmed; a publisher that fails or
 #: dies mid-publish blocks identical publishes at most this long (they wait, never answered by it).

@@ -25,12 +25,12 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from . import errors
-from .config import Settings
+from . import _errors as errors
+from ._config import Settings
 from .exceptions import ConfigurationError
 
 #: Errors that mean "the lock store is unreachable" by class alone: the same tuple
-#: :func:`celery_lockguard.errors.classify` calls "unavailable" (defined there). A coarse filter:
+#: :func:`celery_lockguard._errors.classify` calls "unavailable" (defined there). A coarse filter:
 #: replies redis-py leaves as a plain ``ResponseError`` (BUSY, NOREPLICAS, MISCONF, ...) escape it,
 #: and it lets through ``AuthenticationError``, a ``ConnectionError`` that classify calls
 #: misconfigured. Where a reply can arrive, catch broadly and classify instead.

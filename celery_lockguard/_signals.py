@@ -17,7 +17,7 @@ from typing import Any
 from celery import signals
 from celery.exceptions import TimeLimitExceeded
 
-from . import metrics
+from . import _metrics as metrics
 
 _installed = False
 _lock = threading.Lock()
@@ -54,7 +54,7 @@ def _validate_at_worker_init(sender: Any = None, **_: Any) -> None:
     the error leaves as ``SystemExit`` (exit code 78, ``EX_CONFIG``), after the
     message is written to stderr (logging is not configured yet).
     """
-    from .config import validate_tasks
+    from ._config import validate_tasks
     from .exceptions import ConfigurationError
 
     app = getattr(sender, "app", None)
@@ -75,8 +75,8 @@ def _validate_after_finalize(sender: Any = None, **_: Any) -> None:
     request, a shell, a test), Celery swallows a receiver's exception, and a
     ``SystemExit`` there would take down whatever process touched the app.
     """
-    from .config import validate_tasks
-    from .events import logger
+    from ._config import validate_tasks
+    from ._events import logger
     from .exceptions import ConfigurationError
 
     if sender is None:
@@ -113,12 +113,13 @@ def _on_revoked(
 
 def free_claim_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason: str) -> bool:
     """Free the queue claim of a message the worker discards (revoked or expired); True if it held one."""
-    from . import claims, connection
-    from . import lease as lease_ops
-    from .config import settings
-    from .errors import classify
-    from .events import emit
-    from .task import LockedTask
+    from . import _claims as claims
+    from . import _connection as connection
+    from . import _lease as lease_ops
+    from ._config import settings
+    from ._errors import classify
+    from ._events import emit
+    from ._task import LockedTask
 
     if not isinstance(task, LockedTask):
         return False
@@ -142,12 +143,12 @@ def free_claim_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason
 
 def shorten_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason: str, pid: int | None = None) -> bool:
     """Shorten the lease ``task_id`` holds on this host (in child ``pid``, if known) to the grace; True if it did."""
-    from . import connection
-    from . import lease as lease_ops
-    from .config import settings
-    from .errors import classify
-    from .events import emit
-    from .task import LockedTask
+    from . import _connection as connection
+    from . import _lease as lease_ops
+    from ._config import settings
+    from ._errors import classify
+    from ._events import emit
+    from ._task import LockedTask
 
     if not isinstance(task, LockedTask):
         return False

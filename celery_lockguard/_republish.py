@@ -12,9 +12,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from . import headers
-from . import lease as lease_ops
-from .config import Settings
+from . import _headers as headers
+from . import _lease as lease_ops
+from ._config import Settings
 
 
 def max_countdown(s: Settings) -> float:

@@ -1,6 +1,6 @@
 """``LockedTask``: the Celery hooks that carry out lockguard's decisions.
 
-What a delivery or a publish does is decided in :mod:`celery_lockguard.decision`
+What a delivery or a publish does is decided in :mod:`celery_lockguard._decision`
 (pure, table-tested); rendering lives in :mod:`calls`, message headers in
 :mod:`headers`, self-republishes in :mod:`republish`, claims in :mod:`claims`,
 lease scripts in :mod:`lease`. This class gathers the facts, asks, and carries
@@ -22,12 +22,20 @@ from celery._state import _task_stack
 from celery.app.task import Context
 from celery.exceptions import Ignore, Retry
 
-from . import calls, claims, completion, connection, errors, headers, keys, republish, signals
-from . import lease as lease_ops
-from .calls import CallNames
-from .completion import PostgresStore, RedisStore, Store, StoreGuard
-from .config import Settings, TaskOptions, resolve_task_options, settings
-from .decision import (
+from . import _calls as calls
+from . import _claims as claims
+from . import _completion as completion
+from . import _connection as connection
+from . import _errors as errors
+from . import _headers as headers
+from . import _keys as keys
+from . import _lease as lease_ops
+from . import _republish as republish
+from . import _signals as signals
+from ._calls import CallNames
+from ._completion import PostgresStore, RedisStore, Store, StoreGuard
+from ._config import Settings, TaskOptions, resolve_task_options, settings
+from ._decision import (
     FREES_CLAIM,
     Action,
     Decision,
@@ -39,11 +47,11 @@ from .decision import (
     decide_delivery,
     decide_publish,
 )
-from .events import emit
+from ._events import emit
+from ._lease import Done, Holder, Lease
+from ._metrics import observe_hold
+from ._renewer import renewer
 from .exceptions import AlreadyQueued, BackendUnavailable, ConfigurationError, IdempotencyKeyReused, LockContended
-from .lease import Done, Holder, Lease
-from .metrics import observe_hold
-from .renewer import renewer
 
 #: Tries to record a checkpoint whose step has run, before the store error is final.
 CHECKPOINT_WRITE_ATTEMPTS = 4

@@ -6,7 +6,7 @@ need help here:
 
 * The completion record ``{S}:done`` has its own tag. When S and K fall in
   different slots, ACQUIRE and RELEASE cannot touch it in the same script;
-  :mod:`celery_lockguard.lease` then reads and writes it with a command of its
+  :mod:`celery_lockguard._lease` then reads and writes it with a command of its
   own (:func:`split_done`), one more round trip, only on Cluster and only when
   the slots differ.
 * A process holds leases in many slots. The renewer sends one EVALSHA per
@@ -24,7 +24,7 @@ from typing import Any
 from redis.crc import key_slot
 from redis.exceptions import ResponseError
 
-from . import scripts
+from . import _scripts as scripts
 
 try:  # redis-py always ships it; the guard keeps a broken install from failing at import
     from redis.cluster import RedisCluster

@@ -20,9 +20,10 @@ from typing import Any
 
 from redis.exceptions import AskError, MovedError, NoScriptError, ResponseError
 
-from . import cluster, scripts
+from . import _cluster as cluster
+from . import _scripts as scripts
+from ._keys import claim_name, done_name, fence_name, lock_name, meta, watch_name
 from .exceptions import LockLost
-from .keys import claim_name, done_name, fence_name, lock_name, meta, watch_name
 
 HOST = socket.gethostname()
 

@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from .metrics import _BUCKET_NAMES, HOLD_BUCKETS_MS, minute_key, total_key
+from ._metrics import _BUCKET_NAMES, HOLD_BUCKETS_MS, minute_key, total_key
 
 #: Recent windows, in minutes (the longest must fit in ``metrics.WINDOW_KEEP``).
 WINDOWS = (1, 5, 15, 60)

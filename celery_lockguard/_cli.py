@@ -2,8 +2,8 @@
 
 A ``celery`` sub-command (entry point group ``celery.commands``), so it gets
 the app from ``-A`` like every Celery command and reads the ``lockguard_*``
-settings exactly as the tasks do (:func:`celery_lockguard.config.settings`,
-:func:`celery_lockguard.connection.client`).
+settings exactly as the tasks do (:func:`celery_lockguard._config.settings`,
+:func:`celery_lockguard._connection.client`).
 
 Exit codes follow Celery's (``celery.platforms``): 0 ok; 1 a finding, an
 aborted confirmation or nothing found; 64 bad usage; 69 the lock Redis (or
@@ -26,13 +26,16 @@ from celery.bin.base import CeleryCommand, CeleryOption
 from celery.exceptions import CeleryCommandException
 from celery.platforms import EX_FAILURE, EX_UNAVAILABLE, EX_USAGE
 
-from . import connection, doctor, metrics, stats
-from . import lease as lease_ops
-from .config import Settings, settings
-from .connection import UNAVAILABLE_ERRORS
-from .events import emit
+from . import _connection as connection
+from . import _doctor as doctor
+from . import _lease as lease_ops
+from . import _metrics as metrics
+from . import _stats as stats
+from ._config import Settings, settings
+from ._connection import UNAVAILABLE_ERRORS
+from ._events import emit
+from ._keys import checkpoint_name, done_name, lock_name
 from .exceptions import ConfigurationError
-from .keys import checkpoint_name, done_name, lock_name
 
 EX_CONFIG = getattr(os, "EX_CONFIG", 78)
 
@@ -300,7 +303,7 @@ def release(
     table = fence_table or s.fence_table
     entity = _entity(key, s.key_prefix)
     if not entity or any(c in entity for c in "{}") or any(c.isspace() for c in entity):
-        # A rendered key never holds braces or whitespace (keys.py escapes them): refuse rather than
+        # A rendered key never holds braces or whitespace (_keys.py escapes them): refuse rather than
         # touch a key no task uses, or keys of one name in two Cluster slots.
         raise CeleryCommandException(
             f"{key!r} is not an entity key: rendered keys never contain braces or whitespace "
@@ -604,7 +607,7 @@ def _show_redis(client: Any, prefix: str, scope: str) -> dict[str, Any] | None:
 def _show_pg(s: Settings, scope: str) -> dict[str, Any] | None:
     import psycopg
 
-    from .completion import postgres_store
+    from ._completion import postgres_store
 
     store = postgres_store(s.completion_backend, s.completion_table, namespace=s.key_prefix)
     try:
@@ -673,7 +676,7 @@ def completions_forget(ctx: click.Context, scope: str, yes: bool, **_: Any) -> N
         with _redis(s) as client:
             deleted = int(client.delete(done_name(s.key_prefix, scope), checkpoint_name(s.key_prefix, scope)))
     else:
-        from .completion import postgres_store
+        from ._completion import postgres_store
 
         try:
             deleted = postgres_store(s.completion_backend, s.completion_table, namespace=s.key_prefix).forget(scope)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import keys
-from .config import TaskOptions
+from . import _keys as keys
+from ._config import TaskOptions
 
 
 @dataclass(frozen=True)
