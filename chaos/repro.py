@@ -153,7 +153,7 @@ class Scenario:
         print("\nthe workers' log lines about the job:", flush=True)
         shown = 0
         for w in self.env.workers:
-            for line in w.log_tail(100_000).splitlines():
+            for line in w.output(100_000).splitlines():
                 if (self.task_id in line or "SIGKILL" in line) and shown < limit:
                     shown += 1
                     print(f"  {w.nodename.split('@')[0]}: {line[:220]}", flush=True)
@@ -233,7 +233,7 @@ def wait_twice(sc: Scenario) -> int:
         received = [
             (line[:24], w)
             for w in env.workers
-            for line in w.log_tail(200_000).splitlines()
+            for line in w.output(200_000).splitlines()
             if sc.task_id in line and line.rstrip().endswith("received")
         ]
         return sorted(received, key=lambda r: r[0])[-1][1] if len(received) >= 2 else None

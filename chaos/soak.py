@@ -80,7 +80,7 @@ from .app import (
     create_app,
     reason_of,
 )
-from .fleet import Worker, stop_all, wait_ready
+from .fleet import Worker, chaos_worker, stop_all, wait_ready
 from .proxy import CutProxy
 from .report import build_report, render, render_summary
 
@@ -1000,14 +1000,15 @@ class Environment:
             flush=True,
         )
         self.workers = [
-            Worker(f"chaos{k}-{self.run_id}", self.cfg, self.log_dir, opts.concurrency) for k in range(opts.workers)
+            chaos_worker(f"chaos{k}-{self.run_id}", self.cfg, self.log_dir, opts.concurrency, self.app)
+            for k in range(opts.workers)
         ]
         # The baits' own worker: they start at once instead of queueing behind the backlog the other
         # workers have prefetched. It is faulted like the others, except that it is never paused.
-        self.bait_worker = Worker(
-            f"chaosbait-{self.run_id}", self.cfg, self.log_dir, BAIT_CONCURRENCY, queues=[self.bait_queue]
+        self.bait_worker = chaos_worker(
+            f"chaosbait-{self.run_id}", self.cfg, self.log_dir, BAIT_CONCURRENCY, self.app, queues=[self.bait_queue]
         )
-        wait_ready(self.app, [*self.workers, self.bait_worker])
+        wait_ready([*self.workers, self.bait_worker])
         return self
 
     def events(self) -> Counter[str]:

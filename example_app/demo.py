@@ -36,7 +36,7 @@ import redis
 
 from celery_lockguard.testing import RedisServer, delete_prefix, parent_pid
 
-from .fleet import Worker, wait_ready
+from .fleet import Worker, billing_worker, wait_ready
 from .report import build_report, print_report
 
 TENANTS = ("acme", "globex", "initech")
@@ -75,7 +75,7 @@ def finished_states(app: Any, ids: list[str]) -> dict[str, str]:
 
 def kill_a_charge_holder(client: redis.Redis, lock_prefix: str, workers: list[Worker]) -> dict[str, Any] | None:
     """SIGKILL the pool child that holds an invoice's lease right now, if any (ours only)."""
-    ours = {w.proc.pid for w in workers}
+    ours = {w.pid for w in workers}
     for name in client.scan_iter(match=f"{lock_prefix}:v1:*:lock", count=1000):
         task_name, pid, task_id = client.hmget(name, "task_name", "pid", "task_id")
         if task_name != "billing.charge_invoice" or not pid or parent_pid(int(pid)) not in ours:
@@ -150,8 +150,8 @@ def main() -> int:
         where = url if external else f"embedded Valkey {client.info('server').get('valkey_version', '')} at {url}"
         print(f"broker and lock store: {where}; ledger: {store}", flush=True)
         print(f"starting {n_workers} prefork workers (-c 2) ...", flush=True)
-        workers = [Worker(f"demo{k}-{run}", QUEUE, dict(os.environ), tmp) for k in range(n_workers)]
-        wait_ready(app, workers)
+        workers = [billing_worker(f"demo{k}-{run}", QUEUE, dict(os.environ), tmp, app) for k in range(n_workers)]
+        wait_ready(workers)
 
         jobs = plan_jobs(total, random.Random(run))
         started = time.monotonic()
@@ -193,13 +193,13 @@ def main() -> int:
         )
         # What this run started, so a test can check that none of it outlives the demo.
         report["run"] = run
-        report["processes"] = [w.proc.pid for w in workers] + ([server.proc.pid] if server and server.proc else [])
+        report["processes"] = [w.pid for w in workers] + ([server.proc.pid] if server and server.proc else [])
         print_report(report)
         if os.environ.get("DEMO_REPORT"):
             Path(os.environ["DEMO_REPORT"]).write_text(json.dumps(report, indent=2, sort_keys=True))
         if not report["ok"]:
             for w in workers:
-                print(f"\n-- last lines of {w.nodename}'s log --\n{w.log_tail()}", flush=True)
+                print(f"\n-- last lines of {w.nodename}'s log --\n{w.output(3000)}", flush=True)
         return 0 if report["ok"] else 1
     finally:
         for w in workers:
