@@ -23,6 +23,7 @@ ON_UNAVAILABLE = ("fail_closed", "fail_open")
 #: What a completion record found under the same ``idempotency_key`` with other arguments does.
 ON_KEY_REUSED = ("raise", "warn")
 LOCK_MODES = ("while_running", "until_started", "until_done")
+LOG_BACKENDS = ("auto", "logging", "structlog")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+socket://")
 PG_SCHEMES = ("postgresql://", "postgres://")
 #: Shortest duration any seconds option may have: everything becomes milliseconds, and below
@@ -71,6 +72,8 @@ class Settings:
     #: Databases whose fence table ``lockguard release`` bumps (``lockguard_fence_dsn``).
     fence_dsns: tuple[str, ...] = ()
     fence_table: str = "lockguard_fences"
+    #: Where events are logged: ``"auto"``, ``"logging"`` or ``"structlog"`` (``lockguard_log_backend``).
+    log_backend: str = "auto"
 
 
 def _broker_redis_url(app: Any) -> str | None:
@@ -134,7 +137,19 @@ def load_settings(app: Any) -> Settings:
         idempotency_mismatch=idempotency_mismatch,
         fence_dsns=_fence_dsns(setting(app, "fence_dsn", None)),
         fence_table=_identifier("lockguard_fence_table", setting(app, "fence_table", "lockguard_fences")),
+        log_backend=_log_backend(setting(app, "log_backend", "auto")),
     )
+
+
+def _log_backend(value: Any) -> str:
+    """``lockguard_log_backend``: ``"auto"``, ``"logging"`` or ``"structlog"`` (which needs structlog installed)."""
+    from importlib.util import find_spec
+
+    if value not in LOG_BACKENDS:
+        raise ConfigurationError(f"setting lockguard_log_backend={value!r} must be one of {LOG_BACKENDS}")
+    if value == "structlog" and find_spec("structlog") is None:
+        raise ConfigurationError("setting lockguard_log_backend='structlog' needs structlog installed")
+    return str(value)
 
 
 def _fence_dsns(value: Any) -> tuple[str, ...]:

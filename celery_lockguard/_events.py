@@ -1,41 +1,177 @@
-"""Structured lock events: logged through structlog and counted in one call.
+"""Lock events: counted, put on the current span and logged, in one call.
 
-The library never configures structlog; the application's configuration
-decides where events go. Field names are a contract (docs/reference.md).
+Where an event is logged (``lockguard_log_backend``):
+
+* ``"logging"``: the standard library logger ``celery_lockguard``, so Celery's
+  ``--loglevel``, format and ``worker_hijack_root_logger`` -- or the
+  application's own logging configuration -- apply. The message reads
+  ``lock.skipped_duplicate task_name=... lock_key=...``; the fields ride on the
+  record as ``record.lockguard`` (a dict holding ``event`` too) for JSON and
+  structlog formatters.
+* ``"structlog"``: ``structlog.get_logger("celery_lockguard")`` with the fields
+  as keyword arguments, into the application's structlog pipeline.
+* ``"auto"`` (the default): structlog when the process has configured it
+  (``structlog.is_configured()``), else logging.
+
+The setting is read from the settings already loaded on the current app (or
+the running task's app); before any are loaded, ``"auto"``. The library never
+configures logging or structlog. Logging never raises into the caller and costs
+a level check when the level is off. Names and fields are a contract
+(docs/reference.md).
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import sys
 from typing import Any
 
-import structlog
+from celery import _state
 
 from . import _metrics as metrics
 from . import _tracing as tracing
 
-logger = structlog.get_logger("celery_lockguard")
+LOGGER_NAME = "celery_lockguard"
 
-#: Per-task routine events are debug (volume); anything an operator must see is info or above.
-_LEVELS = {
-    "lock.acquired": "debug",
-    "lock.released": "debug",
-    "lock.renewed": "debug",
-    "lock.lost": "warning",
-    "lock.max_hold_reached": "warning",
-    "lock.expired_before_release": "warning",
-    "lock.force_released": "warning",
-    "lock.fail_open": "warning",
-    "lock.backend_unavailable": "warning",
-    "fence.stale": "warning",
-    "lock.wait_budget_exhausted": "warning",
-    "lock.under_replicated": "warning",
-    "completion.record_failed": "warning",
+_stdlib = logging.getLogger(LOGGER_NAME)
+
+#: The level of every event. Per-task and per-tick routine (acquired, released, renewed,
+#: contended, a wait scheduled) is debug; what an operator acts on is info or above.
+_LEVELS: dict[str, int] = {
+    "lock.acquired": logging.DEBUG,
+    "lock.released": logging.DEBUG,
+    "lock.renewed": logging.DEBUG,
+    "lock.contended": logging.DEBUG,
+    "lock.retry_scheduled": logging.DEBUG,
+    "lock.skipped_duplicate": logging.INFO,
+    "completion.skipped": logging.INFO,
+    "completion.result_dropped": logging.INFO,
+    "completion.forgotten": logging.INFO,
+    "lock.lost": logging.WARNING,
+    "lock.max_hold_reached": logging.WARNING,
+    "lock.expired_before_release": logging.WARNING,
+    "lock.force_released": logging.WARNING,
+    "lock.fail_open": logging.WARNING,
+    "lock.backend_unavailable": logging.WARNING,
+    "lock.wait_budget_exhausted": logging.WARNING,
+    "lock.under_replicated": logging.WARNING,
+    "fence.stale": logging.WARNING,
+    "completion.record_failed": logging.WARNING,
+    "completion.key_reused": logging.WARNING,
 }
+
+_METHODS = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warning", logging.ERROR: "error"}
+
+_structlog_logger: Any = None
+
+
+def level_of(event: str) -> int:
+    """The level ``event`` is logged at (info for a name not in the table)."""
+    return _LEVELS.get(event, logging.INFO)
 
 
 def emit(event: str, task_name: str | None = None, **fields: Any) -> None:
     """Log ``event`` with its fields and count it for ``task_name``."""
     metrics.count(task_name or "-", event)
     tracing.span_event(event, task_name, fields)
-    level = _LEVELS.get(event, "info")
-    getattr(logger, level)(event, task_name=task_name, **fields)
+    log(level_of(event), event, task_name, fields)
+
+
+def log(level: int, event: str, task_name: str | None, fields: dict[str, Any], exc_info: bool = False) -> None:
+    """Log one event at ``level`` through the backend in force; never raises."""
+    try:
+        if _use_structlog():
+            kwargs = {"task_name": task_name, **fields}
+            if exc_info:
+                kwargs["exc_info"] = True
+            getattr(_structlog(), _METHODS.get(level, "info"))(event, **kwargs)
+        elif _stdlib.isEnabledFor(level):
+            _stdlib.log(
+                level,
+                "%s",
+                render(event, task_name, fields),
+                exc_info=exc_info,
+                extra={"lockguard": {"event": event, "task_name": task_name, **fields}},
+            )
+    except Exception:  # noqa: BLE001 - a broken handler, filter or processor never fails a task
+        pass
+
+
+def render(event: str, task_name: str | None, fields: dict[str, Any]) -> str:
+    """The message text: ``event key=value ...`` (``None`` values left out)."""
+    parts = [event]
+    if task_name is not None:
+        parts.append(f"task_name={_text(task_name)}")
+    parts.extend(f"{k}={_text(v)}" for k, v in fields.items() if v is not None)
+    return " ".join(parts)
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str):
+        if value and not any(c.isspace() or c in '"=' for c in value):
+            return value
+        return json.dumps(value)
+    if isinstance(value, (bool, int, float)):
+        return str(value)
+    return json.dumps(value, default=str, separators=(",", ":"))
+
+
+def _use_structlog() -> bool:
+    choice = _choice()
+    if choice == "logging":
+        return False
+    if choice == "structlog":
+        return True
+    module = sys.modules.get("structlog")  # configured implies imported: no import on this path
+    return module is not None and bool(module.is_configured())
+
+
+def _choice() -> str:
+    """``lockguard_log_backend`` of the settings loaded on the current app, else on the running task's app.
+
+    The current app first: a thread-local read, where the task stack costs
+    microseconds; in a worker both are the worker's app.
+    """
+    app = _state._tls.current_app or _state.default_app
+    loaded = getattr(app, "_lockguard_settings", None) if app is not None else None
+    if loaded is None:
+        task = _state._task_stack.top
+        loaded = getattr(getattr(task, "app", None), "_lockguard_settings", None) if task is not None else None
+    return getattr(loaded, "log_backend", "auto")
+
+
+def _structlog() -> Any:
+    global _structlog_logger
+    if _structlog_logger is None:
+        import structlog
+
+        _structlog_logger = structlog.get_logger(LOGGER_NAME)
+    return _structlog_logger
+
+
+class EventLogger:
+    """Logs events that are not counted (the renewer's loop, the metrics flusher, configuration).
+
+    Called like a structlog logger: ``logger.error("lock.renewer_error", reason=..., exc_info=True)``.
+    """
+
+    def debug(self, event: str, task_name: str | None = None, **fields: Any) -> None:
+        self._log(logging.DEBUG, event, task_name, fields)
+
+    def info(self, event: str, task_name: str | None = None, **fields: Any) -> None:
+        self._log(logging.INFO, event, task_name, fields)
+
+    def warning(self, event: str, task_name: str | None = None, **fields: Any) -> None:
+        self._log(logging.WARNING, event, task_name, fields)
+
+    def error(self, event: str, task_name: str | None = None, **fields: Any) -> None:
+        self._log(logging.ERROR, event, task_name, fields)
+
+    @staticmethod
+    def _log(level: int, event: str, task_name: str | None, fields: dict[str, Any]) -> None:
+        exc_info = bool(fields.pop("exc_info", False))
+        log(level, event, task_name, fields, exc_info)
+
+
+logger = EventLogger()

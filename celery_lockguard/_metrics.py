@@ -37,7 +37,7 @@ import time
 from collections import Counter
 from typing import Any
 
-import structlog
+from . import _events as events  # logs only; _events imports this module for counting
 
 #: Upper bounds (ms) of the hold-time histogram buckets; the last is +inf.
 HOLD_BUCKETS_MS = (10, 50, 100, 500, 1000, 5000, 30000, 60000, 300000)
@@ -52,8 +52,6 @@ DEFAULT_FLUSH_INTERVAL = 10.0
 TAG = "{fleet}"
 
 _BUCKET_NAMES = [str(b) for b in HOLD_BUCKETS_MS] + ["+Inf"]
-
-logger = structlog.get_logger("celery_lockguard")
 
 _lock = threading.Lock()
 _counts: Counter[tuple[str, str]] = Counter()
@@ -202,7 +200,7 @@ def bind(app: Any) -> None:
     try:
         _target = (settings(app), flush_interval(app))
     except Exception as exc:  # noqa: BLE001 - a bad setting is reported by the task itself; never break a worker
-        logger.warning("metrics.not_flushed", reason=f"{exc.__class__.__name__}: {exc}")
+        events.logger.warning("metrics.not_flushed", reason=f"{exc.__class__.__name__}: {exc}")
 
 
 def unbind() -> None:
@@ -228,7 +226,9 @@ def flush_bound() -> int:
         # Every kind, a bug included (logged as "unexpected"): a flush runs on a timer thread and at
         # process exit, where an exception would only be lost or break shutdown.
         kind = classify(exc) or "unexpected"
-        logger.warning("metrics.flush_failed", reason=f"{kind}: {exc.__class__.__name__}: {exc}", pending=pending())
+        events.logger.warning(
+            "metrics.flush_failed", reason=f"{kind}: {exc.__class__.__name__}: {exc}", pending=pending()
+        )
         return 0
 
 

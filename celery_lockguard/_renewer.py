@@ -29,16 +29,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
-
 from . import _cluster as cluster
 from . import _errors as errors
 from . import _lease as lease_ops
 from ._connection import follow_failover
-from ._events import emit
+from ._events import emit, logger
 from ._lease import Lease
-
-logger = structlog.get_logger("celery_lockguard")
 
 #: After a failed tick, the next try comes this fraction of the renewal interval later (ttl/15)...
 RETRY_FRACTION = 0.2
