@@ -105,6 +105,7 @@ def run(app: Any) -> list[Finding]:
     findings: list[Finding] = []
     tasks = locked_tasks(app)
     findings += _task_findings(app, s, tasks)
+    findings += _pool_findings(app, tasks)
     try:
         client = connection.client(s)
         client.ping()
@@ -191,6 +192,59 @@ def _task_findings(app: Any, s: Settings, tasks: list[Any]) -> list[Finding]:
             )
         )
     return out
+
+
+# -- the worker pool -----------------------------------------------------------------------
+
+#: What each pool does to a lease (docs/pools.md has the measurements): where the renewer runs,
+#: whether a CPU-bound body keeps its lease, and which time limits the pool enforces.
+POOLS: dict[str, dict[str, Any]] = {
+    "prefork": {"renewer": "thread in each child", "cpu_bound_safe": True, "time_limits": ("hard", "soft")},
+    "threads": {"renewer": "thread", "cpu_bound_safe": True, "time_limits": ()},
+    "solo": {"renewer": "thread", "cpu_bound_safe": True, "time_limits": ()},
+    "gevent": {"renewer": "OS thread (own clients)", "cpu_bound_safe": True, "time_limits": ("hard",)},
+    "eventlet": {"renewer": "OS thread (own clients)", "cpu_bound_safe": True, "time_limits": ()},
+}
+_POOL_ALIASES = {"processes": "prefork", "thread": "threads"}
+
+
+def pool_of(app: Any) -> str:
+    """The pool the app's configuration names (``worker_pool``; a ``-P`` on the command line overrides it)."""
+    name = str(app.conf.get("worker_pool") or "prefork")
+    return _POOL_ALIASES.get(name, name)
+
+
+def _pool_findings(app: Any, tasks: list[Any]) -> list[Finding]:
+    """Tasks whose hard time limit the configured pool does not enforce, yet which cap their lease by it.
+
+    ``lock_max_hold`` defaults to the hard time limit, trusting the pool to stop
+    the body there. threads, solo and eventlet never stop a body: it runs on
+    while renewal stops at the limit, the lease expires under it and a second
+    copy can start beside it (the body is told: ``lock.max_hold_reached``).
+    """
+    pool = pool_of(app)
+    facts = POOLS.get(pool)
+    if facts is None or "hard" in facts["time_limits"]:
+        return []
+    capped = [
+        t.name
+        for t in tasks
+        if getattr(t, "lock_max_hold", None) is None
+        and getattr(t, "lock_renew", True) is not False
+        and _limit(t, app, "time_limit")
+    ]
+    if not capped:
+        return []
+    return [
+        Finding(
+            "pool_ignores_time_limit",
+            f"worker_pool={pool!r} enforces no hard time limit, but {len(capped)} task(s) have one, and "
+            "lock_max_hold defaults to it: past the limit the body keeps running while its lease is no longer "
+            "renewed, so a second copy can start beside it. Set lock_max_hold to the longest real run (or "
+            "use the prefork pool, which stops the body at its limit).",
+            capped,
+        )
+    ]
 
 
 # -- the server ---------------------------------------------------------------------------

@@ -17,19 +17,47 @@ its kind, and retried after a fraction of the interval (:data:`RETRY_FRACTION`,
 at least :data:`MIN_RETRY`) rather than a whole one, so a short blip costs no
 lease. A lease whose validity passes is reported lost (``lock.lost``,
 ``reason="expired"``) and untracked, whatever the store is doing.
+
+Under gevent or eventlet (``threading`` monkey-patched) a ``threading.Thread``
+is a greenlet: it runs only when the task's body yields, so a CPU-bound body
+starved it (measured: a 3 s pure-Python loop under a 1 s TTL got zero ticks and
+lost its lease). There the renewer is *isolated* (:func:`green_runtime`): it
+runs on a real OS thread (the interpreter's original ``start_new_thread``),
+and everything it shares with the greenlets is unpatched, because a green lock
+or socket must not be used from another OS thread (a green socket belongs to
+the hub of the thread that created it; an eventlet semaphore contended across
+threads never wakes its waiter):
+
+* its state is guarded by original (OS) locks, held only for bookkeeping, never
+  across I/O or logging, so a greenlet waiting on one blocks the hub for
+  microseconds at most; each tracked lease's guard is swapped for one too;
+* it renews through clients of its own, created on that thread (a green
+  socket created there uses that thread's own hub);
+* its events (``lock.renewed``, ``lock.lost``, ...) are queued and emitted
+  by the greenlets, on their next ``track``/``untrack``: logging handlers and
+  the metrics counters are guarded by green locks. A body reads ``lock.lost``
+  from the lease itself, which is never deferred.
 """
 
 from __future__ import annotations
 
+import _thread
 import math
 import os
 import random
+import sys
 import threading
 import time
+import traceback
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+
 from . import _cluster as cluster
+from . import _connection as connection
 from . import _errors as errors
 from . import _lease as lease_ops
 from ._connection import follow_failover
@@ -53,38 +81,176 @@ class _Entry:
     due: float
 
 
-class Renewer:
-    """Renews the leases of one process until they are released, lost or cut off."""
+def green_runtime() -> str | None:
+    """``"gevent"`` or ``"eventlet"`` when this process's ``threading`` is monkey-patched, else ``None``.
 
-    def __init__(self) -> None:
+    Read from ``sys.modules`` only: a process that never imported gevent or
+    eventlet is not patched, and importing either here would cost start-up time.
+    """
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is not None and monkey.is_module_patched("threading"):
+        return "gevent"
+    patcher = sys.modules.get("eventlet.patcher")
+    if patcher is not None and patcher.is_monkey_patched("thread"):
+        return "eventlet"
+    return None
+
+
+def _native_thread_api(runtime: str | None) -> tuple[Callable[[], Any], Callable[..., Any]]:
+    """The interpreter's own ``allocate_lock`` and ``start_new_thread``, as they were before any patching."""
+    if runtime == "gevent":
+        from gevent import monkey
+
+        return monkey.get_original("_thread", "allocate_lock"), monkey.get_original("_thread", "start_new_thread")
+    if runtime == "eventlet":
+        from eventlet import patcher
+
+        original = patcher.original("_thread")
+        return original.allocate_lock, original.start_new_thread
+    return _thread.allocate_lock, _thread.start_new_thread
+
+
+class _OSThread:
+    """A thread started with the original ``start_new_thread``: an OS thread even when ``threading`` is patched."""
+
+    def __init__(self, target: Callable[[], None], start_new_thread: Callable[..., Any]) -> None:
+        self._alive = True
+        self.name = "lockguard-renewer"
+
+        def run() -> None:
+            try:
+                target()
+            finally:
+                self._alive = False
+
+        start_new_thread(run, ())
+
+    def is_alive(self) -> bool:
+        return self._alive
+
+
+def _own_client(client: Any) -> Any:
+    """A client like ``client`` whose connections are made (and only ever used) on the calling thread.
+
+    The library's clients are made by ``_connection`` from settings; the same
+    settings make an independent one (Sentinel and Cluster included). Another
+    plain client is copied from its pool's arguments. Anything else is used as
+    it is, and a renewal it cannot make is a failed tick like any other.
+    """
+    for (pid, s), known in list(connection._clients.items()):
+        if known is client and pid == os.getpid():
+            return connection._make_client(s)
+    pool = getattr(client, "connection_pool", None)
+    if type(pool) in (redis.ConnectionPool, redis.BlockingConnectionPool):
+        assert pool is not None
+        return redis.Redis(connection_pool=type(pool)(connection_class=pool.connection_class, **pool.connection_kwargs))
+    return client
+
+
+#: Events an isolated renewer keeps for the greenlets to emit; past this, the oldest are dropped.
+MAX_QUEUED_EVENTS = 1000
+
+
+class Renewer:
+    """Renews the leases of one process until they are released, lost or cut off.
+
+    ``isolated`` (default: whether :func:`green_runtime` finds a patched
+    process) runs the loop on an OS thread with its own clients, OS locks and
+    queued events (see the module docstring); tests force it in a normal process.
+    """
+
+    def __init__(self, isolated: bool | None = None) -> None:
+        runtime = green_runtime()
+        self.isolated = runtime is not None if isolated is None else isolated
+        #: What the loop runs on: "thread", or "os-thread" when isolated (reported by ``lockguard doctor``).
+        self.thread_kind = "os-thread" if self.isolated else "thread"
+        # Not isolated: the primitives threading has (green ones in a patched process, as before 0.2).
+        native = _native_thread_api(runtime if self.isolated else None)
+        allocate_lock = native[0] if self.isolated else threading.Lock
+        self._start_new_thread = native[1]
+        self._allocate_lock = allocate_lock
         self._entries: dict[int, _Entry] = {}
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._mutex = allocate_lock()  # guards _entries, _wake_at, _events; never held across I/O or logging
+        self._wakeup = allocate_lock()  # held while nobody asked the loop to look again; released to wake it
+        self._wakeup.acquire()
+        self._thread: threading.Thread | _OSThread | None = None
         self._wake_at = math.inf  # when the thread will next look at its leases (0: it is ticking now)
+        self._events: deque[tuple[Callable[..., None], tuple[Any, ...], dict[str, Any]]] = deque(
+            maxlen=MAX_QUEUED_EVENTS
+        )
+        self._own_clients: dict[int, tuple[Any, Any]] = {}  # id(client) -> (client, own client); loop thread only
         self.ticks = 0
 
     def track(self, lease: Lease, client: Any, max_hold: float) -> None:
         """Start renewing ``lease`` every ttl/3 until ``max_hold`` seconds after acquisition."""
         interval = lease.ttl_ms / 3000
         entry = _Entry(lease, client, interval, lease.acquired_at + max_hold, lease.acquired_at + _jitter(interval))
-        with self._cond:
+        if self.isolated:
+            # Lease methods the loop calls take this guard; a green lock must not be shared with an OS thread.
+            lease._guard = self._allocate_lock()
+        with self._mutex:
             self._entries[id(lease)] = entry
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="lockguard-renewer", daemon=True)
-                self._thread.start()
+                self._thread = self._start()
             elif min(entry.due, entry.deadline) < self._wake_at - 0.2 * interval:
                 # Wake the thread only if it would otherwise renew this lease late by more than a fifth of
                 # its interval: a wake-up per task costs more CPU than the whole tracking otherwise does.
-                self._cond.notify()
+                self._notify()
+        self.flush_events()
 
     def untrack(self, lease: Lease) -> None:
         """Stop renewing ``lease``; any reply still in flight for it is ignored."""
-        with self._cond:
+        with self._mutex:
             self._entries.pop(id(lease), None)
+        self.flush_events()
 
     def tracked(self) -> int:
-        with self._cond:
+        with self._mutex:
             return len(self._entries)
+
+    def flush_events(self) -> None:
+        """Emit the events an isolated loop queued (called by the greenlets, which may log)."""
+        while self._events:
+            try:
+                fn, args, kwargs = self._events.popleft()
+            except IndexError:
+                return
+            try:
+                fn(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - a failing log call must not fail the task that flushed it
+                pass
+
+    def _start(self) -> threading.Thread | _OSThread:
+        if self.isolated:
+            return _OSThread(self._run, self._start_new_thread)
+        thread = threading.Thread(target=self._run, name="lockguard-renewer", daemon=True)
+        thread.start()
+        return thread
+
+    def _report(self, fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """Emit or log now, or (isolated) queue it for the greenlets; never called with the mutex held."""
+        if self.isolated:
+            self._events.append((fn, args, kwargs))
+        else:
+            fn(*args, **kwargs)
+
+    def _notify(self) -> None:
+        """Make the loop look at its leases now (with the mutex held)."""
+        try:
+            self._wakeup.release()
+        except RuntimeError:  # already woken, not yet seen
+            pass
+
+    def _wait(self, timeout: float | None) -> None:
+        """Sleep until notified or ``timeout`` seconds passed; entered and left with the mutex held."""
+        self._mutex.release()
+        try:
+            if timeout is None:
+                self._wakeup.acquire()
+            else:
+                self._wakeup.acquire(True, min(max(timeout, 0.0), _thread.TIMEOUT_MAX))
+        finally:
+            self._mutex.acquire()
 
     def _run(self) -> None:
         """The thread's loop: nothing escapes it, or every lease of the process would silently stop renewing."""
@@ -97,52 +263,80 @@ class Renewer:
                 failures += 1
                 delay = min(MAX_LOOP_BACKOFF, MIN_RETRY * 2 ** min(failures - 1, 10))
                 try:
-                    logger.error("lock.renewer_error", reason=f"{exc.__class__.__name__}: {exc}", exc_info=True)
+                    if self.isolated:  # logged later, outside this except: the traceback travels as text
+                        trace = "".join(traceback.format_exception(exc)).rstrip()
+                        self._report(self._log_error, f"{exc.__class__.__name__}: {exc}\n{trace}", False)
+                    else:
+                        self._log_error(f"{exc.__class__.__name__}: {exc}", True)
                 except Exception:  # noqa: BLE001 - logging itself failed; keep renewing regardless
                     pass
-                with self._cond:
+                with self._mutex:
                     self._wake_at = time.monotonic() + delay
-                    self._cond.wait(delay)
+                    self._wait(delay)
+
+    @staticmethod
+    def _log_error(reason: str, exc_info: bool) -> None:
+        logger.error("lock.renewer_error", reason=reason, exc_info=exc_info)
 
     def _pass(self) -> None:
         """Wait until a lease is due, then renew every tracked lease (one call per client and node)."""
-        with self._cond:
+        with self._mutex:
             while not self._entries:
                 self._wake_at = math.inf
-                self._cond.wait()
+                self._wait(None)
             now = time.monotonic()
             due = min(min(e.due, e.deadline, e.lease.valid_until) for e in self._entries.values())
             if due > now:
                 self._wake_at = due
-                self._cond.wait(due - now)
+                self._wait(due - now)
                 return
             self._wake_at = 0.0
-            self._cut_off(now)
+            cut = self._cut_off(now)
             groups: dict[tuple[int, str], list[_Entry]] = {}
             for e in self._entries.values():
                 node = cluster.node_name(e.client, e.lease.redis_key)
                 groups.setdefault((id(e.client), node), []).append(e)
+        for e, reason in cut:
+            self._report_cut(e.lease, reason)
         for entries in groups.values():
             self._tick(entries)
         self.ticks += 1
 
-    def _cut_off(self, now: float) -> None:
-        """Untrack leases past their max-hold, and leases already lost (validity passed): report each once."""
+    def _cut_off(self, now: float) -> list[tuple[_Entry, str]]:
+        """Untrack leases past their max-hold, and leases already lost (validity passed); the caller reports them."""
+        cut: list[tuple[_Entry, str]] = []
         for key, e in list(self._entries.items()):
             if now >= e.deadline:
                 del self._entries[key]
-                if e.lease.mark_lost("max_hold"):
-                    emit(
-                        "lock.max_hold_reached",
-                        e.lease.task_name,
-                        lock_key=e.lease.key,
-                        task_id=e.lease.task_id,
-                        fence=e.lease.fence,
-                        hold_ms=round(e.lease.hold_ms()),
-                    )
+                cut.append((e, "max_hold"))
             elif e.lease.lost:
                 del self._entries[key]
-                self._report_lost(e.lease, "expired")
+                cut.append((e, "expired"))
+        return cut
+
+    def _report_cut(self, lease: Lease, reason: str) -> None:
+        if reason != "max_hold":
+            self._report_lost(lease, reason)
+        elif lease.mark_lost("max_hold"):
+            self._report(
+                emit,
+                "lock.max_hold_reached",
+                lease.task_name,
+                lock_key=lease.key,
+                task_id=lease.task_id,
+                fence=lease.fence,
+                hold_ms=round(lease.hold_ms()),
+            )
+
+    def _client_for(self, client: Any) -> Any:
+        """The client to renew through: ``client``, or (isolated) this thread's own copy of it."""
+        if not self.isolated:
+            return client
+        known = self._own_clients.get(id(client))
+        if known is None or known[0] is not client:
+            known = (client, _own_client(client))
+            self._own_clients[id(client)] = known
+        return known[1]
 
     def _tick(self, entries: list[_Entry]) -> None:
         """One RENEW round trip for ``entries``; any error makes it a failed tick, retried soon."""
@@ -150,22 +344,24 @@ class Renewer:
         sent_at = time.monotonic()
         results: list[int] | None = None
         try:
-            follow_failover(entries[0].client)  # Sentinel: renew on the current master, not a demoted one
+            client = self._client_for(entries[0].client)
+            follow_failover(client)  # Sentinel: renew on the current master, not a demoted one
             sent_at = time.monotonic()
-            results = lease_ops.renew(entries[0].client, leases)
+            results = lease_ops.renew(client, leases)
             if len(results) != len(leases):
                 raise RuntimeError(f"RENEW answered {len(results)} results for {len(leases)} leases")
         except Exception as exc:  # noqa: BLE001 - BUSY, NOREPLICAS, NOPERM...: classified, never fatal
             results = None
             kind = errors.classify(exc) or "unexpected"
-            emit(
+            self._report(
+                emit,
                 "lock.backend_unavailable",
                 None,
                 reason=f"renew ({kind}): {exc.__class__.__name__}: {errors.reply_text(exc)}",
                 lock_keys=[x.key for x in leases[:20]],
             )
         lost: list[tuple[Lease, str]] = []
-        with self._cond:
+        with self._mutex:
             now = time.monotonic()
             for i, e in enumerate(entries):
                 if self._entries.get(id(e.lease)) is not e:
@@ -184,14 +380,14 @@ class Renewer:
                 del self._entries[id(e.lease)]
                 lost.append((e.lease, reason))
         if results is not None:
-            emit("lock.renewed", None, leases=len(leases), lock_keys=[x.key for x in leases[:20]])
+            self._report(emit, "lock.renewed", None, leases=len(leases), lock_keys=[x.key for x in leases[:20]])
         for lease, reason in lost:
             self._report_lost(lease, reason)
 
-    @staticmethod
-    def _report_lost(lease: Lease, reason: str) -> None:
+    def _report_lost(self, lease: Lease, reason: str) -> None:
         if lease.mark_lost(reason):
-            emit(
+            self._report(
+                emit,
                 "lock.lost",
                 lease.task_name,
                 lock_key=lease.key,

@@ -50,7 +50,7 @@ def test_a_short_lease_tracked_while_the_thread_sleeps_on_a_long_one_is_renewed(
 
     def renewed_across_three_ttls() -> bool:
         assert c.exists(lock_name("lg", "short")), "the short lease expired: the renewer was not woken"
-        seen.add(c.hget(lock_name("lg", "short"), "renewed_at") or "")
+        seen.add(str(c.hget(lock_name("lg", "short"), "renewed_at") or ""))
         return len(seen) >= 4
 
     wait_for(renewed_across_three_ttls, 3, interval=0.02, what="the short lease to be renewed repeatedly")
@@ -207,3 +207,33 @@ def test_a_lost_lease_is_never_renewed_back(server: RedisServer) -> None:
     sent_at = time.monotonic()
     assert L.renew(c, [lease]) == [1]
     assert lease.renewed(sent_at) is False and lease.lost
+
+
+def test_an_isolated_renewer_runs_on_an_os_thread_with_its_own_client_and_leaves_logging_to_the_caller(
+    server: RedisServer,
+) -> None:
+    """What gevent and eventlet workers get: green locks and sockets must not cross OS threads, so the
+    loop renews through a client it made itself, guards each lease with an OS lock, and queues its events
+    for the next track/untrack (made by a greenlet) to emit."""
+    import _thread
+    import threading
+
+    c = server.client()
+    renewer = Renewer(isolated=True)
+    lease = take(c, "iso", 300)
+    renewer.track(lease, c, 3600)
+    assert renewer.thread_kind == "os-thread" and isinstance(lease._guard, _thread.LockType)
+    assert renewer._thread is not None and not isinstance(renewer._thread, threading.Thread)
+    seen: set[str] = set()
+
+    def renewed_across_three_ttls() -> bool:
+        seen.add(str(c.hget(lock_name("lg", "iso"), "renewed_at")))
+        return len(seen) >= 4
+
+    wait_for(renewed_across_three_ttls, 3, interval=0.02, what="the lease to be renewed from the OS thread")
+    assert lease.held
+    [(original, own)] = renewer._own_clients.values()
+    assert original is c and own is not c and own.connection_pool is not c.connection_pool
+    assert any(fn.__name__ == "emit" and args[0] == "lock.renewed" for fn, args, _ in renewer._events)
+    renewer.untrack(lease)
+    assert not renewer._events
