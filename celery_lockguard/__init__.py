@@ -15,7 +15,7 @@ from . import acl
 from ._completion import PostgresStore, postgres_store
 from ._config import Settings, settings, validate_tasks
 from ._lease import Lease
-from ._task import LockedTask
+from ._task import LockedTask, LockGuard
 from ._version import __version__
 from .exceptions import (
     AlreadyQueued,
@@ -43,6 +43,7 @@ __all__ = [
     "IdempotencyKeyReused",
     "Lease",
     "LockContended",
+    "LockGuard",
     "LockGuardError",
     "LockLost",
     "LockedTask",

@@ -262,7 +262,7 @@ def _static(task: Any, option: str) -> Any:
     return value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
 
 
-#: Name prefixes of LockedTask's options: an unknown name with one of these is a typo of ours.
+#: Name prefixes of LockGuard's options: an unknown name with one of these is a typo of ours.
 _OUR_PREFIXES = ("lock", "queue_lock", "on_", "idempotency", "completion")
 #: Options Celery reads from a task class without defining them on ``Task`` (autoretry, routing).
 _CELERY_EXTRA_OPTIONS = frozenset(
@@ -323,22 +323,27 @@ def _set_option_names(task: Any, base: type) -> list[str]:
 def check_option_names(task: Any) -> None:
     """Refuse a misspelled option: ``lock_tll=5`` would silently keep the 30 s TTL.
 
-    A name set on the task that Celery's ``Task`` and ``LockedTask`` do not
-    know is refused when it starts like one of ours (``lock``, ``queue_lock``,
-    ``on_``, ``idempotency``, ``completion``) or is within two edits of one.
-    Other unknown names are the user's own attributes and are left alone.
+    A name set on the task that Celery's ``Task``, ``LockGuard`` and the other
+    task classes the task derives from (``DjangoTask``, a project's base) do
+    not know is refused when it starts like one of ours (``lock``,
+    ``queue_lock``, ``on_``, ``idempotency``, ``completion``) or is within two
+    edits of one. Other unknown names are the user's own attributes and are
+    left alone.
     """
-    from ._task import LockedTask  # _task.py imports this module
+    from ._task import LockGuard  # _task.py imports this module
 
-    known = set(dir(LockedTask)) | _CELERY_EXTRA_OPTIONS
+    known = set(dir(LockGuard)) | _CELERY_EXTRA_OPTIONS
+    for cls in type(task).__mro__:
+        if not issubclass(cls, LockGuard):  # a task class composed with ours: its names are its options
+            known.update(vars(cls))
     ours = sorted(
         attr
-        for attr, value in vars(LockedTask).items()
+        for attr, value in vars(LockGuard).items()
         if not attr.startswith("_")
         and not callable(value)
         and not isinstance(value, (property, staticmethod, classmethod))
     )
-    for attr in _set_option_names(task, LockedTask):
+    for attr in _set_option_names(task, LockGuard):
         if attr in known:
             continue
         lowered = attr.lower()
@@ -353,16 +358,19 @@ def check_option_names(task: Any) -> None:
 
 
 def validate_tasks(app: Any) -> None:
-    """Resolve the options of every ``LockedTask`` of ``app``; raise the first ``ConfigurationError``.
+    """Resolve the options of every ``LockGuard`` task of ``app``; raise the first ``ConfigurationError``.
 
     Run when the worker starts (``worker_init``), so a bad deploy fails there
     instead of at the first publish of the bad task. Leaves nothing cached:
     settings stay "read at first use", so a value set on ``app.conf`` after
-    this check still counts.
+    this check still counts. A task that misses the app's own ``task_cls``
+    (``DjangoTask``, a project base class) is only warned about, once per
+    process: it still locks correctly, it just lacks what that class adds.
     """
-    from ._task import LockedTask  # _task.py imports this module
+    from ._events import logger  # kept out of import time: the worker-side modules load on use
+    from ._task import LockGuard, missing_task_class  # _task.py imports this module
 
-    locked = [app.tasks[n] for n in sorted(app.tasks) if isinstance(app.tasks[n], LockedTask)]
+    locked = [app.tasks[n] for n in sorted(app.tasks) if isinstance(app.tasks[n], LockGuard)]
     if not locked:
         return
     had_settings = "_lockguard_settings" in app.__dict__
@@ -372,6 +380,16 @@ def validate_tasks(app: Any) -> None:
     finally:
         if not had_settings:
             app.__dict__.pop("_lockguard_settings", None)
+    for task in locked:
+        reason = missing_task_class(task)
+        if reason is not None and (id(app), task.name) not in _warned_task_cls:
+            _warned_task_cls.add((id(app), task.name))
+            logger.warning("lock.task_cls_missing", task_name=task.name, option="task_cls", reason=reason)
+
+
+#: (app id, task name) pairs already warned about a missing ``task_cls``: the check runs at finalize and at
+#: worker start, and once is enough.
+_warned_task_cls: set[tuple[int, str]] = set()
 
 
 def resolve_task_options(task: Any) -> TaskOptions:

@@ -89,11 +89,11 @@ def _broker_url(app: Any) -> str:
 
 
 def locked_tasks(app: Any) -> list[Any]:
-    """The app's ``LockedTask`` instances, sorted by name (task modules imported first)."""
-    from ._task import LockedTask
+    """The app's ``LockGuard`` tasks (``LockedTask`` or composed), sorted by name (task modules imported first)."""
+    from ._task import LockGuard
 
     app.loader.import_default_modules()
-    return sorted((t for t in app.tasks.values() if isinstance(t, LockedTask)), key=lambda t: t.name)
+    return sorted((t for t in app.tasks.values() if isinstance(t, LockGuard)), key=lambda t: t.name)
 
 
 def run(app: Any) -> list[Finding]:

@@ -119,9 +119,9 @@ def free_claim_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason
     from ._config import settings
     from ._errors import classify
     from ._events import emit
-    from ._task import LockedTask
+    from ._task import LockGuard
 
-    if not isinstance(task, LockedTask):
+    if not isinstance(task, LockGuard):
         return False
     s, opts = settings(task.app), task.lockguard_options
     if not s.enabled or not opts.locked or opts.mode == "while_running":
@@ -148,9 +148,9 @@ def shorten_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason: s
     from ._config import settings
     from ._errors import classify
     from ._events import emit
-    from ._task import LockedTask
+    from ._task import LockGuard
 
-    if not isinstance(task, LockedTask):
+    if not isinstance(task, LockGuard):
         return False
     s = settings(task.app)
     opts = task.lockguard_options

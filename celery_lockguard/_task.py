@@ -1,4 +1,4 @@
-"""``LockedTask``: the Celery hooks that carry out lockguard's decisions.
+"""``LockGuard`` and ``LockedTask``: the Celery hooks that carry out lockguard's decisions.
 
 What a delivery or a publish does is decided in :mod:`celery_lockguard._decision`
 (pure, table-tested); rendering lives in :mod:`calls`, message headers in
@@ -9,18 +9,24 @@ the answer out, freeing or handing over what the delivery holds on every exit.
 The lease is taken and released inside ``__call__`` because Celery does not
 call ``after_return`` on Retry, Ignore or Reject, runs it in the *main*
 process on a hard time limit, and a killed child runs nothing at all.
+
+``LockGuard`` is a cooperative mixin: every hook it overrides ends in
+``super()``, so ``class LockedDjangoTask(LockGuard, DjangoTask)`` keeps the
+other class's ``__call__``, ``apply_async`` and ``on_bound`` around ours (the
+lease is outermost, the claim is taken before the other class publishes).
+``LockedTask`` is ``LockGuard`` over the app's own task class where that is safe.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any
 
 from celery import Task, states, uuid
-from celery._state import _task_stack
-from celery.app.task import Context
 from celery.exceptions import Ignore, Retry
+from kombu.utils.imports import symbol_by_name
 
 from . import _calls as calls
 from . import _claims as claims
@@ -64,14 +70,19 @@ _ENTERED = "_lockguard_entered"
 #: Fields a direct call must not inherit from the caller's request.
 _PRIVATE = {_LEASE: None, _CALL: None, _CHECKPOINTS: None}
 _REQUEST_STATE = (*_PRIVATE, _ENTERED)
+#: Set by a direct call just before ``Task.__call__`` pushes the body's request; that push (and only that
+#: one) drops the caller's lease, names and checkpoints. A context variable: thread and gevent pools are safe.
+_DIRECT_CALL: ContextVar[bool] = ContextVar("lockguard_direct_call", default=False)
 
 
-class LockedTask(Task):
-    """A Celery task that runs its body under an entity-scoped Redis lease.
+class LockGuard(Task):
+    """The lease machinery as a cooperative mixin: ``class LockedDjangoTask(LockGuard, DjangoTask)``.
 
-    Options are class attributes (set through ``@app.task(...)``); each falls
-    back to the ``lockguard_*`` setting of the same meaning. See
-    docs/reference.md for every option.
+    Put it first among the bases so the lease wraps whatever the other task
+    class does in ``__call__`` and the queue claim is taken before it
+    publishes. Options are class attributes (set through ``@app.task(...)``);
+    each falls back to the ``lockguard_*`` setting of the same meaning. See
+    docs/reference.md for every option; ``LockedTask`` is the ready-made class.
     """
 
     #: Entity key template (``"invoice:{invoice_id}"``) or callable; ``None``: ``lockguard_keys[name]``, else unlocked.
@@ -107,6 +118,7 @@ class LockedTask(Task):
     @classmethod
     def on_bound(cls, app: Any) -> None:
         signals.install(app)
+        super().on_bound(app)
 
     # -- resolved configuration -------------------------------------------------
 
@@ -135,16 +147,22 @@ class LockedTask(Task):
         """Start the body's request as a copy of the caller's: id, retries, lease, names, checkpoints.
 
         ``Task.__call__`` pushes a new request for the body. Celery 5.5+ builds
-        it from the current one (this is that code); 5.3 and 5.4 start it
-        empty, so a body behind a custom ``__call__`` saw no ``request.id`` and
-        ``self.lock is None``.
+        it from the current one; 5.3 and 5.4 start it empty, so a body behind a
+        custom ``__call__`` saw no ``request.id`` and ``self.lock is None`` --
+        hence the caller's fields passed on explicitly. A direct call's body
+        starts without the caller's lease, names and checkpoints (it runs
+        unlocked; a ``checkpoint`` there must not land in the caller's run).
         """
-        ctx = Context(*args, **{**self.request.__dict__, **kwargs})
+        fields = {**self.request.__dict__, **kwargs}
+        if _DIRECT_CALL.get():
+            _DIRECT_CALL.set(False)
+            fields.update(_PRIVATE)
+        super().push_request(*args, **fields)
+        ctx = self.request
         if ctx.headers and any(name in ctx.headers for name in _REQUEST_STATE):
             # Celery 5.6+ derives ``headers`` from unknown request fields: our per-request state is not a
             # message header (a retry would try to serialise the lease).
             ctx.headers = {k: v for k, v in ctx.headers.items() if k not in _REQUEST_STATE} or None
-        self.request_stack.push(ctx)
 
     @property
     def lock(self) -> Lease | None:
@@ -283,13 +301,12 @@ class LockedTask(Task):
         return self._deliver(s, opts, args, kwargs)
 
     def _call_direct(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        _task_stack.push(self)
-        self.push_request(args=args, kwargs=kwargs, **_PRIVATE)
+        """Run the body unlocked, through the other task classes' ``__call__`` like a plain task's call."""
+        mark = _DIRECT_CALL.set(True)
         try:
-            return self.run(*args, **kwargs)
+            return super().__call__(*args, **kwargs)
         finally:
-            self.pop_request()
-            _task_stack.pop()
+            _DIRECT_CALL.reset(mark)
 
     def _deliver(self, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Acquire, decide, carry out; loop only to adopt a claim or to wait in-process."""
@@ -1050,6 +1067,94 @@ class LockedTask(Task):
             raise
 
 
+class LockedTask(LockGuard):
+    """``LockGuard`` over the app's own task class: ``@app.task(base=LockedTask, lock_key=...)``.
+
+    Celery builds a function's task class as ``type(name, (base,), ...)``, so
+    ``base=LockedTask`` alone would drop the app's ``task_cls`` (``DjangoTask``
+    under Celery's Django fixup, with its ``delay_on_commit``; a project's base
+    class). The class Celery builds for a function gets ``app.Task`` appended
+    to its bases when that is safe (:func:`adoptable_task_class`), giving
+    ``<task> -> LockedTask -> LockGuard -> app.Task -> DjangoTask -> Task``. A
+    task class written by hand keeps the bases it names: compose with
+    ``LockGuard`` there. A worker start warns about a task that misses the app's
+    class (:func:`missing_task_class`).
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = vars(cls)
+        app = own.get("app")
+        if not own.get("_decorated") or app is None:
+            return
+        configured = adoptable_task_class(app)
+        if configured is None or any(issubclass(b, configured) for b in cls.__bases__):
+            return
+        try:
+            cls.__bases__ = (*cls.__bases__, app.Task)
+        except TypeError:  # a layout or metaclass conflict: keep Celery's class; the worker start warns
+            return
+
+
+def configured_task_class(app: Any) -> type | None:
+    """The app's ``task_cls`` when it is a class of its own: not Celery's ``Task``, not already a ``LockGuard``."""
+    try:
+        configured = symbol_by_name(app.task_cls)
+    except Exception:  # noqa: BLE001 - an unimportable task_cls fails Celery itself, louder than we could
+        return None
+    if not isinstance(configured, type) or not issubclass(configured, Task):
+        return None
+    if configured is Task or issubclass(configured, LockGuard):
+        return None
+    return configured
+
+
+def shadowed_names(configured: type) -> list[str]:
+    """Names ``configured`` defines that ``LockGuard`` defines too (and Celery's ``Task`` does not).
+
+    Ours come first in the MRO and would shadow them silently: a project base
+    class with its own ``lock`` or ``checkpoint`` would read lockguard's. Hooks
+    both override (``__call__``, ``apply_async``, ``retry``, ...) are not
+    clashes: they chain through ``super()``.
+    """
+    ours = {name for name in vars(LockGuard) if not name.startswith("__")} - set(dir(Task))
+    theirs: set[str] = set()
+    for cls in configured.__mro__:
+        if not issubclass(cls, Task) or cls is Task:
+            continue
+        theirs.update(vars(cls))
+    return sorted(ours & theirs)
+
+
+def adoptable_task_class(app: Any) -> type | None:
+    """The app's ``task_cls`` if ``LockedTask`` may put it under a function's task, else ``None``."""
+    configured = configured_task_class(app)
+    if configured is None or shadowed_names(configured):
+        return None
+    return configured
+
+
+def missing_task_class(task: Any) -> str | None:
+    """Why ``task`` (a ``LockGuard``) lacks the app's non-default ``task_cls``, or ``None`` if it does not.
+
+    Said at worker start (logged, never fatal): the task still locks, but the
+    app's class (``DjangoTask.delay_on_commit``, a project's ``__call__``) is
+    not part of it, which a user of ``base=LockedTask`` rarely means.
+    """
+    configured = configured_task_class(task.app)
+    if configured is None or isinstance(task, configured):
+        return None
+    where = f"{configured.__module__}.{configured.__qualname__}"
+    why = ""
+    shadowed = shadowed_names(configured)
+    if shadowed:
+        why = f" (LockedTask does not adopt it: it defines {', '.join(shadowed)}, which LockGuard defines too)"
+    return (
+        f"task {task.name!r} does not derive from the app's task_cls {where}{why}; "
+        f"compose the lease with it instead: class Locked{configured.__name__}(LockGuard, {configured.__name__}) "
+        "and base= that class (docs/django.md)"
+    )
+
+
 def _describe(exc: BaseException | None) -> str:
     return f"{exc.__class__.__name__}: {exc}" if exc is not None else ""
-

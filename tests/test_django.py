@@ -1,0 +1,398 @@
+"""The lease composed with the app's task class; a real Django project with a real worker.
+
+Composition (no Django): ``LockedTask`` takes the app's ``task_cls`` under a
+function's task where that is safe, hooks chain through ``super()``, and a
+task that misses the app's class is named at worker start.
+
+The project (tests/djangoproject/, Celery's Django guide layout, SQLite) runs in
+this process (to publish inside ``transaction.atomic`` and read the ORM) and in
+one prefork worker shared by the module: ``delay_on_commit`` claims at commit,
+a rollback leaves no claim and no message, the ORM write is fenced through
+Django's cursor, settings come from ``CELERY_LOCKGUARD_*``, and the CLI runs
+from ``manage.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery, Task
+from structlog.testing import capture_logs
+
+from celery_lockguard import ConfigurationError, LockedTask, LockGuard, StaleFence, bump_fence, validate_tasks
+from celery_lockguard._keys import claim_name, lock_name
+from celery_lockguard.testing import Worker, delete_prefix
+
+from .conftest import REQUIRE
+from .harness import wait_for
+
+PROJECT = Path(__file__).resolve().parent / "djangoproject"
+
+
+# -- composition --------------------------------------------------------------------------------
+
+
+class ProjectTask(Task):
+    """A project's own ``task_cls``: wraps every call and counts its binds."""
+
+    calls: list[tuple[str, bool]] = []
+    bound: list[str] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        ProjectTask.calls.append((self.name, getattr(self, "lock", None) is not None))
+        return super().__call__(*args, **kwargs)
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        ProjectTask.bound.append(cls.__name__)
+
+    def tenant(self) -> str:
+        return "alpha"
+
+
+def _app(redis_url: str, prefix: str, task_cls: Any) -> Celery:
+    app = Celery("compose", broker="memory://", task_cls=task_cls, set_as_current=False)
+    app.conf.update(lockguard_redis_url=redis_url, lockguard_key_prefix=prefix, task_store_eager_result=True)
+    return app
+
+
+def test_locked_task_runs_inside_the_app_task_class_and_under_the_lease(redis_url: str, prefix: str) -> None:
+    ProjectTask.calls.clear()
+    ProjectTask.bound.clear()
+    app = _app(redis_url, prefix, ProjectTask)
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_key="k:{n}")
+    def work(self: Any, n: int) -> str:
+        return f"{self.tenant()}:{self.lock is not None}"
+
+    task = work._get_current_object()
+    mro = type(task).__mro__
+    assert isinstance(task, ProjectTask) and isinstance(task, LockedTask)
+    assert mro.index(LockGuard) < mro.index(ProjectTask)  # the lease wraps the project's __call__
+    assert ProjectTask.bound  # on_bound chains to the app's class
+    assert work.apply((1,)).get() == "alpha:True"
+    assert ProjectTask.calls == [(work.name, True)]  # the project's __call__ ran inside the lease
+    assert work(2) == "alpha:False"  # a direct call: through the project's __call__, no lock
+    assert ProjectTask.calls[-1] == (work.name, False)
+    with capture_logs() as logs:
+        validate_tasks(app)
+    assert not [e for e in logs if e["event"] == "lock.task_cls_missing"]
+
+
+def test_composed_class_options_are_known_typos_still_refused(redis_url: str, prefix: str) -> None:
+    class TenantTask(Task):
+        on_tenant_missing = "error"  # a project option that starts like one of ours
+
+    app = _app(redis_url, prefix, TenantTask)
+
+    @app.task(base=LockedTask, shared=False, lock_key="k:{n}", on_tenant_missing="skip")
+    def fine(n: int) -> None: ...
+
+    @app.task(base=LockedTask, shared=False, lock_key="k:{n}", lock_tll=5)
+    def typo(n: int) -> None: ...
+
+    assert fine.lockguard_options.locked
+    with pytest.raises(ConfigurationError, match="lock_tll"):
+        typo.lockguard_options  # noqa: B018
+
+
+def test_unsafe_or_hand_written_classes_are_named_at_validation(redis_url: str, prefix: str) -> None:
+    class CheckpointingTask(Task):
+        def checkpoint(self, name: str) -> None: ...  # LockGuard's name: ours would shadow it
+
+    clashing = _app(redis_url, prefix, CheckpointingTask)
+
+    @clashing.task(base=LockedTask, shared=False, lock_key="k:{n}")
+    def kept_apart(n: int) -> None: ...
+
+    assert not isinstance(kept_apart._get_current_object(), CheckpointingTask)
+
+    project = _app(redis_url, prefix, ProjectTask)
+
+    class HandWritten(LockedTask):  # a class task names its own bases: never rewritten
+        name = "hand_written"
+        lock_key = "k:{n}"
+
+        def run(self, n: int) -> None: ...
+
+    project.register_task(HandWritten())
+    with capture_logs() as logs:
+        validate_tasks(clashing)
+        validate_tasks(project)
+        validate_tasks(project)  # once per process is enough
+    warned = {e["task_name"]: e["reason"] for e in logs if e["event"] == "lock.task_cls_missing"}
+    assert len([e for e in logs if e["event"] == "lock.task_cls_missing"]) == 2
+    assert "it defines checkpoint" in warned[kept_apart.name]
+    assert "class LockedProjectTask(LockGuard, ProjectTask)" in warned["hand_written"]
+
+
+def test_a_mixin_composition_chains_every_hook(redis_url: str, prefix: str) -> None:
+    ProjectTask.calls.clear()
+    ProjectTask.bound.clear()
+
+    class LockedProjectTask(LockGuard, ProjectTask):
+        pass
+
+    app = _app(redis_url, prefix, None)
+
+    @app.task(base=LockedProjectTask, bind=True, shared=False, lock_key="k:{n}")
+    def work(self: Any, n: int) -> bool:
+        return self.lock is not None
+
+    work._get_current_object()  # bound when the app finalizes
+    assert ProjectTask.bound == ["work"]  # LockGuard.on_bound chained to the project's
+    assert work.apply((1,)).get() is True
+    assert ProjectTask.calls == [(work.name, True)]
+
+
+# -- the Django project -------------------------------------------------------------------------
+
+
+@dataclass
+class Project:
+    app: Celery
+    prefix: str  # every Redis key of the module lives under it
+    lock_prefix: str  # CELERY_LOCKGUARD_KEY_PREFIX
+    queue: str
+    env: dict[str, str]
+
+
+@pytest.fixture(scope="module")
+def project(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Project]:
+    """The project imported and migrated in this process, as ``manage.py`` would.
+
+    ``DJANGO_SETTINGS_MODULE`` is set only while the project is imported: Celery's
+    Django fixup reads it when an app is created, and later test modules' apps must
+    not become Django apps.
+    """
+    import django
+    from django.conf import settings as django_settings
+
+    if django_settings.configured:
+        pytest.skip("Django is already configured in this process")
+    prefix = f"lgdj:{uuid.uuid4().hex[:10]}"
+    env = {
+        "DJANGO_SETTINGS_MODULE": "djangoproject.settings",
+        "LOCKGUARD_DJANGO_PREFIX": prefix,
+        "LOCKGUARD_DJANGO_DB": str(tmp_path_factory.mktemp("django") / "db.sqlite3"),
+        "LOCKGUARD_TEST_REDIS_URL": redis_url,
+    }
+    if os.environ.get("LOCKGUARD_TEST_POSTGRES_URL"):
+        env["LOCKGUARD_DJANGO_PG"] = os.environ["LOCKGUARD_TEST_POSTGRES_URL"]
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    sys.path.insert(0, str(PROJECT))
+    try:
+        import djangoproject
+        from django.core.management import call_command
+
+        django.setup()
+        call_command("migrate", verbosity=0)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    app = djangoproject.celery_app
+    app.loader.import_default_modules()  # autodiscover_tasks: billing.tasks
+    yield Project(app, prefix, f"{prefix}:lg", f"{prefix}-q", env)
+    delete_prefix(redis.Redis.from_url(redis_url), prefix)
+    sys.path.remove(str(PROJECT))
+
+
+@pytest.fixture(scope="module")
+def worker(project: Project, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    """One prefork worker of the project for the module: ``celery -A djangoproject worker``."""
+    w = Worker(
+        "djangoproject",
+        control=project.app,
+        concurrency=2,
+        queues=[project.queue],
+        env={**project.env, "PYTHONPATH": str(PROJECT)},
+        cwd=PROJECT,
+        log_path=tmp_path_factory.mktemp("django-worker") / "worker.log",
+    )
+    with w:
+        yield w
+
+
+def _invoice() -> Any:
+    from billing.models import Invoice
+
+    return Invoice.objects.create(amount_cents=0)
+
+
+def _reload(pk: int) -> Any:
+    from billing.models import Invoice
+
+    return Invoice.objects.get(pk=pk)
+
+
+def _stored_fence(key: str, using: str = "default", table: str = "lockguard_fences") -> int | None:
+    from django.db import connections
+
+    with connections[using].cursor() as cursor:
+        cursor.execute(f"SELECT fence FROM {table} WHERE lock_key = %s", [key])
+        row = cursor.fetchone()
+    return int(row[0]) if row else None
+
+
+def test_django_task_classes(project: Project) -> None:
+    from billing import tasks
+    from celery.contrib.django.task import DjangoTask
+
+    from celery_lockguard.django import LockedDjangoTask
+
+    assert isinstance(tasks.charge._get_current_object(), LockedDjangoTask)
+    remind = tasks.remind._get_current_object()  # base=LockedTask under the Django fixup
+    assert isinstance(remind, LockedTask) and isinstance(remind, DjangoTask)
+    assert hasattr(remind, "apply_async_on_commit")
+
+
+@pytest.mark.integration
+def test_delay_on_commit_claims_at_commit_and_once(project: Project, worker: Worker, r: redis.Redis) -> None:
+    from billing.tasks import charge
+    from django.db import transaction
+
+    inv = _invoice()
+    claim = lock_name(project.lock_prefix, f"invoice:{inv.pk}")  # until_done claims the lease hash
+    with transaction.atomic():
+        charge.delay_on_commit(inv.pk, 500, hold=0.5)
+        charge.delay_on_commit(inv.pk, 500, hold=0.5)  # identical work: answered by the first at commit
+        assert not r.exists(claim), "claimed before the transaction committed"
+    assert r.exists(claim)  # claimed at commit, held through the (>= 0.5 s) body
+    wait_for(lambda: _reload(inv.pk).paid, 30, what="the charge to run")
+    wait_for(lambda: not r.exists(claim), 10, what="the claim to be released")
+    done = _reload(inv.pk)
+    assert (done.charges, done.amount_cents) == (1, 500)
+    assert done.fence == _stored_fence(f"invoice:{inv.pk}")
+
+
+@pytest.mark.integration
+def test_apply_async_on_commit_of_a_locked_task(project: Project, worker: Worker, r: redis.Redis) -> None:
+    from billing.tasks import remind
+    from django.db import transaction
+
+    inv = _invoice()
+    claim = claim_name(project.lock_prefix, f"invoice:{inv.pk}:remind")
+    with transaction.atomic():
+        remind.apply_async_on_commit((inv.pk,))
+        assert not r.exists(claim)
+    assert r.exists(claim) or _reload(inv.pk).reminders == 1  # until_started frees it when the body starts
+    wait_for(lambda: _reload(inv.pk).reminders == 1, 30, what="the reminder to run")
+
+
+class Rollback(Exception):
+    pass
+
+
+@pytest.mark.integration
+def test_rollback_leaves_no_claim_and_no_message(project: Project, worker: Worker, r: redis.Redis) -> None:
+    from billing.tasks import charge, remind
+    from django.db import transaction
+
+    inv = _invoice()
+    with pytest.raises(Rollback), transaction.atomic():
+        charge.delay_on_commit(inv.pk, 900)
+        remind.apply_async_on_commit((inv.pk,))
+        raise Rollback
+    assert not r.exists(lock_name(project.lock_prefix, f"invoice:{inv.pk}"))
+    assert not r.exists(claim_name(project.lock_prefix, f"invoice:{inv.pk}:remind"))
+    assert not r.llen(f"{project.prefix}:kombu:{project.queue}")
+    # A committed publish after it runs, and is the only run: the rolled-back calls were never sent.
+    with transaction.atomic():
+        charge.delay_on_commit(inv.pk, 100)
+    wait_for(lambda: _reload(inv.pk).paid, 30, what="the committed charge to run")
+    done = _reload(inv.pk)
+    assert (done.charges, done.amount_cents, done.reminders) == (1, 100, 0)
+
+
+@pytest.mark.integration
+def test_orm_write_is_fenced_on_djangos_connection(project: Project, worker: Worker) -> None:
+    from billing.tasks import charge
+    from django.db import connection, transaction
+
+    inv = _invoice()
+    first = charge.delay(inv.pk, 100).get(timeout=30)
+    assert _reload(inv.pk).fence == first["fence"] == _stored_fence(f"invoice:{inv.pk}")
+    # A newer holder wrote (or an operator's forced release bumped the fence): this holder's next write is stale.
+    with transaction.atomic(), connection.cursor() as cursor:
+        bump_fence(cursor, f"invoice:{inv.pk}", 2 * first["fence"])
+    stale = charge.delay(inv.pk, 200)
+    stale.get(timeout=30, propagate=False)
+    assert stale.state == "FAILURE" and type(stale.result).__name__ == StaleFence.__name__
+    after = _reload(inv.pk)
+    assert (after.amount_cents, after.charges) == (100, 1)  # the ORM update rolled back with the fence
+
+
+@pytest.mark.parametrize("using", ["default", "pg"])
+def test_fence_through_django_cursor_on_each_backend(project: Project, using: str) -> None:
+    """SQLite and PostgreSQL alike: ``advance_fence`` takes Django's cursor (``%s`` placeholders on both)."""
+    from billing.tasks import fenced_write
+    from django.db import connections
+
+    from celery_lockguard import fence_table_sql
+
+    if using not in connections.databases:
+        if REQUIRE:
+            pytest.fail("LOCKGUARD_REQUIRE_SERVICES=1 but LOCKGUARD_TEST_POSTGRES_URL is not set")
+        pytest.skip("LOCKGUARD_TEST_POSTGRES_URL is not set")
+    table = f"lgdj_fences_{uuid.uuid4().hex[:8]}"
+    key = f"n{uuid.uuid4().hex[:6]}"
+    with connections[using].cursor() as cursor:
+        cursor.execute(fence_table_sql(table))
+    try:
+        fence = fenced_write.apply((key,), {"using": using, "table": table}).get()
+        assert _stored_fence(f"note:{key}", using, table) == fence
+        with connections[using].cursor() as cursor:
+            bump_fence(cursor, f"note:{key}", 2 * fence, table)
+        stale = fenced_write.apply((key,), {"using": using, "table": table})
+        assert isinstance(stale.result, StaleFence)
+        assert _stored_fence(f"note:{key}", using, table) == 2 * fence
+    finally:
+        with connections[using].cursor() as cursor:
+            cursor.execute(f"DROP TABLE {table}")
+
+
+@pytest.mark.integration
+def test_settings_come_from_django(project: Project, worker: Worker) -> None:
+    from billing.tasks import sync_tenant
+
+    from celery_lockguard import settings
+
+    assert settings(project.app).key_prefix == project.lock_prefix
+    got = sync_tenant.delay("alpha").get(timeout=30)
+    assert got == {"key": "tenant:alpha:sync", "ttl_ms": 20_000}  # CELERY_LOCKGUARD_KEYS, _DEFAULT_TTL
+
+
+def test_cli_from_manage_py_and_celery(project: Project) -> None:
+    env = {**os.environ, **project.env, "PYTHONPATH": str(PROJECT)}
+
+    def describe(*command: str) -> dict[str, Any]:
+        out = subprocess.run(
+            [sys.executable, *command, "lockguard", "describe", "--json"],
+            cwd=PROJECT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        return {row["task"]: row for row in json.loads(out.stdout)}
+
+    managed = describe("manage.py")
+    assert managed == describe("-m", "celery", "-A", "djangoproject")
+    assert set(managed) == {"billing.charge", "billing.fenced_write", "billing.remind", "billing.sync_tenant"}
+    assert managed["billing.sync_tenant"]["key_template"] == "tenant:{tenant_id}:sync"
+    assert managed["billing.charge"]["ttl"] == 20
