@@ -1,5 +1,9 @@
 """Fixtures: real Redis (shared or embedded), private servers, real workers, PostgreSQL.
 
+The Redis servers come from this package's own pytest plugin
+(``celery_lockguard.pytest_plugin``: ``lockguard_redis``, ``lockguard_redis_server``),
+the way a user's suite gets them.
+
 Isolation is by key prefix (every key a test makes, Celery's included, lives
 under its prefix), never by FLUSHALL on a shared server.
 """
@@ -15,7 +19,6 @@ from typing import Any
 import pytest
 import redis
 
-from celery_lockguard import _connection as connection
 from celery_lockguard import _metrics as metrics
 from celery_lockguard.testing import RedisServer, delete_prefix, env_flag
 
@@ -27,17 +30,12 @@ AMQP_URL = os.environ.get("LOCKGUARD_TEST_AMQP_URL", "amqp://guest:guest@127.0.0
 
 
 @pytest.fixture(scope="session")
-def redis_url() -> Iterator[str]:
-    """The shared test Redis: ``LOCKGUARD_TEST_REDIS_URL``, or an embedded server for this session."""
-    url = os.environ.get("LOCKGUARD_TEST_REDIS_URL")
-    if url:
-        redis.Redis.from_url(url).ping()
-        yield url
-        return
-    if REQUIRE:
+def redis_url(lockguard_redis: str) -> str:
+    """The shared test Redis: the plugin's ``lockguard_redis`` (``LOCKGUARD_TEST_REDIS_URL``, else embedded)."""
+    if REQUIRE and not os.environ.get("LOCKGUARD_TEST_REDIS_URL"):
         pytest.fail("LOCKGUARD_REQUIRE_SERVICES=1 but LOCKGUARD_TEST_REDIS_URL is not set")
-    with RedisServer() as server:
-        yield server.url
+    redis.Redis.from_url(lockguard_redis).ping()
+    return lockguard_redis
 
 
 @pytest.fixture(scope="session")
@@ -64,11 +62,9 @@ def r(redis_url: str) -> redis.Redis:
 
 
 @pytest.fixture
-def own_redis() -> Iterator[RedisServer]:
-    """A private server this test may stop, restart or SCRIPT FLUSH."""
-    with RedisServer() as server:
-        yield server
-    connection.forget_clients()
+def own_redis(lockguard_redis_server: RedisServer) -> RedisServer:
+    """A private server this test may stop, restart or SCRIPT FLUSH (the plugin's ``lockguard_redis_server``)."""
+    return lockguard_redis_server
 
 
 @pytest.fixture(autouse=True)
