@@ -26,7 +26,6 @@ from typing import Any
 
 from celery import Task, states, uuid
 from celery.exceptions import Ignore, Retry
-from kombu.utils.imports import symbol_by_name
 
 from . import _calls as calls
 from . import _claims as claims
@@ -1073,8 +1072,10 @@ class LockedTask(LockGuard):
     Celery builds a function's task class as ``type(name, (base,), ...)``, so
     ``base=LockedTask`` alone would drop the app's ``task_cls`` (``DjangoTask``
     under Celery's Django fixup, with its ``delay_on_commit``; a project's base
-    class). The class Celery builds for a function gets ``app.Task`` appended
-    to its bases when that is safe (:func:`adoptable_task_class`), giving
+    class; ``app.Task = MyBase``). The class Celery builds for a function gets
+    ``app.Task`` appended to its bases when that is safe
+    (:func:`adoptable_task_class`: no name of ours shadowed, no ``apply_async``
+    of its own that would run after the claim is computed), giving
     ``<task> -> LockedTask -> LockGuard -> app.Task -> DjangoTask -> Task``. A
     task class written by hand keeps the bases it names: compose with
     ``LockGuard`` there. A worker start warns about a task that misses the app's
@@ -1097,11 +1098,20 @@ class LockedTask(LockGuard):
 
 
 def configured_task_class(app: Any) -> type | None:
-    """The app's ``task_cls`` when it is a class of its own: not Celery's ``Task``, not already a ``LockGuard``."""
+    """The app's default task class when it is one of its own: not Celery's ``Task``, not already a ``LockGuard``.
+
+    Read from ``app.Task``, not ``app.task_cls``: ``app.Task = MyBase`` is
+    Celery's documented way to change the default base and leaves ``task_cls``
+    alone. Celery's own ``app.Task`` is an app-bound subclass of ``task_cls``
+    (``subclass_with_self``, the app in its class dict as ``_app``); the class
+    the user chose is the first base past those.
+    """
     try:
-        configured = symbol_by_name(app.task_cls)
+        configured = app.Task
     except Exception:  # noqa: BLE001 - an unimportable task_cls fails Celery itself, louder than we could
         return None
+    while isinstance(configured, type) and vars(configured).get("_app") is app and configured.__bases__:
+        configured = configured.__bases__[0]
     if not isinstance(configured, type) or not issubclass(configured, Task):
         return None
     if configured is Task or issubclass(configured, LockGuard):
@@ -1114,8 +1124,9 @@ def shadowed_names(configured: type) -> list[str]:
 
     Ours come first in the MRO and would shadow them silently: a project base
     class with its own ``lock`` or ``checkpoint`` would read lockguard's. Hooks
-    both override (``__call__``, ``apply_async``, ``retry``, ...) are not
-    clashes: they chain through ``super()``.
+    both override (``__call__``, ``retry``, ...) are not clashes: they chain
+    through ``super()`` (``apply_async`` is a case of its own:
+    :func:`publishes_itself`).
     """
     ours = {name for name in vars(LockGuard) if not name.startswith("__")} - set(dir(Task))
     theirs: set[str] = set()
@@ -1126,16 +1137,50 @@ def shadowed_names(configured: type) -> list[str]:
     return sorted(ours & theirs)
 
 
+def publishes_itself(configured: type) -> type | None:
+    """The class below Celery's ``Task`` in ``configured``'s MRO that overrides ``apply_async``, or ``None``.
+
+    With ``LockGuard`` first, the claim is rendered from the arguments *we*
+    were given, before that ``apply_async`` runs: one that adds or rewrites
+    arguments (a tenant id from a context variable) would make different work
+    share one claim key, and the second publish would be answered with the
+    first's job and never sent. ``LockedTask`` cannot know what it does, so it
+    does not adopt such a class; the user composes in the order that fits.
+    ``DjangoTask`` only adds ``*_on_commit`` methods and stays adoptable.
+    """
+    for cls in configured.__mro__:
+        if cls is Task:
+            return None
+        if "apply_async" in vars(cls):
+            return cls
+    return None
+
+
+def _refusal(configured: type) -> str | None:
+    """Why ``LockedTask`` does not adopt ``configured``, or ``None`` if it may."""
+    shadowed = shadowed_names(configured)
+    if shadowed:
+        return f"it defines {', '.join(shadowed)}, which LockGuard defines too"
+    publisher = publishes_itself(configured)
+    if publisher is not None:
+        where = "its" if publisher is configured else f"{publisher.__qualname__}'s"
+        return (
+            f"{where} apply_async runs after lockguard computes the claim, so arguments it adds or rewrites "
+            "would not be part of the claim key"
+        )
+    return None
+
+
 def adoptable_task_class(app: Any) -> type | None:
-    """The app's ``task_cls`` if ``LockedTask`` may put it under a function's task, else ``None``."""
+    """The app's default task class if ``LockedTask`` may put it under a function's task, else ``None``."""
     configured = configured_task_class(app)
-    if configured is None or shadowed_names(configured):
+    if configured is None or _refusal(configured) is not None:
         return None
     return configured
 
 
 def missing_task_class(task: Any) -> str | None:
-    """Why ``task`` (a ``LockGuard``) lacks the app's non-default ``task_cls``, or ``None`` if it does not.
+    """Why ``task`` (a ``LockGuard``) lacks the app's non-default task class, or ``None`` if it does not.
 
     Said at worker start (logged, never fatal): the task still locks, but the
     app's class (``DjangoTask.delay_on_commit``, a project's ``__call__``) is
@@ -1145,14 +1190,19 @@ def missing_task_class(task: Any) -> str | None:
     if configured is None or isinstance(task, configured):
         return None
     where = f"{configured.__module__}.{configured.__qualname__}"
-    why = ""
-    shadowed = shadowed_names(configured)
-    if shadowed:
-        why = f" (LockedTask does not adopt it: it defines {', '.join(shadowed)}, which LockGuard defines too)"
+    refusal = _refusal(configured)
+    why = f" (LockedTask does not adopt it: {refusal})" if refusal else ""
+    name = configured.__name__
+    how = f"class Locked{name}(LockGuard, {name}) and base= that class"
+    if publishes_itself(configured) is not None and not shadowed_names(configured):
+        how = (
+            f"class Locked{name}(LockGuard, {name}) claims before its apply_async, "
+            f"class Locked{name}({name}, LockGuard) claims on the final message (its __call__ must end in "
+            "super().__call__()); base= the one that fits"
+        )
     return (
         f"task {task.name!r} does not derive from the app's task_cls {where}{why}; "
-        f"compose the lease with it instead: class Locked{configured.__name__}(LockGuard, {configured.__name__}) "
-        "and base= that class (docs/django.md)"
+        f"compose the lease with it explicitly: {how} (docs/django.md)"
     )
 
 

@@ -70,9 +70,23 @@ class LockGuardCommand(BaseCommand):
     celery_app: Any = None
 
     def run_from_argv(self, argv: list[str]) -> None:
-        """Hand everything after ``manage.py lockguard`` to the click group: its options, help and exit codes."""
+        """Hand everything after ``manage.py lockguard`` to the click group: its options, help and exit codes.
+
+        Django's own options (``--settings``, ``--pythonpath``, ``-v``, ...) are
+        taken out first, wherever they stand: ``manage.py`` has already applied
+        ``--settings`` and ``--pythonpath`` before loading the command, and the
+        click group would refuse them as unknown. The database connections the
+        CLI's app may have opened are closed afterwards, as Django's
+        ``run_from_argv`` does.
+        """
+        from django.db import connections
+
         prog = f"{argv[0].rsplit('/', 1)[-1]} {argv[1]}" if len(argv) > 1 else "lockguard"
-        self._cli(argv[2:], prog, standalone=True)
+        args, no_color = strip_django_options(argv[2:])
+        try:
+            self._cli(args, prog, standalone=True, no_color=no_color)
+        finally:
+            connections.close_all()
 
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("cli_args", nargs=argparse.REMAINDER, help="the `celery lockguard` arguments")
@@ -87,11 +101,45 @@ class LockGuardCommand(BaseCommand):
         except click.ClickException as exc:
             raise CommandError(exc.format_message(), returncode=exc.exit_code) from exc
 
-    def _cli(self, args: list[str], prog: str, *, standalone: bool) -> None:
+    def _cli(self, args: list[str], prog: str, *, standalone: bool, no_color: bool = False) -> None:
         from celery.bin.base import CLIContext
 
         from ._cli import lockguard
 
         app = symbol_by_name(self.celery_app) if self.celery_app is not None else current_app._get_current_object()
-        obj = CLIContext(app=app, no_color=False, workdir=None)
+        obj = CLIContext(app=app, no_color=no_color, workdir=None)
         lockguard.main(args=args, prog_name=prog, obj=obj, standalone_mode=standalone)
+
+
+#: Django's options of every command that take a value (``--settings X`` or ``--settings=X``).
+_DJANGO_VALUED = frozenset({"--settings", "--pythonpath", "--verbosity", "-v"})
+#: Django's flag options of every command.
+_DJANGO_FLAGS = frozenset({"--traceback", "--no-color", "--force-color", "--skip-checks"})
+
+
+def strip_django_options(args: list[str]) -> tuple[list[str], bool]:
+    """``args`` without Django's default options, and whether ``--no-color`` was among them.
+
+    Recognised anywhere before a ``--`` (after it everything is the CLI's):
+    ``--settings``, ``--pythonpath``, ``-v``/``--verbosity`` with their value
+    as the next word or after ``=`` (``-v2`` too), and the flags
+    ``--traceback``, ``--no-color``, ``--force-color``, ``--skip-checks``.
+    """
+    out: list[str] = []
+    no_color = False
+    words = iter(args)
+    for word in words:
+        if word == "--":
+            out.append(word)
+            out.extend(words)
+            break
+        name = word.split("=", 1)[0]
+        if word in _DJANGO_FLAGS:
+            no_color = no_color or word == "--no-color"
+        elif word in _DJANGO_VALUED:
+            next(words, None)
+        elif name in _DJANGO_VALUED or (word.startswith("-v") and word[2:].isdigit()):
+            pass
+        else:
+            out.append(word)
+    return out, no_color

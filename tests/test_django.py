@@ -15,11 +15,13 @@ from ``manage.py``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,10 +29,10 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery, Task
-from structlog.testing import capture_logs
 
 from celery_lockguard import ConfigurationError, LockedTask, LockGuard, StaleFence, bump_fence, validate_tasks
 from celery_lockguard._keys import claim_name, lock_name
+from celery_lockguard._task import adoptable_task_class
 from celery_lockguard.testing import Worker, delete_prefix
 
 from .conftest import REQUIRE
@@ -66,7 +68,21 @@ def _app(redis_url: str, prefix: str, task_cls: Any) -> Celery:
     return app
 
 
-def test_locked_task_runs_inside_the_app_task_class_and_under_the_lease(redis_url: str, prefix: str) -> None:
+def _task_cls_warnings(caplog: pytest.LogCaptureFixture, names: Iterable[str]) -> list[dict[str, Any]]:
+    """The ``lock.task_cls_missing`` events (``record.lockguard``) of the tasks ``names``, in order.
+
+    Only this test's tasks: every app that finalizes gets each ``@shared_task``
+    defined anywhere in the process (the Django project's, other modules'), and
+    ``validate_tasks`` warns about those too.
+    """
+    wanted = set(names)
+    events = [getattr(r, "lockguard", None) for r in caplog.records]
+    return [e for e in events if e and e["event"] == "lock.task_cls_missing" and e["task_name"] in wanted]
+
+
+def test_locked_task_runs_inside_the_app_task_class_and_under_the_lease(
+    redis_url: str, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
     ProjectTask.calls.clear()
     ProjectTask.bound.clear()
     app = _app(redis_url, prefix, ProjectTask)
@@ -84,9 +100,9 @@ def test_locked_task_runs_inside_the_app_task_class_and_under_the_lease(redis_ur
     assert ProjectTask.calls == [(work.name, True)]  # the project's __call__ ran inside the lease
     assert work(2) == "alpha:False"  # a direct call: through the project's __call__, no lock
     assert ProjectTask.calls[-1] == (work.name, False)
-    with capture_logs() as logs:
+    with caplog.at_level(logging.WARNING, logger="celery_lockguard"):
         validate_tasks(app)
-    assert not [e for e in logs if e["event"] == "lock.task_cls_missing"]
+    assert not _task_cls_warnings(caplog, [work.name])
 
 
 def test_composed_class_options_are_known_typos_still_refused(redis_url: str, prefix: str) -> None:
@@ -106,7 +122,9 @@ def test_composed_class_options_are_known_typos_still_refused(redis_url: str, pr
         typo.lockguard_options  # noqa: B018
 
 
-def test_unsafe_or_hand_written_classes_are_named_at_validation(redis_url: str, prefix: str) -> None:
+def test_unsafe_or_hand_written_classes_are_named_at_validation(
+    redis_url: str, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
     class CheckpointingTask(Task):
         def checkpoint(self, name: str) -> None: ...  # LockGuard's name: ours would shadow it
 
@@ -126,12 +144,13 @@ def test_unsafe_or_hand_written_classes_are_named_at_validation(redis_url: str, 
         def run(self, n: int) -> None: ...
 
     project.register_task(HandWritten())
-    with capture_logs() as logs:
+    with caplog.at_level(logging.WARNING, logger="celery_lockguard"):
         validate_tasks(clashing)
         validate_tasks(project)
         validate_tasks(project)  # once per process is enough
-    warned = {e["task_name"]: e["reason"] for e in logs if e["event"] == "lock.task_cls_missing"}
-    assert len([e for e in logs if e["event"] == "lock.task_cls_missing"]) == 2
+    events = _task_cls_warnings(caplog, [kept_apart.name, "hand_written"])
+    warned = {e["task_name"]: e["reason"] for e in events}
+    assert len(events) == 2 and events[0]["option"] == "task_cls"
     assert "it defines checkpoint" in warned[kept_apart.name]
     assert "class LockedProjectTask(LockGuard, ProjectTask)" in warned["hand_written"]
 
@@ -153,6 +172,150 @@ def test_a_mixin_composition_chains_every_hook(redis_url: str, prefix: str) -> N
     assert ProjectTask.bound == ["work"]  # LockGuard.on_bound chained to the project's
     assert work.apply((1,)).get() is True
     assert ProjectTask.calls == [(work.name, True)]
+
+
+TENANT: ContextVar[str | None] = ContextVar("tenant", default=None)
+
+
+class TenantTask(Task):
+    """A project base that adds the tenant from a context variable to every publish, and runs bodies inside it."""
+
+    runs: list[tuple[str | None, bool]] = []
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, *rest: Any, **options: Any) -> Any:
+        return super().apply_async(args, {**(kwargs or {}), "tenant_id": TENANT.get()}, *rest, **options)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        mark = TENANT.set(kwargs.get("tenant_id"))
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            TENANT.reset(mark)
+
+
+class ShortCircuitTask(TenantTask):
+    """Like ``TenantTask`` but its ``__call__`` runs the body itself instead of ending in ``super().__call__()``."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(*args, **kwargs)
+
+
+def _publish_as(task: Any, *tenants: str) -> list[str]:
+    ids = []
+    for tenant in tenants:
+        mark = TENANT.set(tenant)
+        try:
+            ids.append(task.delay().id)
+        finally:
+            TENANT.reset(mark)
+    return ids
+
+
+def test_a_task_class_with_its_own_apply_async_is_not_adopted(
+    redis_url: str, prefix: str, r: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Adopted, its ``apply_async`` would run after the claim: two tenants would share ``tenant:None:sync``.
+
+    So ``LockedTask`` leaves it out and the worker start says why and what to
+    write instead. ``DjangoTask`` adds methods but no ``apply_async``: adopted.
+    """
+    from celery.contrib.django.task import DjangoTask
+
+    app = _app(redis_url, prefix, TenantTask)
+
+    @app.task(base=LockedTask, shared=False, name=f"t{prefix}.sync", lock_key="tenant:{tenant_id}:sync")
+    def sync(tenant_id: str | None = None) -> None: ...
+
+    assert not isinstance(sync._get_current_object(), TenantTask)
+    assert adoptable_task_class(app) is None
+    assert adoptable_task_class(_app(redis_url, prefix, DjangoTask)) is DjangoTask
+    with caplog.at_level(logging.WARNING, logger="celery_lockguard"):
+        validate_tasks(app)
+    (event,) = _task_cls_warnings(caplog, [sync.name])
+    assert event["option"] == "task_cls" and "tests.test_django.TenantTask" in event["reason"]
+    assert "its apply_async runs after lockguard computes the claim" in event["reason"]
+    assert "class LockedTenantTask(TenantTask, LockGuard)" in event["reason"]
+
+
+def test_composition_order_decides_what_the_claim_sees(redis_url: str, prefix: str, r: redis.Redis) -> None:
+    """``(LockGuard, Project)`` claims on the arguments as given; ``(Project, LockGuard)`` on the final message."""
+
+    class ClaimFirst(LockGuard, TenantTask):
+        pass
+
+    class ClaimLast(TenantTask, LockGuard):
+        pass
+
+    app = _app(redis_url, prefix, None)
+    options: dict[str, Any] = {"shared": False, "lock_key": "tenant:{tenant_id}:sync", "lock_mode": "until_started"}
+
+    @app.task(base=ClaimFirst, name=f"first{prefix}", **options)
+    def first(tenant_id: str | None = None) -> None: ...
+
+    @app.task(base=ClaimLast, name=f"last{prefix}", **options)
+    def last(tenant_id: str | None = None) -> None: ...
+
+    # Claimed before TenantTask added the tenant: both publishes are "identical work", the second is never sent.
+    acme, globex = _publish_as(first, "acme", "globex")
+    assert acme == globex
+    assert r.exists(claim_name(prefix, "tenant:None:sync"))
+    r.delete(claim_name(prefix, "tenant:None:sync"))
+    # Claimed inside TenantTask's apply_async: one claim per tenant, both sent.
+    acme, globex = _publish_as(last, "acme", "globex")
+    assert acme != globex
+    assert r.exists(claim_name(prefix, "tenant:acme:sync"), claim_name(prefix, "tenant:globex:sync")) == 2
+
+
+def test_a_project_call_before_the_lease_must_end_in_super(redis_url: str, prefix: str) -> None:
+    """With the project's class first, its ``__call__`` runs outside ours: skipping ``super()`` skips the lease."""
+
+    class Chained(TenantTask, LockGuard):
+        pass
+
+    class Skipping(ShortCircuitTask, LockGuard):
+        pass
+
+    app = _app(redis_url, prefix, None)
+
+    @app.task(base=Chained, bind=True, shared=False, name=f"chained{prefix}", lock_key="tenant:{tenant_id}:sync")
+    def chained(self: Any, tenant_id: str | None = None) -> tuple[str | None, bool]:
+        return TENANT.get(), self.lock is not None
+
+    @app.task(base=Skipping, bind=True, shared=False, name=f"skipping{prefix}", lock_key="tenant:{tenant_id}:sync")
+    def skipping(self: Any, tenant_id: str | None = None) -> tuple[str | None, bool]:
+        return TENANT.get(), self.lock is not None
+
+    assert tuple(chained.apply(kwargs={"tenant_id": "acme"}).get()) == ("acme", True)
+    assert tuple(skipping.apply(kwargs={"tenant_id": "acme"}).get()) == (None, False)  # ran without a lease
+
+
+def test_app_task_set_directly_is_the_class_locked_task_keeps(
+    redis_url: str, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``app.Task = MyBase`` (Celery's documented way) leaves ``task_cls`` alone: the class comes from ``app.Task``."""
+
+    class MyBase(Task):
+        queue = "hipri"
+
+    app = _app(redis_url, prefix, None)
+    app.Task = MyBase
+
+    @app.task(base=LockedTask, shared=False, name=f"adopted{prefix}", lock_key="k:{n}")
+    def adopted(n: int) -> None: ...
+
+    class HandWritten(LockedTask):  # names its own bases: warned about, naming MyBase
+        name = f"hand{prefix}"
+        lock_key = "k:{n}"
+
+        def run(self, n: int) -> None: ...
+
+    app.register_task(HandWritten())
+    assert isinstance(adopted._get_current_object(), MyBase) and adopted.queue == "hipri"
+    with caplog.at_level(logging.WARNING, logger="celery_lockguard"):
+        validate_tasks(app)
+    events = _task_cls_warnings(caplog, [adopted.name, HandWritten.name])
+    assert [e["task_name"] for e in events] == [HandWritten.name]
+    assert "MyBase" in events[0]["reason"]
 
 
 # -- the Django project -------------------------------------------------------------------------
@@ -396,3 +559,49 @@ def test_cli_from_manage_py_and_celery(project: Project) -> None:
     assert set(managed) == {"billing.charge", "billing.fenced_write", "billing.remind", "billing.sync_tenant"}
     assert managed["billing.sync_tenant"]["key_template"] == "tenant:{tenant_id}:sync"
     assert managed["billing.charge"]["ttl"] == 20
+    # Django's own options, before and after the sub-command's, are Django's: --settings takes effect.
+    del env["DJANGO_SETTINGS_MODULE"]
+    for argv in (
+        ["--settings=djangoproject.short", "-v", "0", "--no-color", "describe", "--json"],
+        ["describe", "--json", "--traceback", "--settings", "djangoproject.short", "--pythonpath", "."],
+        ["--verbosity=2", "--skip-checks", "describe", "--force-color", "--json", "--settings=djangoproject.short"],
+    ):
+        out = subprocess.run(
+            [sys.executable, "manage.py", "lockguard", *argv],
+            cwd=PROJECT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, (argv, out.stderr)
+        assert {row["task"]: row["ttl"] for row in json.loads(out.stdout)}["billing.charge"] == 7, argv
+
+
+def test_django_options_are_taken_out_before_the_cli() -> None:
+    from celery_lockguard.django import strip_django_options
+
+    args = ["--settings", "a.b", "-v", "2", "locks", "--match=x*", "-v3", "--pythonpath=.", "--no-color", "--traceback"]
+    assert strip_django_options(args) == (["locks", "--match=x*"], True)
+    after_separator = ["--force-color", "release", "--", "--settings"]
+    assert strip_django_options(after_separator) == (["release", "--", "--settings"], False)
+
+
+def test_manage_py_lockguard_closes_the_database_connections(
+    project: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``run_from_argv`` ends as Django's does: the connections the command's process opened are closed."""
+    from django.db import connection
+
+    from celery_lockguard.django import LockGuardCommand
+
+    class Command(LockGuardCommand):
+        celery_app = project.app
+
+    _invoice()  # opens the default connection
+    assert connection.connection is not None
+    with pytest.raises(SystemExit) as exited:
+        Command().run_from_argv(["manage.py", "lockguard", "--settings=djangoproject.settings", "describe", "--json"])
+    assert exited.value.code == 0
+    assert "billing.charge" in {row["task"] for row in json.loads(capsys.readouterr().out)}
+    assert connection.connection is None
