@@ -1,5 +1,11 @@
 """pytest plugin for celery-lockguard (registered through the ``pytest11`` entry point).
 
+The entry point is named after this module (``celery_lockguard.pytest_plugin``), so
+``pytest_plugins = ["celery_lockguard.pytest_plugin"]`` or ``-p
+celery_lockguard.pytest_plugin`` find it already registered instead of loading it a
+second time under another name (which pytest refuses); ``-p
+no:celery_lockguard.pytest_plugin`` turns it off.
+
 It builds on the fixtures Celery users already have from pytest-celery
 (``celery_config``, ``celery_app``, ``celery_session_app``; ``celery.contrib.pytest``
 under the hood) and adds what testing a lock needs: a private Redis, a key prefix

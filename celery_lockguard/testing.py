@@ -345,8 +345,28 @@ class Worker:
         return self
 
     def start(self, timeout: float = 30) -> Worker:
-        """Start the worker and wait until it is ready; on failure it is stopped and the log tail raised."""
-        return self.spawn().wait_ready(timeout)
+        """Start the worker and wait until it is ready; on failure it is stopped and the log tail raised.
+
+        Any failure of the wait -- not ready in time, the process exited, the
+        control ping raised (broker down), an interrupt -- stops the process
+        before the error leaves: ``with Worker(...)`` never reaches ``__exit__``
+        when ``__enter__`` raises, so nothing else would.
+        """
+        self.spawn()
+        try:
+            return self.wait_ready(timeout)
+        except RuntimeError:  # ours: it carries the log tail already
+            self.stop(10)
+            raise
+        except Exception as exc:
+            self.stop(10)
+            raise RuntimeError(
+                f"worker {self.nodename} did not become ready ({exc.__class__.__name__}: {exc}); "
+                f"stopped; last lines of {self.log_path}:\n{self.output(6000)}"
+            ) from exc
+        except BaseException:
+            self.stop(10)
+            raise
 
     def wait_ready(self, timeout: float = 30) -> Worker:
         """Poll until the worker answers (see the class docstring); raise with its log tail if it exits."""

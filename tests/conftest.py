@@ -2,7 +2,10 @@
 
 The Redis servers come from this package's own pytest plugin
 (``celery_lockguard.pytest_plugin``: ``lockguard_redis``, ``lockguard_redis_server``),
-the way a user's suite gets them.
+the way a user's suite gets them. It is named in ``pytest_plugins`` as well as
+found through the ``pytest11`` entry point: ``make compat`` runs the suite from
+the work tree on ``PYTHONPATH``, where no entry point exists. Both name the
+plugin by its module, so pytest registers it once.
 
 Isolation is by key prefix (every key a test makes, Celery's included, lives
 under its prefix), never by FLUSHALL on a shared server.
@@ -24,6 +27,8 @@ from celery_lockguard.testing import RedisServer, delete_prefix, env_flag
 
 from .harness import Beat, Worker
 from .workerapp import create_app
+
+pytest_plugins = ["celery_lockguard.pytest_plugin"]
 
 REQUIRE = env_flag("LOCKGUARD_REQUIRE_SERVICES")
 AMQP_URL = os.environ.get("LOCKGUARD_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
