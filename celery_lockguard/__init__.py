@@ -6,9 +6,11 @@ lease fails.
 
 The public API is what ``__all__`` lists, plus the public modules
 ``celery_lockguard.fencing``, ``celery_lockguard.acl``,
-``celery_lockguard.exceptions``, ``celery_lockguard.testing`` and the pytest
-plugin ``celery_lockguard.pytest_plugin``. Modules whose name starts with an
-underscore are internal: they change without notice.
+``celery_lockguard.exceptions``, ``celery_lockguard.testing``,
+``celery_lockguard.django`` (the lease composed with Celery's ``DjangoTask``,
+and ``manage.py lockguard``; imported only by a Django project, as it needs
+Django) and the pytest plugin ``celery_lockguard.pytest_plugin``. Modules whose
+name starts with an underscore are internal: they change without notice.
 """
 
 from . import acl

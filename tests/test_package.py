@@ -78,7 +78,8 @@ def test_wheel_ships_py_typed_one_version_and_both_entry_points(dist: dict[str, 
         entry_points = configparser.ConfigParser()
         entry_points.read_string(whl.read(next(n for n in names if n.endswith("entry_points.txt"))).decode())
     assert entry_points["celery.commands"]["lockguard"] == "celery_lockguard._cli:lockguard"
-    assert entry_points["pytest11"]["lockguard"] == "celery_lockguard.pytest_plugin"
+    # Named like the module: ``pytest_plugins = ["celery_lockguard.pytest_plugin"]`` then finds it registered.
+    assert dict(entry_points["pytest11"]) == {"celery_lockguard.pytest_plugin": "celery_lockguard.pytest_plugin"}
     assert f"-{celery_lockguard.__version__}-" in dist["wheel"].name
 
 
@@ -144,3 +145,22 @@ def test_docs_import_only_from_public_modules() -> None:
                     if parts[0] == "celery_lockguard" and any(p.startswith("_") and p != "__version__" for p in parts):
                         offenders.append(f"{page.name}: {module}")
     assert not offenders, offenders
+
+
+def test_the_public_modules_are_the_same_in_the_docstring_and_the_reference() -> None:
+    """The package docstring and docs/reference.md's "What is public" name the same modules, each importable.
+
+    ``celery_lockguard.django`` was missing from both while the Django docs told users to import it.
+    """
+    import importlib
+
+    docstring = set(re.findall(r"``(celery_lockguard\.[a-z][a-z_]*)``", celery_lockguard.__doc__ or ""))
+    reference = (ROOT / "docs" / "reference.md").read_text()
+    public = reference[reference.index("**What is public.**") : reference.index("## Task options")]
+    documented = set(re.findall(r"`(celery_lockguard\.[a-z][a-z_]*)`", public))
+    assert docstring == documented
+    assert "celery_lockguard.django" in documented
+    for module in documented:
+        assert not module.split(".")[1].startswith("_"), module
+        importlib.import_module(module)
+    assert "_signals.install" not in reference  # signals are connected when a LockGuard task is bound
