@@ -8,11 +8,9 @@ The worker is :class:`celery_lockguard.testing.Worker`: ready when it answers
 from __future__ import annotations
 
 import json
-import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from celery import Celery
 
@@ -21,19 +19,9 @@ from celery_lockguard import testing
 ROOT = Path(__file__).resolve().parent.parent
 LOG_DIR = ROOT / ".bench" / "logs"
 
-T = TypeVar("T")
 
 
-def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+
 
 
 class Worker(testing.Worker):

