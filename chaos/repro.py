@@ -104,6 +104,8 @@ from typing import Any
 
 import psycopg
 
+from celery_lockguard.testing import wait_for
+
 from .app import TASK_NAME
 from .soak import Environment, Options, StoreFaults, broker_backlog, default_pg, interrupt
 
@@ -112,13 +114,8 @@ WATCHES = "lock.retry_scheduled|watching_running_original"
 
 
 def poll(what: str, predicate: Callable[[], Any], timeout: float) -> Any:
-    """``predicate()`` once truthy, polled every 50 ms; raises after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-    return value
+    """``predicate()`` once truthy, polled every 50 ms; raises a ``TimeoutError`` after ``timeout`` seconds."""
+    return wait_for(predicate, timeout, what)
 
 
 class Scenario:
