@@ -197,13 +197,29 @@ def _task_findings(app: Any, s: Settings, tasks: list[Any]) -> list[Finding]:
 # -- the worker pool -----------------------------------------------------------------------
 
 #: What each pool does to a lease (docs/pools.md has the measurements): where the renewer runs,
-#: whether a CPU-bound body keeps its lease, and which time limits the pool enforces.
+#: whether a CPU-bound body keeps its lease while it runs, which time limits the pool enforces,
+#: and which bodies its hard limit actually stops (gevent's ``gevent.Timeout`` fires only at a yield).
 POOLS: dict[str, dict[str, Any]] = {
-    "prefork": {"renewer": "thread in each child", "cpu_bound_safe": True, "time_limits": ("hard", "soft")},
-    "threads": {"renewer": "thread", "cpu_bound_safe": True, "time_limits": ()},
-    "solo": {"renewer": "thread", "cpu_bound_safe": True, "time_limits": ()},
-    "gevent": {"renewer": "OS thread (own clients)", "cpu_bound_safe": True, "time_limits": ("hard",)},
-    "eventlet": {"renewer": "OS thread (own clients)", "cpu_bound_safe": True, "time_limits": ()},
+    "prefork": {
+        "renewer": "thread in each child",
+        "cpu_bound_renewed": True,
+        "time_limits": ("hard", "soft"),
+        "hard_limit_stops": "any body",
+    },
+    "threads": {"renewer": "thread", "cpu_bound_renewed": True, "time_limits": (), "hard_limit_stops": "no body"},
+    "solo": {"renewer": "thread", "cpu_bound_renewed": True, "time_limits": (), "hard_limit_stops": "no body"},
+    "gevent": {
+        "renewer": "OS thread (own clients)",
+        "cpu_bound_renewed": True,
+        "time_limits": ("hard",),
+        "hard_limit_stops": "a body that yields",
+    },
+    "eventlet": {
+        "renewer": "OS thread (own clients)",
+        "cpu_bound_renewed": True,
+        "time_limits": (),
+        "hard_limit_stops": "no body",
+    },
 }
 _POOL_ALIASES = {"processes": "prefork", "thread": "threads"}
 
@@ -215,16 +231,19 @@ def pool_of(app: Any) -> str:
 
 
 def _pool_findings(app: Any, tasks: list[Any]) -> list[Finding]:
-    """Tasks whose hard time limit the configured pool does not enforce, yet which cap their lease by it.
+    """Tasks whose hard time limit the configured pool may not enforce, yet which cap their lease by it.
 
     ``lock_max_hold`` defaults to the hard time limit, trusting the pool to stop
-    the body there. threads, solo and eventlet never stop a body: it runs on
-    while renewal stops at the limit, the lease expires under it and a second
-    copy can start beside it (the body is told: ``lock.max_hold_reached``).
+    the body there. threads, solo and eventlet never stop a body, and gevent
+    stops one only when it yields: a CPU-bound body runs on while renewal stops
+    at the limit, the lease expires under it and a second copy can start beside
+    it (the body is told: ``lock.max_hold_reached``). Which bodies compute
+    without yielding cannot be read from the configuration, so under gevent
+    every such task is listed.
     """
     pool = pool_of(app)
     facts = POOLS.get(pool)
-    if facts is None or "hard" in facts["time_limits"]:
+    if facts is None or facts["hard_limit_stops"] == "any body":
         return []
     capped = [
         t.name
@@ -235,13 +254,23 @@ def _pool_findings(app: Any, tasks: list[Any]) -> list[Finding]:
     ]
     if not capped:
         return []
+    if "hard" in facts["time_limits"]:
+        what = (
+            f"worker_pool={pool!r} stops a body at its hard time limit only when the body yields, and "
+            f"{len(capped)} task(s) have one, which lock_max_hold defaults to: a CPU-bound body keeps running "
+            "past the limit while its lease is no longer renewed, so a second copy can start beside it."
+        )
+    else:
+        what = (
+            f"worker_pool={pool!r} enforces no hard time limit, but {len(capped)} task(s) have one, and "
+            "lock_max_hold defaults to it: past the limit the body keeps running while its lease is no longer "
+            "renewed, so a second copy can start beside it."
+        )
     return [
         Finding(
             "pool_ignores_time_limit",
-            f"worker_pool={pool!r} enforces no hard time limit, but {len(capped)} task(s) have one, and "
-            "lock_max_hold defaults to it: past the limit the body keeps running while its lease is no longer "
-            "renewed, so a second copy can start beside it. Set lock_max_hold to the longest real run (or "
-            "use the prefork pool, which stops the body at its limit).",
+            what + " Set lock_max_hold to the longest real run (or use the prefork pool, which stops any body "
+            "at its limit).",
             capped,
         )
     ]

@@ -14,7 +14,9 @@ Where an event is logged (``lockguard_log_backend``):
   (``structlog.is_configured()``), else logging.
 
 The setting is read from the settings already loaded on the current app (or
-the running task's app); before any are loaded, ``"auto"``. The library never
+the running task's app); before any are loaded, ``"auto"``. The renewer's
+thread has neither: its events use the setting read where each lease was
+tracked (:func:`emit_for`). The library never
 configures logging or structlog. Logging never raises into the caller and costs
 a level check when the level is off. Names and fields are a contract
 (docs/reference.md).
@@ -78,10 +80,30 @@ def emit(event: str, task_name: str | None = None, **fields: Any) -> None:
     log(level_of(event), event, task_name, fields)
 
 
-def log(level: int, event: str, task_name: str | None, fields: dict[str, Any], exc_info: bool = False) -> None:
-    """Log one event at ``level`` through the backend in force; never raises."""
+def emit_for(event: str, task_name: str | None, fields: dict[str, Any], *, backend: str, span: Any, n: int = 1) -> None:
+    """:func:`emit` on behalf of the context an event belongs to, for the renewer.
+
+    Its thread has neither the task's app (so ``lockguard_log_backend`` cannot
+    be read there) nor the task's span; the renewer captures both where the
+    lease is tracked (:func:`backend_choice`, ``tracing.current_span``).
+    ``n`` counts coalesced occurrences of the event as one metrics update.
+    """
+    metrics.count(task_name or "-", event, n)
+    tracing.span_event(event, task_name, fields, span)
+    log(level_of(event), event, task_name, fields, backend=backend)
+
+
+def log(
+    level: int,
+    event: str,
+    task_name: str | None,
+    fields: dict[str, Any],
+    exc_info: bool = False,
+    backend: str | None = None,
+) -> None:
+    """Log one event at ``level`` through ``backend`` (default: the one in force here); never raises."""
     try:
-        if _use_structlog():
+        if _use_structlog(backend):
             kwargs = {"task_name": task_name, **fields}
             if exc_info:
                 kwargs["exc_info"] = True
@@ -117,8 +139,8 @@ def _text(value: Any) -> str:
     return json.dumps(value, default=str, separators=(",", ":"))
 
 
-def _use_structlog() -> bool:
-    choice = _choice()
+def _use_structlog(backend: str | None = None) -> bool:
+    choice = backend or backend_choice()
     if choice == "logging":
         return False
     if choice == "structlog":
@@ -127,7 +149,7 @@ def _use_structlog() -> bool:
     return module is not None and bool(module.is_configured())
 
 
-def _choice() -> str:
+def backend_choice() -> str:
     """``lockguard_log_backend`` of the settings loaded on the current app, else on the running task's app.
 
     The current app first: a thread-local read, where the task stack costs

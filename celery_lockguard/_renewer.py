@@ -33,15 +33,32 @@ threads never wakes its waiter):
   microseconds at most; each tracked lease's guard is swapped for one too;
 * it renews through clients of its own, created on that thread (a green
   socket created there uses that thread's own hub);
-* its events (``lock.renewed``, ``lock.lost``, ...) are queued and emitted
-  by the greenlets, on their next ``track``/``untrack``: logging handlers and
-  the metrics counters are guarded by green locks. A body reads ``lock.lost``
-  from the lease itself, which is never deferred.
+* its events (``lock.renewed``, ``lock.lost``, ...) are handed to the
+  greenlets, because logging handlers and the metrics counters are guarded by
+  green locks. The thread wakes the hub thread-safely (gevent: an ``async_``
+  watcher; eventlet: a byte on a socket a drainer greenlet reads, as
+  ``eventlet.tpool`` does), and a greenlet emits them as soon as the hub runs:
+  within milliseconds, on an idle worker too, and never later than the next
+  ``track``/``untrack``. A CPU-bound body that never yields holds the hub, so
+  its events wait for it to yield or end; the body reads ``lock.lost`` from the
+  lease itself, which is never deferred.
+* nothing it reports is dropped, whatever the greenlets' delay: ``lock.lost``
+  and ``lock.max_hold_reached`` (at most one per lease) are queued one by one;
+  the repetitive ones (``lock.renewed`` per tick, ``lock.backend_unavailable``
+  per failed tick, ``lock.renewer_error``) are coalesced into one event each,
+  counted in full and logged once with ``occurrences=<n>``.
+
+Wherever it runs, the loop reports an event the way the task that tracked the
+lease would have: through the ``lockguard_log_backend`` read at ``track()``
+(the thread has no current app to read it from) and onto that task's span
+(captured at ``track()``; an event after the span ended goes on none), never
+onto whichever span is current where it is emitted.
 """
 
 from __future__ import annotations
 
 import _thread
+import logging
 import math
 import os
 import random
@@ -59,9 +76,10 @@ import redis
 from . import _cluster as cluster
 from . import _connection as connection
 from . import _errors as errors
+from . import _events as events
 from . import _lease as lease_ops
+from . import _tracing as tracing
 from ._connection import follow_failover
-from ._events import emit, logger
 from ._lease import Lease
 
 #: After a failed tick, the next try comes this fraction of the renewal interval later (ttl/15)...
@@ -79,6 +97,24 @@ class _Entry:
     interval: float
     deadline: float
     due: float
+    backend: str  # lockguard_log_backend where the lease was tracked
+    span: Any  # the tracking task's recording span, or None
+
+
+@dataclass
+class _Event:
+    """An event of the loop, emitted as the task that tracked the lease would have (see the module docstring)."""
+
+    name: str
+    task_name: str | None
+    fields: dict[str, Any]
+    backend: str
+    span: Any = None
+    n: int = 1  # occurrences coalesced into this one
+
+
+#: Events an isolated loop may make once per tick: kept as one each (the newest fields), counted in full.
+COALESCED = frozenset({"lock.renewed", "lock.backend_unavailable", "lock.renewer_error"})
 
 
 def green_runtime() -> str | None:
@@ -134,8 +170,10 @@ def _own_client(client: Any) -> Any:
 
     The library's clients are made by ``_connection`` from settings; the same
     settings make an independent one (Sentinel and Cluster included). Another
-    plain client is copied from its pool's arguments. Anything else is used as
-    it is, and a renewal it cannot make is a failed tick like any other.
+    plain client is copied from its pool's arguments. Anything else (a Sentinel
+    or Cluster client made elsewhere) raises ``TypeError``, a failed tick:
+    sharing it would let two OS threads use one green socket, which hangs or
+    corrupts replies instead of failing.
     """
     for (pid, s), known in list(connection._clients.items()):
         if known is client and pid == os.getpid():
@@ -144,11 +182,73 @@ def _own_client(client: Any) -> Any:
     if type(pool) in (redis.ConnectionPool, redis.BlockingConnectionPool):
         assert pool is not None
         return redis.Redis(connection_pool=type(pool)(connection_class=pool.connection_class, **pool.connection_kwargs))
-    return client
+    raise TypeError(
+        f"cannot renew through a {type(client).__name__} with a {type(pool).__name__} from an OS thread: "
+        "use a client made from lockguard settings"
+    )
 
 
-#: Events an isolated renewer keeps for the greenlets to emit; past this, the oldest are dropped.
-MAX_QUEUED_EVENTS = 1000
+def _close_quietly(client: Any) -> None:
+    """Close ``client`` and its pool's connections (``close()`` spares a pool it was handed)."""
+    try:
+        client.close()
+        pool = getattr(client, "connection_pool", None)
+        if pool is not None:
+            pool.disconnect()
+    except Exception:  # noqa: BLE001 - a dead connection needs no orderly close
+        pass
+
+
+class _GeventDrain:
+    """Wakes the gevent hub from any thread; the hub then spawns a greenlet that emits the queued events."""
+
+    def __init__(self, flush: Callable[[], None]) -> None:
+        import gevent
+
+        self._spawn = gevent.spawn
+        self._flush = flush
+        # Not ref'd: a pending wake-up must not keep gevent.wait() or the hub alive.
+        self._watcher = gevent.get_hub().loop.async_(ref=False)
+        self._watcher.start(self._woken)
+
+    def _woken(self) -> None:
+        self._spawn(self._flush)  # the hub itself must not block, and logging takes green locks
+
+    def wake(self) -> None:
+        self._watcher.send()  # thread-safe (libev ev_async_send / uv_async_send)
+
+
+class _EventletDrain:
+    """Wakes a drainer greenlet through a socket pair, as ``eventlet.tpool`` does: one byte per wake-up.
+
+    eventlet's hub has no thread-safe call; a green socket read blocks the
+    greenlet in the hub's poll, so an idle worker spends no CPU on it.
+    """
+
+    def __init__(self, flush: Callable[[], None]) -> None:
+        import eventlet
+        from eventlet import greenio, patcher
+
+        reader, self._writer = patcher.original("socket").socketpair()
+        self._writer.setblocking(False)
+        self._reader = greenio.GreenSocket(reader)
+        self._flush = flush
+        eventlet.spawn_n(self._drain)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                if not self._reader.recv(4096):
+                    return
+            except OSError:
+                return
+            self._flush()
+
+    def wake(self) -> None:
+        try:
+            self._writer.send(b"x")
+        except OSError:  # buffer full: wake-ups are already pending
+            pass
 
 
 class Renewer:
@@ -175,19 +275,37 @@ class Renewer:
         self._wakeup.acquire()
         self._thread: threading.Thread | _OSThread | None = None
         self._wake_at = math.inf  # when the thread will next look at its leases (0: it is ticking now)
-        self._events: deque[tuple[Callable[..., None], tuple[Any, ...], dict[str, Any]]] = deque(
-            maxlen=MAX_QUEUED_EVENTS
-        )
+        self._runtime = runtime
+        # Isolated: events for the greenlets. Each lease adds at most one to _events (its lost or
+        # max-hold), the rest coalesce in _coalesced, so neither needs a bound that would drop one.
+        self._events: deque[_Event] = deque()
+        self._coalesced: dict[str, _Event] = {}
+        self._signalled = False  # events are pending and the drain was woken for them
+        self._drain: _GeventDrain | _EventletDrain | None = None
+        self._backend = "auto"  # for the loop's own errors: the backend of the last lease tracked
         self._own_clients: dict[int, tuple[Any, Any]] = {}  # id(client) -> (client, own client); loop thread only
         self.ticks = 0
 
     def track(self, lease: Lease, client: Any, max_hold: float) -> None:
         """Start renewing ``lease`` every ttl/3 until ``max_hold`` seconds after acquisition."""
         interval = lease.ttl_ms / 3000
-        entry = _Entry(lease, client, interval, lease.acquired_at + max_hold, lease.acquired_at + _jitter(interval))
+        # Read here, in the task's context: the loop's thread has neither the app nor the span.
+        backend = events.backend_choice()
+        self._backend = backend
+        entry = _Entry(
+            lease,
+            client,
+            interval,
+            lease.acquired_at + max_hold,
+            lease.acquired_at + _jitter(interval),
+            backend,
+            tracing.current_span(),
+        )
         if self.isolated:
             # Lease methods the loop calls take this guard; a green lock must not be shared with an OS thread.
             lease._guard = self._allocate_lock()
+            if self._drain is None and self._runtime is not None:
+                self._drain = _make_drain(self._runtime, self.flush_events)
         with self._mutex:
             self._entries[id(lease)] = entry
             if self._thread is None or not self._thread.is_alive():
@@ -209,16 +327,31 @@ class Renewer:
             return len(self._entries)
 
     def flush_events(self) -> None:
-        """Emit the events an isolated loop queued (called by the greenlets, which may log)."""
-        while self._events:
-            try:
-                fn, args, kwargs = self._events.popleft()
-            except IndexError:
-                return
-            try:
-                fn(*args, **kwargs)
-            except Exception:  # noqa: BLE001 - a failing log call must not fail the task that flushed it
-                pass
+        """Emit the events an isolated loop handed over (called by the greenlets, which may log).
+
+        Each caller takes the whole batch under the mutex, so two greenlets
+        flushing at once emit every event exactly once.
+        """
+        if not self._signalled:  # unlocked read: a stale answer only defers to the drain's own flush
+            return
+        with self._mutex:
+            batch = [*self._coalesced.values(), *self._events]
+            self._coalesced.clear()
+            self._events.clear()
+            self._signalled = False
+        for event in batch:
+            self._emit(event)
+
+    @staticmethod
+    def _emit(event: _Event) -> None:
+        fields = event.fields if event.n == 1 else {**event.fields, "occurrences": event.n}
+        try:
+            if event.name == "lock.renewer_error":  # logged, not counted
+                events.log(logging.ERROR, event.name, None, fields, backend=event.backend)
+            else:
+                events.emit_for(event.name, event.task_name, fields, backend=event.backend, span=event.span, n=event.n)
+        except Exception:  # noqa: BLE001 - a failing log call must not fail the task that flushed it
+            pass
 
     def _start(self) -> threading.Thread | _OSThread:
         if self.isolated:
@@ -227,12 +360,23 @@ class Renewer:
         thread.start()
         return thread
 
-    def _report(self, fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
-        """Emit or log now, or (isolated) queue it for the greenlets; never called with the mutex held."""
-        if self.isolated:
-            self._events.append((fn, args, kwargs))
-        else:
-            fn(*args, **kwargs)
+    def _report(self, event: _Event) -> None:
+        """Emit now, or (isolated) hand it to the greenlets and wake them; never called with the mutex held."""
+        if not self.isolated:
+            self._emit(event)
+            return
+        with self._mutex:
+            if event.name in COALESCED:
+                earlier = self._coalesced.get(event.name)
+                if earlier is not None:
+                    event.n += earlier.n
+                self._coalesced[event.name] = event
+            else:
+                self._events.append(event)
+            wake = not self._signalled
+            self._signalled = True
+        if wake and self._drain is not None:
+            self._drain.wake()
 
     def _notify(self) -> None:
         """Make the loop look at its leases now (with the mutex held)."""
@@ -265,18 +409,22 @@ class Renewer:
                 try:
                     if self.isolated:  # logged later, outside this except: the traceback travels as text
                         trace = "".join(traceback.format_exception(exc)).rstrip()
-                        self._report(self._log_error, f"{exc.__class__.__name__}: {exc}\n{trace}", False)
+                        reason = f"{exc.__class__.__name__}: {exc}\n{trace}"
+                        self._report(_Event("lock.renewer_error", None, {"reason": reason}, self._backend))
                     else:
-                        self._log_error(f"{exc.__class__.__name__}: {exc}", True)
+                        events.log(
+                            logging.ERROR,
+                            "lock.renewer_error",
+                            None,
+                            {"reason": f"{exc.__class__.__name__}: {exc}"},
+                            exc_info=True,
+                            backend=self._backend,
+                        )
                 except Exception:  # noqa: BLE001 - logging itself failed; keep renewing regardless
                     pass
                 with self._mutex:
                     self._wake_at = time.monotonic() + delay
                     self._wait(delay)
-
-    @staticmethod
-    def _log_error(reason: str, exc_info: bool) -> None:
-        logger.error("lock.renewer_error", reason=reason, exc_info=exc_info)
 
     def _pass(self) -> None:
         """Wait until a lease is due, then renew every tracked lease (one call per client and node)."""
@@ -297,10 +445,21 @@ class Renewer:
                 node = cluster.node_name(e.client, e.lease.redis_key)
                 groups.setdefault((id(e.client), node), []).append(e)
         for e, reason in cut:
-            self._report_cut(e.lease, reason)
+            self._report_cut(e, reason)
         for entries in groups.values():
             self._tick(entries)
         self.ticks += 1
+        if len(self._own_clients) > len({key[0] for key in groups}):
+            self._prune_own_clients({key[0] for key in groups})
+
+    def _prune_own_clients(self, in_use: set[int]) -> None:
+        """Close this thread's copies of clients nobody can hand it again (forgotten, e.g. ``forget_clients``)."""
+        pid = os.getpid()
+        known = {id(c) for (p, _), c in list(connection._clients.items()) if p == pid}
+        for key, (_original, own) in list(self._own_clients.items()):
+            if key not in in_use and key not in known:
+                del self._own_clients[key]
+                _close_quietly(own)
 
     def _cut_off(self, now: float) -> list[tuple[_Entry, str]]:
         """Untrack leases past their max-hold, and leases already lost (validity passed); the caller reports them."""
@@ -314,19 +473,14 @@ class Renewer:
                 cut.append((e, "expired"))
         return cut
 
-    def _report_cut(self, lease: Lease, reason: str) -> None:
+    def _report_cut(self, e: _Entry, reason: str) -> None:
+        lease = e.lease
         if reason != "max_hold":
-            self._report_lost(lease, reason)
+            self._report_lost(e, reason)
         elif lease.mark_lost("max_hold"):
-            self._report(
-                emit,
-                "lock.max_hold_reached",
-                lease.task_name,
-                lock_key=lease.key,
-                task_id=lease.task_id,
-                fence=lease.fence,
-                hold_ms=round(lease.hold_ms()),
-            )
+            fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence}
+            fields["hold_ms"] = round(lease.hold_ms())
+            self._report(_Event("lock.max_hold_reached", lease.task_name, fields, e.backend, e.span))
 
     def _client_for(self, client: Any) -> Any:
         """The client to renew through: ``client``, or (isolated) this thread's own copy of it."""
@@ -334,6 +488,8 @@ class Renewer:
             return client
         known = self._own_clients.get(id(client))
         if known is None or known[0] is not client:
+            if known is not None:  # a new client at a dead one's address
+                _close_quietly(known[1])
             known = (client, _own_client(client))
             self._own_clients[id(client)] = known
         return known[1]
@@ -353,14 +509,12 @@ class Renewer:
         except Exception as exc:  # noqa: BLE001 - BUSY, NOREPLICAS, NOPERM...: classified, never fatal
             results = None
             kind = errors.classify(exc) or "unexpected"
-            self._report(
-                emit,
-                "lock.backend_unavailable",
-                None,
-                reason=f"renew ({kind}): {exc.__class__.__name__}: {errors.reply_text(exc)}",
-                lock_keys=[x.key for x in leases[:20]],
-            )
-        lost: list[tuple[Lease, str]] = []
+            fields: dict[str, Any] = {
+                "reason": f"renew ({kind}): {exc.__class__.__name__}: {errors.reply_text(exc)}",
+                "lock_keys": [x.key for x in leases[:20]],
+            }
+            self._report(_Event("lock.backend_unavailable", None, fields, entries[0].backend))
+        lost: list[tuple[_Entry, str]] = []
         with self._mutex:
             now = time.monotonic()
             for i, e in enumerate(entries):
@@ -378,24 +532,30 @@ class Renewer:
                     e.due = now + _retry_delay(e.interval)
                     continue
                 del self._entries[id(e.lease)]
-                lost.append((e.lease, reason))
+                lost.append((e, reason))
         if results is not None:
-            self._report(emit, "lock.renewed", None, leases=len(leases), lock_keys=[x.key for x in leases[:20]])
-        for lease, reason in lost:
-            self._report_lost(lease, reason)
+            fields = {"leases": len(leases), "lock_keys": [x.key for x in leases[:20]]}
+            self._report(_Event("lock.renewed", None, fields, entries[0].backend))
+        for e, reason in lost:
+            self._report_lost(e, reason)
 
-    def _report_lost(self, lease: Lease, reason: str) -> None:
+    def _report_lost(self, e: _Entry, reason: str) -> None:
+        lease = e.lease
         if lease.mark_lost(reason):
-            self._report(
-                emit,
-                "lock.lost",
-                lease.task_name,
-                lock_key=lease.key,
-                task_id=lease.task_id,
-                fence=lease.fence,
-                hold_ms=round(lease.hold_ms()),
-                reason=reason,
-            )
+            fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence}
+            fields.update(hold_ms=round(lease.hold_ms()), reason=reason)
+            self._report(_Event("lock.lost", lease.task_name, fields, e.backend, e.span))
+
+
+def _make_drain(runtime: str, flush: Callable[[], None]) -> _GeventDrain | _EventletDrain | None:
+    """The hub's wake-up for ``runtime``, made on the calling (hub) thread; ``None`` if it cannot be made.
+
+    Without one, events still go out with the next ``track``/``untrack``.
+    """
+    try:
+        return _GeventDrain(flush) if runtime == "gevent" else _EventletDrain(flush)
+    except Exception:  # noqa: BLE001 - an unexpected gevent/eventlet: fall back to flushing on track/untrack
+        return None
 
 
 def _retry_delay(interval: float) -> float:

@@ -61,14 +61,37 @@ def _value(value: Any) -> Any:
     return str(value)
 
 
-def span_event(event: str, task_name: str | None, fields: dict[str, Any]) -> None:
-    """Add ``event`` to the current span, with the event's fields as ``lockguard.*`` attributes."""
-    if event not in SPAN_EVENTS:
-        return
+def current_span() -> Any:
+    """The recording span of the caller, or ``None``: for events made later, elsewhere (the renewer's).
+
+    The renewer finds a lease lost on its own thread, outside every task's
+    context; :func:`span_event` given this span puts the event on the task
+    that held the lease instead of on whatever span is current there.
+    """
     trace = _api()
     if trace is None:
-        return
+        return None
     span = trace.get_current_span()
+    return span if span.is_recording() else None
+
+
+#: ``span_event``'s default: the span current where the event is made.
+CURRENT: Any = object()
+
+
+def span_event(event: str, task_name: str | None, fields: dict[str, Any], span: Any = CURRENT) -> None:
+    """Add ``event`` to ``span`` (default: the current span), with its fields as ``lockguard.*`` attributes.
+
+    ``span=None`` puts it on no span. A span that has ended since it was
+    captured records nothing.
+    """
+    if event not in SPAN_EVENTS or span is None:
+        return
+    if span is CURRENT:
+        trace = _api()
+        if trace is None:
+            return
+        span = trace.get_current_span()
     if not span.is_recording():
         return
     attributes = {f"lockguard.{k}": _value(v) for k, v in fields.items() if v is not None}

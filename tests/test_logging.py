@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,9 +22,11 @@ from structlog.testing import capture_logs
 
 from celery_lockguard import LockedTask
 from celery_lockguard import _events as events
+from celery_lockguard import _lease as L
 from celery_lockguard import _metrics as metrics
 from celery_lockguard._config import reset, settings
 from celery_lockguard._keys import lock_name
+from celery_lockguard._renewer import Renewer
 from celery_lockguard.exceptions import ConfigurationError
 
 from .conftest import make_cfg
@@ -212,6 +215,33 @@ def test_the_log_backend_setting_overrides_the_choice(
     via_logging = [rec.lockguard["event"] for rec in ours(caplog)]  # type: ignore[attr-defined]
     expected = ["lock.acquired", "lock.released"]
     assert (via_logging, via_structlog) == ((expected, []) if backend == "logging" else ([], expected))
+
+
+@pytest.mark.parametrize("isolated", [False, True])
+def test_the_renewers_events_follow_the_log_backend_setting_outside_a_worker(
+    app: Celery, caplog: pytest.LogCaptureFixture, isolated: bool
+) -> None:
+    """The renewer's thread has no current app: it used to read "auto" there and send lock.lost to a
+    configured structlog despite lockguard_log_backend="logging". The backend is now read at track()."""
+    app.conf.lockguard_log_backend = "logging"
+    s = settings(app)
+    c = redis.Redis.from_url(s.redis_url, decode_responses=True)
+    got = L.acquire(
+        c, s.key_prefix, "rn", ttl_ms=600, task_id="t", task_name="n", digest="d", worker="w", fence_ttl_ms=60_000
+    )
+    assert isinstance(got, L.Lease)
+    renewer = Renewer(isolated=isolated)
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    with capture_logs() as logs:  # structlog "configured": auto would pick it
+        renewer.track(got, c, 3600)
+        c.delete(lock_name(s.key_prefix, "rn"))
+        wait_for(lambda: got.lost and renewer.tracked() == 0, 5, interval=0.01, what="the loss to be found")
+        flusher = threading.Thread(target=renewer.flush_events)  # isolated: a thread with no app either
+        flusher.start()
+        flusher.join()
+        wait_for(lambda: ours(caplog), 5, interval=0.01, what="lock.lost through logging")
+    assert [rec.lockguard["event"] for rec in ours(caplog)] == ["lock.lost"]  # type: ignore[attr-defined]
+    assert logs == []
 
 
 def test_structlog_chosen_by_setting_without_structlog_configured(app: Celery) -> None:

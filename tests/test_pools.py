@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -168,16 +169,35 @@ def test_a_time_limit_frees_the_lease(fleet: PoolFleet, limit: str) -> None:
     assert time.monotonic() - started < 15
 
 
+def test_a_lost_lease_is_logged_while_the_body_still_runs(fleet: PoolFleet) -> None:
+    """Under gevent and eventlet lock.lost used to wait for the next task start or end (on an idle worker,
+    forever): the renewer's OS thread queued it. Now it wakes the hub, so every pool logs it within a tick."""
+    key = f"lost-{uuid.uuid4().hex[:6]}"
+    result = fleet.send("sleeper", key, 3, "lost", worker=0)
+    wait_for(lambda: fleet.r.exists(fleet.lock(key)), 15, interval=0.01, what="the lease")
+    fleet.r.delete(fleet.lock(key))
+    deleted = time.monotonic()
+    line = re.compile(rf"lock\.lost task_name=pools\.sleeper lock_key=res:{key} .*reason=token_gone")
+    wait_for(lambda: line.search(fleet.workers[0].output()), 10, what=f"{fleet.pool}: lock.lost in the log")
+    assert not result.ready(), f"{fleet.pool}: lock.lost was logged only once the body ended"
+    assert time.monotonic() - deleted < 1.5  # a renewal interval (~0.3 s) and a loaded machine's slack
+    assert result.get(timeout=RESULT_TIMEOUT)["lost"] is True
+
+
 def test_doctor_flags_a_pool_that_ignores_the_time_limit_a_lease_is_capped_by(redis_url: str) -> None:
-    """threads, solo and eventlet never stop a body; lock_max_hold defaults to its time limit anyway."""
+    """threads, solo and eventlet never stop a body, gevent stops only one that yields (a CPU-bound body runs
+    on, docs/pools.md); lock_max_hold defaults to its time limit anyway."""
     prefix = f"lgt:{uuid.uuid4().hex[:10]}"
     app = create_app({"broker": redis_url, "lock_url": redis_url, "prefix": prefix, "queue": prefix})
     found = {}
     for pool in ["prefork", "processes", "gevent", "threads", "solo", "eventlet"]:
         app.conf.worker_pool = pool
         found[pool] = [f for f in doctor.run(app) if f.code == "pool_ignores_time_limit"]
-    assert {pool for pool, f in found.items() if f} == {"threads", "solo", "eventlet"}
-    assert found["threads"][0].tasks == ["pools.hard_limited"]
+    assert {pool for pool, f in found.items() if f} == {"threads", "solo", "eventlet", "gevent"}
+    assert found["threads"][0].tasks == found["gevent"][0].tasks == ["pools.hard_limited"]
     assert "lock_max_hold" in found["threads"][0].message
+    assert "only when the body yields" in found["gevent"][0].message
+    assert "CPU-bound" in found["gevent"][0].message and "lock_max_hold" in found["gevent"][0].message
     assert doctor.POOLS["gevent"]["renewer"].startswith("OS thread")
-    assert all(facts["cpu_bound_safe"] for facts in doctor.POOLS.values())
+    assert doctor.POOLS["gevent"]["hard_limit_stops"] == "a body that yields"
+    assert all(facts["cpu_bound_renewed"] for facts in doctor.POOLS.values())

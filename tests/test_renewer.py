@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -12,9 +15,10 @@ import redis
 from structlog.testing import capture_logs
 
 from celery_lockguard import _lease as L
+from celery_lockguard import _metrics as metrics
 from celery_lockguard import _scripts as scripts
 from celery_lockguard._keys import lock_name
-from celery_lockguard._renewer import Renewer
+from celery_lockguard._renewer import Renewer, _Event, _own_client
 from celery_lockguard.testing import RedisServer, busy
 
 from .harness import wait_for
@@ -234,6 +238,155 @@ def test_an_isolated_renewer_runs_on_an_os_thread_with_its_own_client_and_leaves
     assert lease.held
     [(original, own)] = renewer._own_clients.values()
     assert original is c and own is not c and own.connection_pool is not c.connection_pool
-    assert any(fn.__name__ == "emit" and args[0] == "lock.renewed" for fn, args, _ in renewer._events)
+    assert renewer._coalesced["lock.renewed"].fields["lock_keys"] == ["iso"]
     renewer.untrack(lease)
-    assert not renewer._events
+    assert not renewer._coalesced and not renewer._events
+
+
+def test_an_isolated_renewer_drops_nothing_however_long_the_greenlets_take(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The queue used to keep the newest 1000 events: 1000 renewals behind a CPU-bound body pushed a
+    lock.lost out. Now the per-tick events coalesce (counted in full, logged once) and lost is queued."""
+    caplog.set_level(logging.DEBUG, logger="celery_lockguard")
+    renewer = Renewer(isolated=True)
+    renewed = _Event("lock.renewed", None, {"leases": 1, "lock_keys": ["a"]}, "logging")
+    for _ in range(3000):
+        renewer._report(_Event(renewed.name, None, renewed.fields, "logging"))
+    lost_fields = {"lock_key": "a", "task_id": "t1", "fence": 7, "hold_ms": 900, "reason": "token_gone"}
+    renewer._report(_Event("lock.lost", "n", lost_fields, "logging"))
+    for _ in range(3000):
+        renewer._report(_Event(renewed.name, None, renewed.fields, "logging"))
+    renewer._report(_Event("lock.backend_unavailable", None, {"reason": "renew (unavailable): x"}, "logging"))
+    renewer.flush_events()
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "celery_lockguard"]
+    assert lines == [
+        'lock.renewed leases=1 lock_keys=["a"] occurrences=6000',
+        'lock.backend_unavailable reason="renew (unavailable): x"',
+        "lock.lost task_name=n lock_key=a task_id=t1 fence=7 hold_ms=900 reason=token_gone",
+    ]
+    counted = metrics.snapshot()
+    assert counted["-"]["lock.renewed"] == 6000 and counted["n"]["lock.lost"] == 1
+
+
+GREEN_IDLE = """
+import sys
+runtime = sys.argv[1]
+if runtime == "gevent":
+    from gevent import monkey; monkey.patch_all()
+    from gevent import sleep
+else:
+    import eventlet; eventlet.monkey_patch()
+    from eventlet import sleep
+import logging, time
+import redis
+from celery_lockguard import _lease as L
+from celery_lockguard._keys import lock_name
+from celery_lockguard._renewer import Renewer
+
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append((time.monotonic(), record.getMessage()))
+logging.getLogger("celery_lockguard").addHandler(Keep())
+logging.getLogger("celery_lockguard").setLevel(logging.WARNING)
+c = redis.Redis.from_url(sys.argv[2], decode_responses=True)
+renewer = Renewer()
+assert renewer.isolated
+def take(key, ttl_ms):
+    return L.acquire(c, sys.argv[3], key, ttl_ms=ttl_ms, task_id=key, task_name="n", digest="d", worker="w",
+                     fence_ttl_ms=60_000)
+lease = take("green", 600)
+renewer.track(lease, c, 3600)
+c.delete(lock_name(sys.argv[3], "green"))
+deleted = time.monotonic()
+deadline = deleted + 5
+while not any("lock.lost" in m for _, m in records) and time.monotonic() < deadline:
+    sleep(0.01)  # the hub runs; no track/untrack that would flush on its behalf
+found = [t for t, m in records if "lock.lost" in m and "reason=token_gone" in m]
+print("LOST_AFTER", found[0] - deleted if found else None)
+idle = take("idle", 30_000)
+renewer.track(idle, c, 3600)
+cpu = time.process_time()
+sleep(1.0)  # measuring, not waiting: what an idle process spends while a lease is tracked
+print("IDLE_CPU", time.process_time() - cpu)
+renewer.untrack(idle)
+"""
+
+
+@pytest.mark.parametrize("runtime", ["gevent", "eventlet"])
+def test_under_gevent_and_eventlet_the_renewers_events_are_emitted_at_once_on_an_idle_process(
+    server: RedisServer, runtime: str
+) -> None:
+    """lock.lost used to wait for the next track/untrack: on an idle worker, forever. The OS thread now
+    wakes the hub (gevent async watcher, eventlet socket pair); idle, that costs no polling."""
+    pytest.importorskip(runtime)
+    done = subprocess.run(
+        [sys.executable, "-c", GREEN_IDLE, runtime, server.url, "lg"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    out = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith(("LOST_", "IDLE_")))
+    assert out["LOST_AFTER"] != "None", done.stdout + done.stderr
+    assert float(out["LOST_AFTER"]) < 1.0  # a tick (~0.2 s) and the hub's turn
+    assert float(out["IDLE_CPU"]) < 0.05, out
+
+
+@pytest.mark.parametrize("isolated", [False, True])
+def test_a_lease_lost_lands_on_the_span_of_the_task_that_held_it(server: RedisServer, isolated: bool) -> None:
+    """Under gevent, task A's lock.lost used to land on task B's span: the greenlet that flushed it."""
+    sdk_trace = pytest.importorskip("opentelemetry.sdk.trace")
+    from opentelemetry import context as otel_context
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = sdk_trace.TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("lockguard-test")
+    c = server.client()
+    renewer = Renewer(isolated=isolated)
+    lease = take(c, "spanned", 600)
+    span_a = tracer.start_span("A")
+    token = otel_context.attach(trace.set_span_in_context(span_a))
+    try:
+        renewer.track(lease, c, 3600)
+    finally:
+        otel_context.detach(token)
+    c.delete(lock_name("lg", "spanned"))
+    wait_for(lambda: lease.lost and renewer.tracked() == 0, 3, interval=0.01, what="the loss to be found")
+    with tracer.start_as_current_span("B"):
+        renewer.flush_events()  # isolated: the flushing greenlet runs B
+    span_a.end()
+    provider.shutdown()
+    on = {s.name: [e.name for e in s.events] for s in exporter.get_finished_spans()}
+    assert on == {"A": ["lock.lost"], "B": []}
+
+
+def test_copies_of_forgotten_clients_are_closed_and_unknown_pools_are_not_shared(server: RedisServer) -> None:
+    """The isolated loop kept a copy of every client it ever renewed through; sharing a client it cannot
+    copy would put one green socket on two OS threads."""
+    renewer = Renewer(isolated=True)
+    first, second = server.client(), server.client()
+    lease = take(first, "one", 600)
+    renewer.track(lease, first, 3600)
+    wait_for(lambda: renewer.ticks >= 1, 3, interval=0.01, what="a tick through the first client")
+    renewer.untrack(lease)
+    [(_, first_copy)] = renewer._own_clients.values()
+    other = take(second, "two", 600)
+    renewer.track(other, second, 3600)
+    before = renewer.ticks
+    wait_for(lambda: renewer.ticks >= before + 1, 3, interval=0.01, what="a tick through the second client")
+    renewer.untrack(other)
+    assert [original for original, _ in renewer._own_clients.values()] == [second]
+    idle = first_copy.connection_pool._available_connections
+    assert idle and all(conn._sock is None for conn in idle)  # its connection closed
+
+    class OtherPool(redis.ConnectionPool):
+        pass
+
+    with pytest.raises(TypeError, match="cannot renew through a Redis with a OtherPool"):
+        _own_client(redis.Redis(connection_pool=OtherPool(port=server.port)))
