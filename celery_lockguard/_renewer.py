@@ -66,6 +66,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -234,6 +235,24 @@ class _EventletDrain:
         self._reader = greenio.GreenSocket(reader)
         self._flush = flush
         eventlet.spawn_n(self._drain)
+        # A forked child inherits the pair and this greenlet: its copy would read the parent's wake-ups
+        # (the parent's events then wait for the next track/untrack). The child closes its copies, which
+        # ends its drainer; its own Renewer makes a new drain. (gevent's async watcher is per loop.)
+        ref = weakref.ref(self)
+
+        def in_child() -> None:
+            drain = ref()
+            if drain is not None:
+                drain.close()
+
+        os.register_at_fork(after_in_child=in_child)
+
+    def close(self) -> None:
+        for sock in (self._reader, self._writer):
+            try:
+                sock.close()
+            except OSError:
+                pass
 
     def _drain(self) -> None:
         while True:

@@ -334,6 +334,44 @@ def test_under_gevent_and_eventlet_the_renewers_events_are_emitted_at_once_on_an
     assert float(out["IDLE_CPU"]) < 0.05, out
 
 
+GREEN_FORK = GREEN_IDLE.split("found = ")[0] + """
+import os
+pid = os.fork()
+if pid == 0:  # a child whose hub keeps running, as in a program that forks after patching
+    sleep(4)
+    os._exit(0)
+records.clear()
+after = take("after_fork", 600)
+renewer.track(after, c, 3600)
+c.delete(lock_name(sys.argv[3], "after_fork"))
+deleted = time.monotonic()
+deadline = deleted + 3
+while not any("lock.lost" in m for _, m in records) and time.monotonic() < deadline:
+    sleep(0.01)
+found = [t for t, m in records if "lock.lost" in m]
+print("LOST_AFTER", found[0] - deleted if found else None)
+os.kill(pid, 9)
+os.waitpid(pid, 0)
+"""
+
+
+@pytest.mark.parametrize("runtime", ["gevent", "eventlet"])
+def test_a_forked_child_does_not_take_the_parents_wake_ups(server: RedisServer, runtime: str) -> None:
+    """Under eventlet a forked child inherited the drainer's socket pair and read the parent's wake-ups:
+    the parent's lock.lost then waited for its next track/untrack. The child now closes its copies."""
+    pytest.importorskip(runtime)
+    done = subprocess.run(
+        [sys.executable, "-c", GREEN_FORK, runtime, server.url, "lgf"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    out = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith("LOST_"))
+    assert out["LOST_AFTER"] != "None", done.stdout + done.stderr
+    assert float(out["LOST_AFTER"]) < 1.0, out
+
+
 @pytest.mark.parametrize("isolated", [False, True])
 def test_a_lease_lost_lands_on_the_span_of_the_task_that_held_it(server: RedisServer, isolated: bool) -> None:
     """Under gevent, task A's lock.lost used to land on task B's span: the greenlet that flushed it."""
