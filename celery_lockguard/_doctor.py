@@ -226,7 +226,12 @@ _POOL_ALIASES = {"processes": "prefork", "thread": "threads"}
 
 def pool_of(app: Any) -> str:
     """The pool the app's configuration names (``worker_pool``; a ``-P`` on the command line overrides it)."""
+    from celery.concurrency import ALIASES
+
     name = str(app.conf.get("worker_pool") or "prefork")
+    # A class path ("celery.concurrency.thread:TaskPool") names the same pool as its alias.
+    by_path = {path: alias for alias, path in ALIASES.items() if alias != "processes"}
+    name = by_path.get(name.replace(".TaskPool", ":TaskPool") if ":" not in name else name, name)
     return _POOL_ALIASES.get(name, name)
 
 
