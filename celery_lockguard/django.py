@@ -123,7 +123,8 @@ def strip_django_options(args: list[str]) -> tuple[list[str], bool]:
     Recognised anywhere before a ``--`` (after it everything is the CLI's):
     ``--settings``, ``--pythonpath``, ``-v``/``--verbosity`` with their value
     as the next word or after ``=`` (``-v2`` too), and the flags
-    ``--traceback``, ``--no-color``, ``--force-color``, ``--skip-checks``.
+    ``--traceback``, ``--no-color``, ``--force-color``, ``--skip-checks``;
+    ``-h`` becomes the CLI's ``--help``.
     """
     out: list[str] = []
     no_color = False
@@ -140,6 +141,8 @@ def strip_django_options(args: list[str]) -> tuple[list[str], bool]:
             next(words, None)
         elif name in _DJANGO_VALUED or (word.startswith("-v") and word[2:].isdigit()):
             pass
+        elif word == "-h":  # Django's short help; the CLI spells it --help
+            out.append("--help")
         else:
             out.append(word)
     return out, no_color

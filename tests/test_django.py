@@ -585,6 +585,7 @@ def test_django_options_are_taken_out_before_the_cli() -> None:
     assert strip_django_options(args) == (["locks", "--match=x*"], True)
     after_separator = ["--force-color", "release", "--", "--settings"]
     assert strip_django_options(after_separator) == (["release", "--", "--settings"], False)
+    assert strip_django_options(["describe", "-h"]) == (["describe", "--help"], False)
 
 
 def test_manage_py_lockguard_closes_the_database_connections(
