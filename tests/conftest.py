@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import redis
+import structlog
 
 from celery_lockguard import _metrics as metrics
 from celery_lockguard.testing import RedisServer, delete_prefix, env_flag
@@ -76,6 +77,18 @@ def own_redis(lockguard_redis_server: RedisServer) -> RedisServer:
 def _clean_metrics() -> Iterator[None]:
     metrics.clear()
     yield
+
+
+@pytest.fixture(autouse=True)
+def _structlog_unconfigured() -> Iterator[None]:
+    """Each test starts in a process that never configured structlog, so events go to stdlib logging.
+
+    ``structlog.testing.capture_logs`` leaves structlog "configured" after it returns, and the
+    ``auto`` log backend would then send every later test's events to structlog, past ``caplog``.
+    """
+    structlog.reset_defaults()
+    yield
+    structlog.reset_defaults()
 
 
 def make_cfg(prefix: str, redis_url: str, **over: Any) -> dict[str, Any]:

@@ -37,19 +37,6 @@ ROOT = Path(__file__).resolve().parent.parent
 LOGGER = "celery_lockguard"
 
 
-@pytest.fixture(autouse=True)
-def _structlog_unconfigured() -> Iterator[None]:
-    """structlog as a process that never configured it (``capture_logs`` elsewhere leaves it "configured")."""
-    was_configured = structlog.is_configured()
-    saved = structlog.get_config()
-    structlog.reset_defaults()
-    yield
-    if was_configured:
-        structlog.configure(**saved)
-    else:
-        structlog.reset_defaults()
-
-
 @pytest.fixture
 def app(redis_url: str, prefix: str) -> Iterator[Celery]:
     """The current app while the test runs, as a worker's app is (the log backend is read from it)."""
