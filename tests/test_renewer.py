@@ -320,18 +320,20 @@ def test_under_gevent_and_eventlet_the_renewers_events_are_emitted_at_once_on_an
 ) -> None:
     """lock.lost used to wait for the next track/untrack: on an idle worker, forever. The OS thread now
     wakes the hub (gevent async watcher, eventlet socket pair); idle, that costs no polling."""
+    out = run_green(GREEN_IDLE, runtime, server.url, "lg")
+    assert float(out["LOST_AFTER"]) < 1.0  # a tick (~0.2 s) and the hub's turn
+    assert float(out["IDLE_CPU"]) < 0.05, out
+
+
+def run_green(script: str, runtime: str, url: str, prefix: str) -> dict[str, str]:
+    """Run ``script`` in a process patched by ``runtime``; its ``NAME value`` lines, once it lost a lease."""
     pytest.importorskip(runtime)
-    done = subprocess.run(
-        [sys.executable, "-c", GREEN_IDLE, runtime, server.url, "lg"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    cmd = [sys.executable, "-c", script, runtime, url, prefix]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     out = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith(("LOST_", "IDLE_")))
     assert out["LOST_AFTER"] != "None", done.stdout + done.stderr
-    assert float(out["LOST_AFTER"]) < 1.0  # a tick (~0.2 s) and the hub's turn
-    assert float(out["IDLE_CPU"]) < 0.05, out
+    return out
 
 
 GREEN_FORK = GREEN_IDLE.split("found = ")[0] + """
@@ -359,16 +361,7 @@ os.waitpid(pid, 0)
 def test_a_forked_child_does_not_take_the_parents_wake_ups(server: RedisServer, runtime: str) -> None:
     """Under eventlet a forked child inherited the drainer's socket pair and read the parent's wake-ups:
     the parent's lock.lost then waited for its next track/untrack. The child now closes its copies."""
-    pytest.importorskip(runtime)
-    done = subprocess.run(
-        [sys.executable, "-c", GREEN_FORK, runtime, server.url, "lgf"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    out = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith("LOST_"))
-    assert out["LOST_AFTER"] != "None", done.stdout + done.stderr
+    out = run_green(GREEN_FORK, runtime, server.url, "lgf")
     assert float(out["LOST_AFTER"]) < 1.0, out
 
 
