@@ -46,7 +46,9 @@ def evalsha_calls(c: Any) -> int:
 def test_a_short_lease_tracked_while_the_thread_sleeps_on_a_long_one_is_renewed(server: RedisServer) -> None:
     c = server.client()
     renewer = Renewer()
-    long_lease, short_lease = take(c, "long", 30_000), take(c, "short", 300)
+    # The short TTL leaves room for a busy CI machine (300 ms once lapsed there between two GIL turns);
+    # unwoken, the thread would sleep ~20 s on the long lease and the short one would lapse at 1.2 s.
+    long_lease, short_lease = take(c, "long", 60_000), take(c, "short", 1200)
     renewer.track(long_lease, c, 3600)
     wait_for(lambda: renewer._wake_at not in (0.0, float("inf")), 2, what="the thread to sleep on the long lease")
     renewer.track(short_lease, c, 3600)
@@ -57,7 +59,7 @@ def test_a_short_lease_tracked_while_the_thread_sleeps_on_a_long_one_is_renewed(
         seen.add(str(c.hget(lock_name("lg", "short"), "renewed_at") or ""))
         return len(seen) >= 4
 
-    wait_for(renewed_across_three_ttls, 3, interval=0.02, what="the short lease to be renewed repeatedly")
+    wait_for(renewed_across_three_ttls, 6, interval=0.02, what="the short lease to be renewed repeatedly")
     assert short_lease.held and long_lease.held
     renewer.untrack(short_lease)
     renewer.untrack(long_lease)
