@@ -20,9 +20,11 @@ from typing import Any
 import redis
 from celery.result import AsyncResult
 
+from celery_lockguard.testing import wait_for
+
 from . import counting
 from .e2e import BenchFailure
-from .worker import Worker, wait_for
+from .worker import Worker
 from .workerapp import HOT_TASKS, create_app
 
 
