@@ -855,13 +855,9 @@ class LockGuard(Task):
             try:
                 return republish.publish(self, req.args or (), req.kwargs or {}, countdown, hdrs)
             except Exception as exc:  # noqa: BLE001 - a failed publish must not lose the task
-                emit(
-                    "lock.backend_unavailable",
-                    self.name,
-                    **fields,
-                    policy="wait_in_process",
-                    reason=f"publish failed: {exc.__class__.__name__}",
-                )
+                # fields carries the wait's reason: this event's reason replaces it (a duplicate keyword raised)
+                failed = {**fields, "policy": "wait_in_process", "reason": f"publish failed: {exc.__class__.__name__}"}
+                emit("lock.backend_unavailable", self.name, **failed)
         time.sleep(countdown)
         req.headers = hdrs
         return None
@@ -893,7 +889,9 @@ class LockGuard(Task):
                 return
             republish.publish(self, req.args or (), req.kwargs or {}, countdown, republish.watch_headers(req, token))
         except Exception as exc:  # noqa: BLE001 - the copy is dropped either way; say the watch is missing
-            emit("lock.backend_unavailable", self.name, **fields, policy="watch", reason=f"publish failed: {exc}")
+            # fields carries reason="watching_running_original": this event's reason replaces it
+            failed = {**fields, "policy": "watch", "reason": f"publish failed: {exc}"}
+            emit("lock.backend_unavailable", self.name, **failed)
             return
         emit("lock.retry_scheduled", self.name, **fields, countdown=round(countdown, 3), policy="watch")
 

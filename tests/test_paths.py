@@ -7,6 +7,7 @@ delivery left behind: claims, leases, published messages, task state.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -767,3 +768,33 @@ def test_a_watch_copy_that_waits_never_overwrites_its_originals_state(app: Celer
     assert app.AsyncResult(tid).state == "SUCCESS", "the watch copy's wait overwrote the original's state"
     (wait_msg,) = published(r, app)
     assert wait_msg.headers[headers.WATCH] == 1 and watch.state == "SUCCESS"
+
+
+def test_a_wait_that_cannot_be_published_is_reported_not_crashed(
+    app: Celery, r: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """chaos-quick: a watch's publish met NOREPLICAS, and reporting it raised KeyError('reason') (its fields
+    carried a reason already): the copy failed instead of being dropped. A wait's failed publish had the same
+    bug: the task failed instead of waiting in-process. This drives the wait (the holder lapses in 0.3 s)."""
+    from kombu.exceptions import OperationalError
+
+    from celery_lockguard import _republish
+
+    @app.task(base=LockedTask, bind=True, name="p.watch_unpublished", lock_key="k:{a}")
+    def t(self: Any, a: int) -> int:
+        return a
+
+    tid = uuid()
+    hold(r, prefix, "k:31", task_id=tid, task_name=t.name, dig=digest({"a": 31}), host="other-host", ttl_ms=300)
+
+    def broker_down(*args: Any, **kwargs: Any) -> None:
+        raise OperationalError("broker unreachable")  # the publish the watch needs: a broker-side fault
+
+    monkeypatch.setattr(_republish, "publish", broker_down)
+    with caplog.at_level(logging.WARNING, logger="celery_lockguard"):
+        out = deliver(t, (31,), task_id=tid)
+    assert out.state == "SUCCESS", out  # waited in-process, then ran once the holder lapsed
+    reported = [
+        rec.lockguard for rec in caplog.records if getattr(rec, "lockguard", {}).get("policy") == "wait_in_process"
+    ]
+    assert reported and reported[0]["reason"] == "publish failed: OperationalError"
