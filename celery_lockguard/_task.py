@@ -530,6 +530,10 @@ class LockGuard(Task):
             if record is not None:
                 self._release(s, opts, got)  # recorded by a finisher: give the fresh lease straight back
                 return "record", Done(record), None
+            if got.lost:
+                # The store answered after the lease's validity (it is not renewed while the record is read):
+                # another delivery may hold it by now. As for a late ACQUIRE: never run on it.
+                return "late", got, None
         return "acquired", got, None
 
     def _met(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -798,3 +799,32 @@ def test_a_wait_that_cannot_be_published_is_reported_not_crashed(
         rec.lockguard for rec in caplog.records if getattr(rec, "lockguard", {}).get("policy") == "wait_in_process"
     ]
     assert reported and reported[0]["reason"] == "publish failed: OperationalError"
+
+
+def test_a_lease_that_lapsed_while_the_postgresql_record_was_read_is_not_run_on(
+    redis_url: str, r: redis.Redis, prefix: str, postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """chaos-quick (PostgreSQL leg): the record is read under the fresh lease, before it is tracked for renewal;
+    a store answering after the TTL (a hung proxy, a connect timeout) let the lease lapse, a redelivery took it,
+    and both bodies ran (the fence rejected the stale write). A late answer now counts as a late ACQUIRE: wait."""
+    from celery_lockguard import _completion
+
+    app = make_app("paths-pglate", redis_url, prefix, lockguard_completion_backend=postgres_url)
+    runs: list[int] = []
+
+    @app.task(base=LockedTask, bind=True, name="p.pglate", lock_key="k:{a}", lock_ttl=0.2)
+    def t(self: Any, a: int) -> int:
+        runs.append(a)
+        return a
+
+    real_lookup = _completion.PostgresStore.lookup
+
+    def slow_lookup(self: Any, scope: str) -> Any:
+        time.sleep(0.35)  # the store's answer arrives after the 0.2 s lease (the fault, not a synchronisation)
+        return real_lookup(self, scope)
+
+    monkeypatch.setattr(_completion.PostgresStore, "lookup", slow_lookup)
+    out = deliver(t, (32,))
+    assert runs == [], "the body ran on a lease that lapsed while the record was read"
+    assert out.state == "RETRY", out
+    assert not r.exists(lock_name(prefix, "k:32")), "the lapsed lease was left behind"
