@@ -314,10 +314,16 @@ class LockGuard(Task):
         client = connection.client(s)
         store = self._store(s) if opts.completion else None
         watch_copy = headers.read(req, headers.WATCH) is not None
-        if watch_copy and store is not None and not store.in_scripts and self._lookup(store, call) is not None:
+        if watch_copy and store is not None and not store.in_scripts:
             # A watch copy checks the record first: acquiring to read it would make copies arriving
             # meanwhile see "my own id, alive" and leave watches of their own. A store error: ACQUIRE decides.
-            raise Ignore()
+            record = self._lookup(store, call)
+            if record is not None:
+                if self._original_settled():
+                    raise Ignore()
+                # The original died before storing a state, its job done by other work: answer for it,
+                # or its task id stays PENDING for good.
+                return self._completed(call, record)
         claim_token = headers.read_str(req, headers.CLAIM)
         # until_done: adopt our own queue claim (fresh token, state running); until_started: free it on start.
         replace_token = claim_token if opts.mode == "until_done" else ""
@@ -345,7 +351,8 @@ class LockGuard(Task):
                     on_unavailable=opts.on_unavailable,  # type: ignore[arg-type]
                     outcome=outcome,
                     holder=self._facts(call, holder) if holder is not None else None,
-                    watch_copy=watch_copy,
+                    # A watch copy answers from the record when its original never stored a state.
+                    watch_copy=watch_copy and not (outcome == "record" and not self._original_settled()),
                     waits=headers.read_int(req, headers.WAITS),
                     max_waits=opts.max_waits,
                 )

@@ -828,3 +828,26 @@ def test_a_lease_that_lapsed_while_the_postgresql_record_was_read_is_not_run_on(
     assert runs == [], "the body ran on a lease that lapsed while the record was read"
     assert out.state == "RETRY", out
     assert not r.exists(lock_name(prefix, "k:32")), "the lapsed lease was left behind"
+
+
+@pytest.mark.parametrize("store", ["redis", "postgres"])
+def test_a_watch_copy_answers_for_an_original_that_died_after_other_work_did_the_job(
+    redis_url: str, r: redis.Redis, prefix: str, postgres_url: str, store: str
+) -> None:
+    """chaos-quick (PostgreSQL leg, until_started/skip): the original's worker was paused, then its child killed
+    before it stored a state; a duplicate enqueue of the same job (another task id) did the work. The watch copy
+    found the record and dropped itself, so the original's task id stayed PENDING for good. It answers now."""
+    backend = postgres_url if store == "postgres" else "redis"
+    app = make_app(f"paths-wanswer-{store}", redis_url, prefix, lockguard_completion_backend=backend)
+    runs: list[str] = []
+
+    @app.task(base=LockedTask, bind=True, name=f"p.wanswer_{store}", lock_key="k:{a}", idempotency_key="job:{a}")
+    def t(self: Any, a: int) -> int:
+        runs.append(self.request.id)
+        return a
+
+    assert deliver(t, (33,), task_id="the-duplicate").state == "SUCCESS"  # other work did the job
+    original = uuid()  # its worker died mid-body: it never stored a state
+    watch = deliver(t, (33,), task_id=original, headers={headers.WATCH: 1, headers.WATCH_TOKEN: "w"})
+    assert runs == ["the-duplicate"], "the watch copy ran the job again"
+    assert watch.state == "SUCCESS" and app.AsyncResult(original).get(timeout=5) == 33
