@@ -25,7 +25,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from celery import Task, states, uuid
-from celery.exceptions import Ignore, Retry
+from celery.exceptions import Ignore, Reject, Retry
 
 from . import _calls as calls
 from . import _claims as claims
@@ -899,11 +899,13 @@ class LockGuard(Task):
             if token is None:  # a watch of this task is already pending: this copy is a duplicate of one
                 return
             republish.publish(self, req.args or (), req.kwargs or {}, countdown, republish.watch_headers(req, token))
-        except Exception as exc:  # noqa: BLE001 - the copy is dropped either way; say the watch is missing
+        except Exception as exc:
             # fields carries reason="watching_running_original": this event's reason replaces it
             failed = {**fields, "policy": "watch", "reason": f"publish failed: {exc}"}
             emit("lock.backend_unavailable", self.name, **failed)
-            return
+            # Hand the copy back to the broker instead (a redelivery is an acks_late message): it comes back
+            # and decides again -- the original finished, still runs (watch again) or died (take over).
+            raise Reject(f"watch not published: {exc}", requeue=True) from exc
         emit("lock.retry_scheduled", self.name, **fields, countdown=round(countdown, 3), policy="watch")
 
     # -- publishing -------------------------------------------------------------

@@ -851,3 +851,33 @@ def test_a_watch_copy_answers_for_an_original_that_died_after_other_work_did_the
     watch = deliver(t, (33,), task_id=original, headers={headers.WATCH: 1, headers.WATCH_TOKEN: "w"})
     assert runs == ["the-duplicate"], "the watch copy ran the job again"
     assert watch.state == "SUCCESS" and app.AsyncResult(original).get(timeout=5) == 33
+
+
+def test_a_redelivered_copy_whose_watch_cannot_be_published_goes_back_to_the_broker(
+    app: Celery, r: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """chaos-quick: arming the watch met NOREPLICAS and the copy was dropped anyway; when the original's child
+    was then killed, nothing was left to run the job. The copy is now rejected with requeue (it is an acks_late
+    redelivery): it comes back and decides again. No state is stored under the original's task id."""
+    from celery.exceptions import Reject
+    from kombu.exceptions import OperationalError
+
+    from celery_lockguard import _republish
+
+    @app.task(base=LockedTask, bind=True, name="p.watch_requeue", lock_key="k:{a}")
+    def t(self: Any, a: int) -> int:
+        return a
+
+    tid = uuid()
+    hold(r, prefix, "k:34", task_id=tid, task_name=t.name, dig=digest({"a": 34}))  # this process: alive
+
+    def broker_down(*args: Any, **kwargs: Any) -> None:
+        raise OperationalError("broker unreachable")
+
+    monkeypatch.setattr(_republish, "publish", broker_down)
+    with caplog.at_level(logging.WARNING, logger="celery_lockguard"):
+        out = deliver(t, (34,), task_id=tid)
+    assert out.retval.type is Reject and "watch not published" in str(out.retval.exception), out
+    assert out.state == "PENDING", "a copy of a running original stores no state"
+    reported = [rec.lockguard for rec in caplog.records if getattr(rec, "lockguard", {}).get("policy") == "watch"]
+    assert reported and reported[0]["reason"] == "publish failed: broker unreachable"
