@@ -35,6 +35,10 @@ from celery_lockguard._keys import claim_name, lock_name
 from celery_lockguard._task import adoptable_task_class
 from celery_lockguard.testing import Worker, delete_prefix
 
+# make compat's venvs carry neither Django nor (on Celery 5.3) celery.contrib.django
+pytest.importorskip("django")
+pytest.importorskip("celery.contrib.django.task")
+
 from .conftest import REQUIRE
 from .harness import wait_for
 
