@@ -15,6 +15,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from redis.exceptions import AskError, MovedError, NoScriptError, ResponseError
 
 from . import _cluster as cluster
 from . import _scripts as scripts
+from . import _wire
 from ._keys import claim_name, done_name, fence_name, lock_name, meta, watch_name
 from .exceptions import LockLost
 
@@ -269,6 +271,40 @@ def release(
     released, recorded_here = scripts.release(client, keys, [lease.token, record, completion_ttl_ms])
     lease.released = True
     return int(released), int(recorded_here) or recorded
+
+
+def release_later(
+    client: Any,
+    lease: Lease,
+    prefix: str,
+    on_reply: Callable[[tuple[int, int] | BaseException], None],
+    scope: str | None = None,
+    record: str = "",
+    completion_ttl_ms: int = 0,
+) -> bool:
+    """Send RELEASE now and hand its ``(released, recorded)`` (or the error) to ``on_reply`` when it is read.
+
+    The lease is free on the server as soon as this returns; only the reply is read
+    later (:mod:`celery_lockguard._wire`). False, with nothing sent, where that cannot be
+    done exactly (Sentinel, Cluster, green pools): call :func:`release` instead. A failed
+    send raises, as :func:`release` would.
+    """
+    keys = [lease.redis_key]
+    if scope is not None:
+        done_key = done_name(prefix, scope)
+        if cluster.split_done(client, lease.redis_key, done_key):
+            return False
+        keys.append(done_key)
+    ch = _wire.channel(client)
+    if ch is None:
+        return False
+
+    def read(reply: Any) -> None:
+        on_reply(reply if isinstance(reply, BaseException) else (int(reply[0]), int(reply[1])))
+
+    ch.defer(scripts.release, keys, [lease.token, record, completion_ttl_ms], read)
+    lease.released = True
+    return True
 
 
 def renew(client: Any, leases: list[Lease]) -> list[int]:

@@ -303,6 +303,8 @@ class Renewer:
         self._drain: _GeventDrain | _EventletDrain | None = None
         self._backend = "auto"  # for the loop's own errors: the backend of the last lease tracked
         self._own_clients: dict[int, tuple[Any, Any]] = {}  # id(client) -> (client, own client); loop thread only
+        self._drains: dict[int, Any] = {}  # channels with deferred replies to read (_wire.drain_soon)
+        self._drain_at = math.inf  # when the loop reads them, if their owners have not by then
         self.ticks = 0
 
     def track(self, lease: Lease, client: Any, max_hold: float) -> None:
@@ -334,6 +336,24 @@ class Renewer:
                 # its interval: a wake-up per task costs more CPU than the whole tracking otherwise does.
                 self._notify()
         self.flush_events()
+
+    def drain_soon(self, channel: Any) -> None:
+        """Read ``channel``'s deferred replies within :data:`~celery_lockguard._wire.DRAIN_DELAY` (see ``_wire``).
+
+        One wake-up per delay at most, however many releases go out meanwhile: a drain already due
+        takes every channel handed in before it runs.
+        """
+        from ._wire import DRAIN_DELAY
+
+        with self._mutex:
+            self._drains[id(channel)] = channel
+            if self._drain_at != math.inf:
+                return
+            self._drain_at = time.monotonic() + DRAIN_DELAY
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = self._start()
+            elif self._drain_at < self._wake_at:
+                self._notify()
 
     def untrack(self, lease: Lease) -> None:
         """Stop renewing ``lease``; any reply still in flight for it is ignored."""
@@ -446,23 +466,37 @@ class Renewer:
                     self._wait(delay)
 
     def _pass(self) -> None:
-        """Wait until a lease is due, then renew every tracked lease (one call per client and node)."""
+        """Wait until a lease or a drain is due, then renew every tracked lease (one call per client and node)."""
+        drains: list[Any] = []
+        groups: dict[tuple[int, str], list[_Entry]] = {}
+        cut: list[tuple[_Entry, str]] = []
         with self._mutex:
-            while not self._entries:
+            while not self._entries and not self._drains:
                 self._wake_at = math.inf
                 self._wait(None)
             now = time.monotonic()
-            due = min(min(e.due, e.deadline, e.lease.valid_until) for e in self._entries.values())
+            renew_at = min(
+                (min(e.due, e.deadline, e.lease.valid_until) for e in self._entries.values()), default=math.inf
+            )
+            due = min(renew_at, self._drain_at)
             if due > now:
                 self._wake_at = due
                 self._wait(due - now)
                 return
             self._wake_at = 0.0
-            cut = self._cut_off(now)
-            groups: dict[tuple[int, str], list[_Entry]] = {}
-            for e in self._entries.values():
-                node = cluster.node_name(e.client, e.lease.redis_key)
-                groups.setdefault((id(e.client), node), []).append(e)
+            if self._drain_at <= now:
+                drains = list(self._drains.values())
+                self._drains.clear()
+                self._drain_at = math.inf
+            if renew_at <= now:
+                cut = self._cut_off(now)
+                for e in self._entries.values():
+                    node = cluster.node_name(e.client, e.lease.redis_key)
+                    groups.setdefault((id(e.client), node), []).append(e)
+        for channel in drains:
+            channel.drain(block=False)  # a channel its owner is using is read by the owner's next command
+        if renew_at > now:
+            return
         for e, reason in cut:
             self._report_cut(e, reason)
         for entries in groups.values():

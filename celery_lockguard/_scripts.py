@@ -16,6 +16,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError, ResponseError
 
+from . import _wire
 from .exceptions import CorruptFence
 
 _NOW = """
@@ -324,6 +325,7 @@ class Script:
         self.name = name
         self.source = source
         self.sha = hashlib.sha1(source.encode()).hexdigest()
+        self.sha_bytes = self.sha.encode()
 
     def __call__(self, client: Any, keys: list[str], args: list[Any]) -> Any:
         """EVALSHA; on NOSCRIPT, SCRIPT LOAD and retry once.
@@ -332,7 +334,13 @@ class Script:
         (a proxy spreading calls over nodes, a flush racing every load): it is
         raised as ``NoScriptError``, which :func:`celery_lockguard._errors.classify`
         reports as misconfigured, rather than retried forever.
+
+        A plain client's calls go through this thread's :class:`~celery_lockguard._wire.Channel`
+        (packed here, same reload rule); Sentinel and Cluster clients through redis-py.
         """
+        ch = _wire.channel(client)
+        if ch is not None:
+            return ch.call(self, keys, args)
         try:
             return client.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:

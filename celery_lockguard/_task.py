@@ -32,11 +32,13 @@ from . import _claims as claims
 from . import _completion as completion
 from . import _connection as connection
 from . import _errors as errors
+from . import _events as events
 from . import _headers as headers
 from . import _keys as keys
 from . import _lease as lease_ops
 from . import _republish as republish
 from . import _signals as signals
+from . import _tracing as tracing
 from ._calls import CallNames
 from ._completion import PostgresStore, RedisStore, Store, StoreGuard
 from ._config import Settings, TaskOptions, resolve_task_options, settings
@@ -657,20 +659,28 @@ class LockGuard(Task):
             done = call
             return result
         finally:
-            self._release(s, opts, lease, done, result)
+            self._release(s, opts, lease, done, result, later=not req.is_eager)
 
     def _release(
-        self, s: Settings, opts: TaskOptions, lease: Lease, done: CallNames | None = None, result: Any = None
+        self,
+        s: Settings,
+        opts: TaskOptions,
+        lease: Lease,
+        done: CallNames | None = None,
+        result: Any = None,
+        later: bool = False,
     ) -> None:
         """Stop renewal, then release; record completion after a successful body.
 
+        ``later``: the exit after the body sends RELEASE without waiting for its reply, which
+        is then read with this process's next lease command (or within ``_wire.DRAIN_DELAY``);
+        the lease is free on the server either way, only its report comes later.
         A failing release never turns a successful body into a failure, whatever
         the error: the lease then expires by its TTL, and the event says so.
         """
         renewer().untrack(lease)
         if lease.released:
             return
-        was_lost = lease.lost
         scope, record, ttl_ms = None, "", 0
         if done is not None and opts.completion:
             record, ttl_ms = self._record_for(done, lease.task_id, result)
@@ -679,34 +689,17 @@ class LockGuard(Task):
                 self._record_elsewhere(store, done, lease.task_id, record, ttl_ms)
             else:
                 scope = done.scope
-        fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence}
+        report = _ReleaseReport(self.name, lease, scope)
+        client = connection.client(s)
         try:
-            released, _recorded = lease_ops.release(connection.client(s), lease, s.key_prefix, scope, record, ttl_ms)
+            if later and lease_ops.release_later(client, lease, s.key_prefix, report, scope, record, ttl_ms):
+                return
+            reply: tuple[int, int] | BaseException
+            reply = lease_ops.release(client, lease, s.key_prefix, scope, record, ttl_ms)
         except Exception as exc:  # noqa: BLE001 - the body's outcome stands; the lease expires by its TTL
             lease.released = True
-            emit("lock.backend_unavailable", self.name, **fields, reason=f"release: {_describe(exc)}")
-            if scope is not None:
-                emit(
-                    "completion.record_failed",
-                    self.name,
-                    task_id=lease.task_id,
-                    scope=scope,
-                    reason=f"release: {_describe(exc)}",
-                )
-            return
-        hold_ms = lease.hold_ms()
-        observe_hold(self.name, hold_ms)
-        if released == 1:
-            # Still ours in Redis, yet past its validity here (e.g. a renewal delayed in flight): the body
-            # was told it was lost, so say so once even though the key survived.
-            if was_lost and lease.mark_lost("expired"):
-                emit("lock.lost", self.name, **fields, hold_ms=round(hold_ms), reason="expired")
-            emit("lock.released", self.name, **fields, hold_ms=round(hold_ms), lost=was_lost)
-        else:
-            reason = "expired" if released == 0 else "taken_by_another_holder"
-            if lease.mark_lost(reason):
-                emit("lock.lost", self.name, **fields, hold_ms=round(hold_ms), reason=reason)
-            emit("lock.expired_before_release", self.name, **fields, hold_ms=round(hold_ms), reason=reason)
+            reply = exc
+        report(reply)
 
     def _record_for(self, call: CallNames, task_id: str, result: Any) -> tuple[str, int]:
         record, dropped = completion.encode_record(keys.meta(task_id), result, keys.meta(self.name), call.digest)
@@ -1215,6 +1208,54 @@ def missing_task_class(task: Any) -> str | None:
         f"task {task.name!r} does not derive from the app's task_cls {where}{why}; "
         f"compose the lease with it explicitly: {how} (docs/django.md)"
     )
+
+
+class _ReleaseReport:
+    """What a RELEASE reply means, logged and counted: now, or when a deferred reply is read.
+
+    Everything it needs is captured when the lease is released (hold time, whether the body was
+    told it was lost, the log backend, the task's span): the reply may be read on the renewer
+    thread or inside the next task, where neither the time nor the context is this task's.
+    """
+
+    def __init__(self, task_name: str, lease: Lease, scope: str | None) -> None:
+        self.task_name = task_name
+        self.lease = lease
+        self.scope = scope
+        self.was_lost = lease.lost
+        self.hold_ms = lease.hold_ms()
+        self.backend = events.backend_choice()
+        self.span = tracing.current_span()
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        events.emit_for(event, self.task_name, fields, backend=self.backend, span=self.span)
+
+    def __call__(self, reply: tuple[int, int] | BaseException) -> None:
+        lease, hold_ms = self.lease, round(self.hold_ms)
+        fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence}
+        if isinstance(reply, BaseException):
+            self._emit("lock.backend_unavailable", **fields, reason=f"release: {_describe(reply)}")
+            if self.scope is not None:
+                self._emit(
+                    "completion.record_failed",
+                    task_id=lease.task_id,
+                    scope=self.scope,
+                    reason=f"release: {_describe(reply)}",
+                )
+            return
+        released, _recorded = reply
+        observe_hold(self.task_name, self.hold_ms)
+        if released == 1:
+            # Still ours in Redis, yet past its validity here (e.g. a renewal delayed in flight): the body
+            # was told it was lost, so say so once even though the key survived.
+            if self.was_lost and lease.mark_lost("expired"):
+                self._emit("lock.lost", **fields, hold_ms=hold_ms, reason="expired")
+            self._emit("lock.released", **fields, hold_ms=hold_ms, lost=self.was_lost)
+        else:
+            reason = "expired" if released == 0 else "taken_by_another_holder"
+            if lease.mark_lost(reason):
+                self._emit("lock.lost", **fields, hold_ms=hold_ms, reason=reason)
+            self._emit("lock.expired_before_release", **fields, hold_ms=hold_ms, reason=reason)
 
 
 def _describe(exc: BaseException | None) -> str:

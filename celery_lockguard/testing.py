@@ -206,6 +206,19 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: str = "condition"
         time.sleep(interval)
 
 
+def settle() -> int:
+    """Read every lease reply this process sent without waiting (RELEASE after a body); how many were read.
+
+    A worker reads such a reply with its next lease command, or within
+    ``_wire.DRAIN_DELAY`` (20 ms); a test that runs a delivery in-process and
+    then asserts on its ``lock.released`` / ``lock.lost`` events or hold-time
+    metrics calls this first. The lease itself is free on the server already.
+    """
+    from ._wire import drain_all
+
+    return drain_all()
+
+
 @contextlib.contextmanager
 def lockguard_disabled(app: Any) -> Iterator[None]:
     """Run tasks of ``app`` with no lock and no record (``lockguard_enabled = False``)."""

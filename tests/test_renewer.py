@@ -415,8 +415,9 @@ def test_copies_of_forgotten_clients_are_closed_and_unknown_pools_are_not_shared
     wait_for(lambda: renewer.ticks >= before + 1, 3, interval=0.01, what="a tick through the second client")
     renewer.untrack(other)
     assert [original for original, _ in renewer._own_clients.values()] == [second]
-    idle = first_copy.connection_pool._available_connections
-    assert idle and all(conn._sock is None for conn in idle)  # its connection closed
+    pool = first_copy.connection_pool
+    made = [*pool._available_connections, *pool._in_use_connections]  # in use: held by this thread's _wire channel
+    assert made and all(conn._sock is None for conn in made)  # its connection closed
 
     class OtherPool(redis.ConnectionPool):
         pass

@@ -18,6 +18,8 @@ import redis
 from celery import Celery, uuid
 from celery.app.trace import build_tracer
 
+from celery_lockguard.testing import settle
+
 HOSTNAME = "tracer@lockguard-test"
 
 
@@ -88,6 +90,7 @@ def deliver(
     }
     tracer = build_tracer(task.name, task, app=task.app, eager=False, propagate=False)
     retval = tracer(task_id, list(args), kwargs, request)[0]
+    settle()  # the RELEASE reply a worker reads with its next command: its events are part of this delivery
     return Traced(task_id, task.app.AsyncResult(task_id).state, retval)
 
 

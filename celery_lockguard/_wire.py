@@ -1,0 +1,325 @@
+"""Lease scripts on a connection of their own: packed once, replies read late where nothing waits on them.
+
+redis-py spends more CPU per script call than the script takes on the server
+(its generic packer encodes every value through type checks, and every command
+checks a connection out of the pool and back). A task's lease calls are a
+handful of known shapes, so a :class:`Channel` -- one connection per (process,
+thread, client) -- packs the ``EVALSHA`` bytes directly and keeps its
+connection for itself.
+
+It also lets a command go out *without waiting for its reply*
+(:meth:`Channel.defer`): RELEASE after a body is on the server as soon as the
+bytes are written, so the next holder waits no longer than before, and the
+worker takes its next message instead of idling for the reply. The reply
+(released / expired / taken, recorded or not) is read later, in order: by the
+next command on the same channel (it is already in the socket buffer by then,
+so that read costs no round trip), or by the renewer thread within
+:data:`DRAIN_DELAY` seconds on an idle worker (:func:`drain_soon`), or at
+process shutdown (:func:`drain_all`). Its callback then logs and counts what
+the synchronous path would have.
+
+Replies are read strictly in the order their commands were sent. A ``NOSCRIPT``
+reply (a restart or ``SCRIPT FLUSH`` between two calls) means nothing ran: the
+script is loaded and every command from the first ``NOSCRIPT`` on is sent
+again in order (each is idempotent by its token: ACQUIRE with its own token
+answers the lease it holds, RELEASE checks the token, the record is
+``SET NX``). A connection error fails every command still waiting for its
+reply: their effect is unknown, as for any lost reply.
+
+Only for what it can do exactly: a plain ``redis.Redis`` over a plain
+connection pool, outside gevent/eventlet (a green socket belongs to its hub,
+and the drain runs on an OS thread). Sentinel clients (which must follow a
+failover), Cluster clients (which route per slot) and green pools keep
+redis-py's own path (:func:`channel` returns ``None``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from redis.exceptions import NoScriptError
+
+#: Seconds within which the renewer thread reads a deferred reply nobody else read.
+DRAIN_DELAY = 0.02
+
+OnReply = Callable[[Any], None]  # called with the reply, or with the exception that stands for it
+
+
+@dataclass
+class _Sent:
+    """A command on the wire whose reply is still to be read."""
+
+    script: Any  # _scripts.Script
+    keys: list[str]
+    args: list[Any]
+    on_reply: OnReply | None  # None: the caller reads it (call)
+
+
+def _encode(value: Any) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return b"%d" % value
+    raise TypeError(f"lease script argument of type {type(value).__name__}: {value!r}")
+
+
+def pack_evalsha(sha: bytes, keys: list[str], args: list[Any]) -> bytes:
+    """``EVALSHA sha numkeys keys... args...`` as RESP bytes."""
+    items = [_encode(x) for x in (*keys, *args)]
+    numkeys = b"%d" % len(keys)
+    out = [b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%s\r\n" % (len(items) + 3, sha, len(numkeys), numkeys)]
+    for item in items:
+        out.append(b"$%d\r\n%s\r\n" % (len(item), item))
+    return b"".join(out)
+
+
+def _pack_load(source: str) -> bytes:
+    body = source.encode()
+    return b"*3\r\n$6\r\nSCRIPT\r\n$4\r\nLOAD\r\n$%d\r\n%s\r\n" % (len(body), body)
+
+
+class Channel:
+    """One connection of one client, used by one thread for lease scripts (the renewer may drain it).
+
+    ``_lock`` covers every write and read on the connection: the owning
+    thread holds it for a whole command, the renewer only tries it (a busy
+    channel is drained by its owner's next command anyway).
+    """
+
+    def __init__(self, client: Any) -> None:
+        self._pool = client.connection_pool
+        self._conn: Any = None
+        self._made: list[Any] = []  # the connection, for the finalizer (which must not hold self)
+        self._lock = threading.Lock()
+        self._inflight: deque[_Sent] = deque()
+        self.pid = os.getpid()
+        #: Commands sent whose reply is read later (tests and the bench count them).
+        self.deferred = 0
+        weakref.finalize(self, _give_back, self._pool, self._made)
+
+    def _connection(self) -> Any:
+        conn = self._conn
+        if conn is None:
+            conn = self._conn = self._pool.get_connection()
+            self._made.append(conn)
+        elif not self._inflight:
+            # As the pool does at every checkout: data (or EOF) on an idle connection means the server
+            # closed it (a restart, a timeout): reconnect now, before the command goes out on a dead link.
+            try:
+                stale = conn.can_read()
+            except (redis.ConnectionError, redis.TimeoutError, OSError):
+                stale = True
+            if stale:
+                conn.disconnect()  # send_packed_command connects again
+        return conn
+
+    @property
+    def pending(self) -> int:
+        """Commands whose reply has not been read yet."""
+        return len(self._inflight)
+
+    def call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """Run ``script`` and return its reply (reading any earlier deferred replies first, in order)."""
+        done: list[tuple[OnReply, Any]] = []
+        try:
+            with self._lock:
+                conn = self._connection()
+                sent = _Sent(script, keys, args, None)
+                self._send(conn, sent, done)
+                reply = self._read_through(conn, sent, done)
+        finally:
+            _run(done)
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    def defer(self, script: Any, keys: list[str], args: list[Any], on_reply: OnReply) -> None:
+        """Send ``script`` now; ``on_reply`` gets its reply when it is read (see the module docstring).
+
+        A failed send raises here, as :meth:`call` would: nothing was sent.
+        """
+        done: list[tuple[OnReply, Any]] = []
+        try:
+            with self._lock:
+                self._send(self._connection(), _Sent(script, keys, args, on_reply), done)
+                self.deferred += 1
+        finally:
+            _run(done)
+        drain_soon(self)
+
+    def drain(self, block: bool = True) -> int:
+        """Read every reply still in flight and hand each to its callback; how many were read.
+
+        ``block=False`` (the renewer): skip a channel its owner is using.
+        """
+        if not self._lock.acquire(block):
+            return 0
+        done: list[tuple[OnReply, Any]] = []
+        try:
+            if self._inflight and self._conn is not None:
+                self._read_through(self._conn, None, done)
+        finally:
+            self._lock.release()
+            _run(done)
+        return len(done)
+
+    # -- with the lock held --------------------------------------------------
+
+    def _send(self, conn: Any, sent: _Sent, done: list[tuple[OnReply, Any]]) -> None:
+        try:
+            conn.send_packed_command([pack_evalsha(sent.script.sha_bytes, sent.keys, sent.args)], False)
+        except BaseException as exc:
+            self._conn_lost(conn, exc, done)  # what was in flight on it is lost too
+            raise
+        self._inflight.append(sent)
+
+    def _read_through(self, conn: Any, until: _Sent | None, done: list[tuple[OnReply, Any]]) -> Any:
+        """Read replies in order up to ``until`` (every one if ``None``); returns ``until``'s reply.
+
+        Callbacks of deferred replies are collected in ``done``, run by the caller outside the lock.
+        """
+        read: list[tuple[_Sent, Any]] = []
+        while self._inflight:
+            sent = self._inflight.popleft()
+            try:
+                reply: Any = conn.read_response()
+            except redis.ResponseError as exc:
+                reply = exc
+            except BaseException as exc:  # noqa: BLE001 - a timeout, a dropped link or an interrupt mid-read
+                # The connection is gone (or the read timed out): nothing more can be read on it.
+                self._inflight.appendleft(sent)
+                for s, r in read:
+                    _collect(s, r, done)
+                self._conn_lost(conn, exc, done)
+                return exc
+            read.append((sent, reply))
+            if sent is until:
+                break
+        first = next((i for i, (_, r) in enumerate(read) if isinstance(r, NoScriptError)), None)
+        if first is not None:
+            read[first:] = self._rerun(conn, [s for s, _ in read[first:]])
+        answer: Any = None
+        for s, r in read:
+            if s is until:
+                answer = r
+            else:
+                _collect(s, r, done)
+        return answer
+
+    def _rerun(self, conn: Any, batch: list[_Sent]) -> list[tuple[_Sent, Any]]:
+        """After NOSCRIPT: load the scripts, then send ``batch`` again in order and read it (once)."""
+        try:
+            for script in {id(s.script): s.script for s in batch}.values():
+                conn.send_packed_command([_pack_load(script.source)], False)
+                conn.read_response()
+            conn.send_packed_command([b"".join(pack_evalsha(s.script.sha_bytes, s.keys, s.args) for s in batch)], False)
+        except BaseException as exc:  # noqa: BLE001 - the stream is unusable: every reply of the batch is lost
+            self._conn_lost(conn, exc, [])
+            return [(s, exc) for s in batch]
+        out: list[tuple[_Sent, Any]] = []
+        for i, s in enumerate(batch):
+            try:
+                r: Any = conn.read_response()
+            except NoScriptError as exc:
+                # The message starts with the code: errors.classify calls a NOSCRIPT that survives a reload
+                # misconfigured (a proxy spreading calls over nodes, a flush racing every load).
+                r = NoScriptError(f"NOSCRIPT {s.script.name}: again right after SCRIPT LOAD ({exc})")
+            except redis.ResponseError as exc:
+                r = exc
+            except BaseException as exc:  # noqa: BLE001 - as above
+                self._conn_lost(conn, exc, [])
+                return out + [(x, exc) for x in batch[i:]]
+            out.append((s, r))
+        return out
+
+    def _conn_lost(self, conn: Any, exc: BaseException, done: list[tuple[OnReply, Any]]) -> None:
+        """Close ``conn``; every reply still expected on it is lost (``exc``). The next command reconnects."""
+        try:
+            conn.disconnect()
+        except Exception:  # noqa: BLE001 - already broken
+            pass
+        while self._inflight:
+            _collect(self._inflight.popleft(), exc, done)
+
+
+def _collect(sent: _Sent, reply: Any, done: list[tuple[OnReply, Any]]) -> None:
+    if sent.on_reply is not None:
+        done.append((sent.on_reply, reply))
+
+
+def _run(done: list[tuple[OnReply, Any]]) -> None:
+    for on_reply, reply in done:
+        try:
+            on_reply(reply)
+        except Exception:  # noqa: BLE001 - a reply's bookkeeping must never fail the command that read it
+            pass
+
+
+def _give_back(pool: Any, holder: list[Any]) -> None:
+    """A channel's thread ended: close its connection (replies may be unread) and return it to the pool."""
+    for conn in holder:
+        try:
+            conn.disconnect()
+            pool.release(conn)
+        except Exception:  # noqa: BLE001 - best effort at thread or interpreter exit
+            pass
+
+
+_local = threading.local()
+_all: weakref.WeakSet[Channel] = weakref.WeakSet()
+_all_lock = threading.Lock()
+
+
+def usable(client: Any) -> bool:
+    """Whether ``client`` is one a channel serves exactly (see the module docstring)."""
+    from ._renewer import green_runtime
+
+    pool = getattr(client, "connection_pool", None)
+    return (
+        type(client) is redis.Redis
+        and type(pool) in (redis.ConnectionPool, redis.BlockingConnectionPool)
+        and green_runtime() is None
+    )
+
+
+def channel(client: Any) -> Channel | None:
+    """This thread's channel for ``client``, or ``None`` where redis-py's own path must serve it."""
+    pid = os.getpid()
+    mine: dict[int, Channel] | None = getattr(_local, "channels", None)
+    if mine is None or getattr(_local, "pid", None) != pid:
+        mine = _local.channels = {}
+        _local.pid = pid
+    found = mine.get(id(client))
+    if found is not None and found._pool is client.connection_pool:
+        return found
+    if not usable(client):
+        return None
+    made = Channel(client)
+    mine[id(client)] = made
+    with _all_lock:
+        _all.add(made)
+    return made
+
+
+def drain_soon(ch: Channel) -> None:
+    """Have the renewer thread read ``ch``'s deferred replies within :data:`DRAIN_DELAY` if nobody else does."""
+    from ._renewer import renewer
+
+    renewer().drain_soon(ch)
+
+
+def drain_all() -> int:
+    """Read every deferred reply of this process (worker process shutdown); how many were read."""
+    pid = os.getpid()
+    with _all_lock:
+        mine = [ch for ch in _all if ch.pid == pid]
+    return sum(ch.drain() for ch in mine)
