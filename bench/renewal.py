@@ -11,10 +11,10 @@ then), renewer ticks, the renewer thread's own CPU time
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -47,7 +47,7 @@ class RenewalResult:
         return self.cpu_us_per_tick / self.leases
 
 
-def _thread_cpu(thread: threading.Thread | None) -> float:
+def _thread_cpu(thread: Any) -> float:
     if thread is None or thread.ident is None:
         return 0.0
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))

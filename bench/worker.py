@@ -20,10 +20,6 @@ ROOT = Path(__file__).resolve().parent.parent
 LOG_DIR = ROOT / ".bench" / "logs"
 
 
-
-
-
-
 class Worker(testing.Worker):
     """One prefork ``celery worker`` of the bench app (:class:`celery_lockguard.testing.Worker`).
 
