@@ -1,19 +1,28 @@
 """End-to-end Celery throughput of one tiny task: plain, LockedTask, celery-once, celery-singleton.
 
-One prefork worker with one child (``-c 1``: tasks run one after another,
-so a marker published after N tasks runs after all N, and µs per task read
-straight off the clock). Per round and variant:
+Prefork workers with ``-c C`` children (C = 1 for the main table: tasks run
+one after another; 2 and 8 for the concurrency table). Per round and variant:
 
-1. publish a *gate* marker: the child takes it and blocks on a Redis list;
+1. publish C *gate* markers: each child takes one, says it is ready and blocks
+   on a Redis list (fair scheduling hands a marker only to an idle child);
 2. publish N tasks with distinct arguments (uncontended), timed: the publish
    cost, where celery-once and celery-singleton take their lock;
-3. publish an end marker, open the gate: the child drains the N tasks; the
-   two markers' timestamps bracket exactly those N runs: the worker cost.
+3. publish C end markers, open the gate: the children drain the N tasks; each
+   end marker reports and then blocks until the driver has all C, so they land
+   on C distinct children and the last one starts only once every task ended.
+   The first start and the last end bracket exactly those N runs: the worker cost.
+
+Variants can live in several *groups*, each its own app configuration, queue
+and worker (the PostgreSQL completion store is an app setting, so its variant
+needs a worker of its own); the driver alternates over all variants of all
+groups in one round order, so every ratio stays paired.
 
 Round trips are counted at the client in the publisher (this process) and in
-the worker child (reported by the markers); server commands are INFO
-commandstats deltas on the private server over each phase. Every variant's
-run count must grow by exactly N per round: a lost or double run fails.
+the worker children (reported by the markers): commands sent, and round trips
+waited (sent minus ``Channel.defer`` sends, see ``bench.counting``); server
+commands are INFO commandstats deltas on the private servers over each phase.
+Every variant's run count must grow by exactly N per round: a lost or double
+run fails.
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+
+from celery_lockguard import testing
 
 from . import counting
 from .stats import Summary, paired, run_rounds
@@ -50,64 +61,153 @@ class E2EResult:
     child_rt: float
     server_cmds: float
     server_breakdown: dict[str, float] = field(default_factory=dict)
+    publish_waited: float = 0.0
+    child_waited: float = 0.0
+
+    @property
+    def round_trips(self) -> float:
+        """Commands sent per task, publisher and worker child together."""
+        return self.publish_rt + self.child_rt
+
+    @property
+    def waited(self) -> float:
+        """Round trips waited per task (commands sent minus deferred ones), both sides."""
+        return self.publish_waited + self.child_waited
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A display name, the task it publishes, and the group (app configuration and worker) it runs in."""
+
+    name: str
+    task: str
+    group: int = 0
+
+
+def default_variants() -> list[Variant]:
+    """Every throughput task of the main table, in one group."""
+    return [Variant(name, task) for name, task in TP_TASKS.items()]
 
 
 class BenchFailure(AssertionError):
     """A real breakage (lost or double-run task, too many round trips): fails ``--quick`` too."""
 
 
-def measure(url: str, rounds: int, n: int) -> list[E2EResult]:
-    """Alternate the variants ``rounds`` times with ``n`` tasks each, on one worker."""
-    prefix = f"benche2e{uuid.uuid4().hex[:6]}"
-    cfg = {"broker": url, "queue": f"{prefix}.q", "prefix": prefix}
-    app = create_app(cfg)
-    admin = redis.Redis.from_url(url, decode_responses=True)
-    marks = f"{prefix}:marks"
-    expected_runs: dict[str, int] = {}
-    counts: dict[str, dict[str, float]] = {v: {"publish_rt": 0, "child_rt": 0, "cmds": 0} for v in TP_TASKS}
-    breakdown: dict[str, Any] = {v: {} for v in TP_TASKS}
-    next_arg = [0]
+def added_round_trips(results: list[E2EResult], variant: str, base: str = BASE) -> tuple[float, float]:
+    """(commands sent, round trips waited) a variant adds per task over ``base``, publisher and worker."""
+    by = {r.name: r for r in results}
+    v, b = by[variant], by[base]
+    return v.round_trips - b.round_trips, v.waited - b.waited
 
-    def next_mark(timeout: float) -> dict[str, Any]:
-        got = admin.blpop([marks], timeout=timeout)
-        if got is None:
-            raise BenchFailure(f"no marker within {timeout}s: the worker lost or stalled a task\n{worker.log()}")
-        return dict(json.loads(got[1]))
+
+class _Group:
+    """One app configuration: its app (to publish), its worker, its counters of runs per task."""
+
+    def __init__(self, url: str, prefix: str, index: int, extra: dict[str, Any], concurrency: int) -> None:
+        self.cfg: dict[str, Any] = {"broker": url, "queue": f"{prefix}.g{index}.q", "prefix": f"{prefix}g{index}"}
+        self.cfg.update(extra)
+        self.app = create_app(self.cfg)
+        self.marks = f"{self.cfg['prefix']}:marks"
+        self.expected: dict[str, int] = {}
+        self.worker = Worker(self.app, self.cfg, concurrency=concurrency)
+
+
+def measure(
+    url: str,
+    rounds: int,
+    n: int,
+    *,
+    concurrency: int = 1,
+    variants: list[Variant] | None = None,
+    groups: list[dict[str, Any]] | None = None,
+    stats_clients: list[Any] | None = None,
+    base: str = BASE,
+) -> list[E2EResult]:
+    """Alternate the variants ``rounds`` times with ``n`` tasks each, on ``-c concurrency`` workers.
+
+    ``groups`` are config overrides (``bench.workerapp``), one worker each, ``[{}]`` by
+    default; ``stats_clients`` are further servers whose commandstats count as the task's
+    (the masters of a lock cluster). Why one function for every table: the same gates,
+    markers and checks measure each figure, so the figures compare.
+    """
+    variants = variants or default_variants()
+    groups = groups or [{}]
+    prefix = f"benche2e{uuid.uuid4().hex[:6]}"
+    gs = [_Group(url, prefix, i, extra, concurrency) for i, extra in enumerate(groups)]
+    admin = redis.Redis.from_url(url, decode_responses=True)
+    more = list(stats_clients or [])
+    names = [v.name for v in variants]
+    spec = {v.name: v for v in variants}
+    zero = {"publish_rt": 0.0, "publish_waited": 0.0, "child_rt": 0.0, "child_waited": 0.0, "cmds": 0.0}
+    counts: dict[str, dict[str, float]] = {v: dict(zero) for v in names}
+    breakdown: dict[str, dict[str, float]] = {v: {} for v in names}
+    next_arg = [0]
+    c = concurrency
+
+    def marks_of(g: _Group, tag: str, timeout: float) -> list[dict[str, Any]]:
+        """The ``c`` marks of ``tag`` (one per child), or a failure naming the stall."""
+        got: list[dict[str, Any]] = []
+        deadline = time.monotonic() + timeout
+        while len(got) < c:
+            left = deadline - time.monotonic()
+            item = admin.blpop([f"{g.marks}:{tag}"], timeout=max(0.1, left)) if left > 0 else None
+            if item is None:
+                raise BenchFailure(
+                    f"{len(got)} of {c} '{tag}' markers within {timeout}s: the worker lost or stalled a task\n"
+                    f"{g.worker.log()}"
+                )
+            got.append(dict(json.loads(item[1])))
+        pids = {m["pid"] for m in got}
+        if len(pids) != c:
+            raise BenchFailure(f"'{tag}' markers came from {len(pids)} children, expected {c}: {sorted(pids)}")
+        return got
 
     def one(variant: str, r: int, n: int = n) -> dict[str, float]:
-        task = app.tasks[TP_TASKS[variant]]
-        mark = app.tasks["tp_mark"]
-        gate = f"{prefix}:gate:{r}:{TP_TASKS[variant]}"
-        mark.delay("start", gate)
+        v = spec[variant]
+        g = gs[v.group]
+        task = g.app.tasks[v.task]
+        mark = g.app.tasks["tp_mark"]
+        gate = f"{g.marks}:gate:{r}:{v.task}"
+        barrier = f"{g.marks}:barrier:{r}:{v.task}"
+        for _ in range(c):
+            mark.delay("start", gate)
+        marks_of(g, "ready", 60)  # every child holds a gate: none takes a task before the clock starts
         first = next_arg[0]
         next_arg[0] += n
-        before = counting.commandstats(admin)
+        before = counting.commandstats(admin, *more)
         with counting.counting() as box:
             t0 = time.perf_counter()
             for i in range(first, first + n):
                 task.delay(i)
             publish = time.perf_counter() - t0
-        mid = counting.commandstats(admin)
-        mark.delay("end")
-        admin.rpush(gate, "go")
-        start, end = next_mark(60), next_mark(max(60, n * 0.05))
-        after = counting.commandstats(admin)
-        if start["tag"] != "start" or end["tag"] != "end":
-            raise BenchFailure(f"markers out of order: {start} {end}")
-        name = TP_TASKS[variant]
-        expected_runs[name] = expected_runs.get(name, 0) + n
-        runs = end["runs"].get(name, 0)
-        if runs != expected_runs[name]:
-            raise BenchFailure(f"{variant}: {runs} bodies ran, expected {expected_runs[name]} (lost or double run)")
-        drain = end["t"] - start["t"]
+        mid = counting.commandstats(admin, *more)
+        for _ in range(c):
+            mark.delay("end", None, barrier)
+        admin.rpush(gate, *(["go"] * c))
+        starts = marks_of(g, "start", 60)
+        ends = marks_of(g, "end", max(60, n * 0.05))
+        admin.rpush(barrier, *(["go"] * c))
+        after = counting.commandstats(admin, *more)
+        if {m["pid"] for m in starts} != {m["pid"] for m in ends}:
+            raise BenchFailure(f"{variant}: start and end markers ran in different children (a child was replaced?)")
+        g.expected[v.task] = g.expected.get(v.task, 0) + n
+        runs = sum(m["runs"].get(v.task, 0) for m in ends)
+        if runs != g.expected[v.task]:
+            raise BenchFailure(f"{variant}: {runs} bodies ran, expected {g.expected[v.task]} (lost or double run)")
+        drain = max(m["t"] for m in ends) - min(m["t"] for m in starts)
+        by_pid = {m["pid"]: m for m in starts}
+        sent = sum(m["sent"] - by_pid[m["pid"]]["sent"] - 1 for m in ends)  # minus each start marker's own push
+        deferred = sum(m["deferred"] - by_pid[m["pid"]]["deferred"] for m in ends)
         pub = counting.delta(mid, before)
         run = counting.delta(after, mid)
-        c = counts[variant]
-        c["publish_rt"] += box[0] / n
-        c["child_rt"] += (end["sent"] - start["sent"] - 1) / n  # minus the start marker's own push
-        c["cmds"] += (sum(pub.values()) + sum(run.values())) / n
-        for k, v in (pub + run).items():
-            breakdown[variant][k] = breakdown[variant].get(k, 0) + v / n
+        k = counts[variant]
+        k["publish_rt"] += box[0] / n
+        k["publish_waited"] += (box[0] - box[1]) / n
+        k["child_rt"] += sent / n
+        k["child_waited"] += (sent - deferred) / n
+        k["cmds"] += (sum(pub.values()) + sum(run.values())) / n
+        for key, x in (pub + run).items():
+            breakdown[variant][key] = breakdown[variant].get(key, 0) + x / n
         return {
             "worker_rate": n / drain,
             "publish_us": publish / n * 1e6,
@@ -115,22 +215,22 @@ def measure(url: str, rounds: int, n: int) -> list[E2EResult]:
             "total_us": (publish + drain) / n * 1e6,
         }
 
-    worker = Worker(app, cfg, concurrency=1)
     try:
-        worker.start()
-        for variant in TP_TASKS:  # warm-up: imports, connections, scripts in both processes
-            one(variant, -1, 50)
-        for c in counts.values():
-            c.update(dict.fromkeys(c, 0))
+        testing.start_all([g.worker for g in gs], timeout=90)
+        for variant in names:  # warm-up: imports, connections, scripts in every process
+            one(variant, -1, max(50, 10 * c))
+        for k in counts.values():
+            k.update(dict.fromkeys(k, 0.0))
         for b in breakdown.values():
             b.clear()
-        results = run_rounds(list(TP_TASKS), rounds, one)
+        results = run_rounds(names, rounds, one)
     finally:
-        worker.stop()
+        testing.stop_all([g.worker for g in gs])
         admin.close()
     out = []
-    for v in TP_TASKS:
+    for v in names:
         res = results[v]
+        k = counts[v]
         out.append(
             E2EResult(
                 name=v,
@@ -138,14 +238,16 @@ def measure(url: str, rounds: int, n: int) -> list[E2EResult]:
                 publish_us=res["publish_us"],
                 run_us=res["run_us"],
                 total_us=res["total_us"],
-                ratio_worker=paired(results, v, BASE, "worker_rate", lambda a, b: a / b),
-                ratio_total=paired(results, v, BASE, "total_us", lambda a, b: b / a),
-                added_us=paired(results, v, BASE, "total_us", lambda a, b: a - b),
-                publish_rt=counts[v]["publish_rt"] / rounds,
-                child_rt=counts[v]["child_rt"] / rounds,
-                server_cmds=counts[v]["cmds"] / rounds,
+                ratio_worker=paired(results, v, base, "worker_rate", lambda a, b: a / b),
+                ratio_total=paired(results, v, base, "total_us", lambda a, b: b / a),
+                added_us=paired(results, v, base, "total_us", lambda a, b: a - b),
+                publish_rt=k["publish_rt"] / rounds,
+                child_rt=k["child_rt"] / rounds,
+                publish_waited=k["publish_waited"] / rounds,
+                child_waited=k["child_waited"] / rounds,
+                server_cmds=k["cmds"] / rounds,
                 server_breakdown={
-                    k: round(x / rounds, 2) for k, x in sorted(breakdown[v].items()) if x / rounds >= 0.01
+                    key: round(x / rounds, 2) for key, x in sorted(breakdown[v].items()) if x / rounds >= 0.01
                 },
             )
         )

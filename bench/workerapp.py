@@ -1,7 +1,11 @@
 """The Celery app the benchmark runs in a real ``celery worker`` (prefork) subprocess.
 
 Configured from the JSON in ``LG_BENCH_CONFIG`` (broker URL, queue, key
-prefix); the driver builds the same app with :func:`create_app` to publish.
+prefix; optionally ``lock_url`` and ``cluster`` for a lock Redis other than
+the broker, ``backend`` for the result backend and the bodies' records,
+``completion_backend`` and ``completion_table`` for the PostgreSQL store,
+``handoff_options`` for the hand-off task); the driver builds the same app
+with :func:`create_app` to publish.
 
 * Throughput tasks (``tp_*``): one tiny body per library, ``ignore_result``
   so the only Redis work a task adds is its lock's. Each body counts its run
@@ -12,6 +16,12 @@ prefix); the driver builds the same app with :func:`create_app` to publish.
   start and end, so the driver checks that no two bodies overlapped. Their
   ``lock_ttl`` is 5 s: a waiter's back-off is capped by the holder's TTL, so
   the default 30 s would only stretch the ``retry`` run's tail.
+* Hand-off task (``ho_charge``): ``charge(customer, amount, hold)`` locked on
+  the customer with the defaults a new user gets (``on_locked="skip"``: a
+  charge of another amount is different work, so it waits); its body records
+  start and end (``time.time()``, one machine) and sleeps ``hold`` seconds.
+  ``handoff_options`` in the config are added to its task options, so a later
+  wake-up mechanism is measured by the same scenario.
 
 structlog is configured as a production app would: below INFO is dropped
 (lockguard's per-task ``lock.acquired``/``lock.released`` are debug), and
@@ -75,11 +85,19 @@ def create_app(cfg: dict[str, Any]) -> Celery:
 
     url = cfg["broker"]
     prefix = cfg["prefix"]
-    app = Celery("lockguard_bench", broker=url, backend=url)
+    backend = cfg.get("backend", url)
+    app = Celery("lockguard_bench", broker=url, backend=backend)
+    lockguard: dict[str, Any] = {
+        "lockguard_redis_url": cfg.get("lock_url", url),
+        "lockguard_redis_cluster": bool(cfg.get("cluster", False)),
+    }
+    if cfg.get("completion_backend"):
+        lockguard["lockguard_completion_backend"] = cfg["completion_backend"]
+        lockguard["lockguard_completion_table"] = cfg["completion_table"]
     app.conf.update(
         task_default_queue=cfg["queue"],
-        lockguard_redis_url=url,
         lockguard_key_prefix=prefix,
+        **lockguard,
         broker_transport_options={"global_keyprefix": f"{prefix}:kombu:"},
         result_backend_transport_options={"global_keyprefix": f"{prefix}:results:"},
         broker_connection_retry_on_startup=True,
@@ -90,7 +108,7 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         singleton_key_prefix=f"{prefix}:singleton:",
         singleton_lock_expiry=3600,
     )
-    rec = redis.Redis.from_url(url, decode_responses=True)
+    rec = redis.Redis.from_url(backend, decode_responses=True)
     marks = f"{prefix}:marks"
     record_key = f"{prefix}:bodies"
 
@@ -124,13 +142,25 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         RUNS["tp_singleton"] += 1
 
     @app.task(name="tp_mark", ignore_result=True, shared=False)
-    def tp_mark(tag: str, gate: str | None = None) -> None:
-        """Report time, runs and round trips; with ``gate``, first wait until the driver opens it."""
+    def tp_mark(tag: str, gate: str | None = None, barrier: str | None = None) -> None:
+        """Report time, runs and round trips of this pool child to ``{marks}:{tag}``.
+
+        With ``gate``: first say ``ready`` and block until the driver opens the gate, so
+        one start marker per child holds every child of a ``-c N`` worker before the
+        tasks are published. With ``barrier``: block after reporting until the driver
+        releases it, so N end markers land on N distinct children (fair scheduling gives
+        a marker only to an idle child) and the last one starts after every task ended.
+        """
         if gate is not None:
+            rec.rpush(f"{marks}:ready", json.dumps({"pid": os.getpid()}))
             if rec.blpop([gate], timeout=120) is None:
                 raise RuntimeError(f"gate {gate} never opened")
-        sent = counting.sent()
-        rec.rpush(marks, json.dumps({"tag": tag, "t": time.time(), "sent": sent, "runs": dict(RUNS)}))
+        sent, deferred = counting.sent(), counting.deferred()
+        mark = {"tag": tag, "t": time.time(), "sent": sent, "deferred": deferred, "runs": dict(RUNS)}
+        mark["pid"] = os.getpid()
+        rec.rpush(f"{marks}:{tag}", json.dumps(mark))
+        if barrier is not None and rec.blpop([barrier], timeout=120) is None:
+            raise RuntimeError(f"barrier {barrier} never opened")
 
     # -- contention -------------------------------------------------------------
 
@@ -167,6 +197,26 @@ def create_app(cfg: dict[str, Any]) -> Celery:
     @app.task(name="hot_singleton", base=Singleton, bind=True, shared=False)
     def hot_singleton(self: Any, k: str) -> str:
         return hot_body("hot_singleton", self.request.id, k)
+
+    # -- hand-off -----------------------------------------------------------------
+
+    handoff_key = f"{prefix}:handoff"
+    handoff_options: dict[str, Any] = dict(cfg.get("handoff_options") or {})
+
+    @app.task(
+        name="ho_charge",
+        base=LockedTask,
+        bind=True,
+        lock_key="customer:{customer}",
+        ignore_result=True,
+        shared=False,
+        **handoff_options,
+    )
+    def ho_charge(self: Any, customer: int, amount: int, hold: float) -> None:
+        """One charge of ``amount`` for ``customer``: records its start and end around ``hold`` seconds."""
+        rec.rpush(handoff_key, json.dumps({"ev": "start", "amount": amount, "id": self.request.id, "t": time.time()}))
+        time.sleep(hold)  # the simulated work itself, not a synchronisation
+        rec.rpush(handoff_key, json.dumps({"ev": "end", "amount": amount, "id": self.request.id, "t": time.time()}))
 
     return app
 
