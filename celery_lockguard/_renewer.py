@@ -345,11 +345,12 @@ class Renewer:
         """
         from ._wire import DRAIN_DELAY
 
+        at = time.monotonic() + DRAIN_DELAY
         with self._mutex:
             self._drains[id(channel)] = channel
-            if self._drain_at != math.inf:
+            if at >= self._drain_at:
                 return
-            self._drain_at = time.monotonic() + DRAIN_DELAY
+            self._drain_at = at
             if self._thread is None or not self._thread.is_alive():
                 self._thread = self._start()
             elif self._drain_at < self._wake_at:

@@ -101,6 +101,9 @@ class Channel:
         self._made: list[Any] = []  # the connection, for the finalizer (which must not hold self)
         self._lock = threading.Lock()
         self._inflight: deque[_Sent] = deque()
+        # Scripts known to be in the server's cache since this connection was made: only those are
+        # deferred (a deferred NOSCRIPT would hold the release back until its reply is read).
+        self._loaded: set[bytes] = set()
         self.pid = os.getpid()
         #: Commands sent whose reply is read later (tests and the bench count them).
         self.deferred = 0
@@ -120,6 +123,7 @@ class Channel:
                 stale = True
             if stale:
                 conn.disconnect()  # send_packed_command connects again
+                self._loaded.clear()
         return conn
 
     @property
@@ -145,8 +149,19 @@ class Channel:
     def defer(self, script: Any, keys: list[str], args: list[Any], on_reply: OnReply) -> None:
         """Send ``script`` now; ``on_reply`` gets its reply when it is read (see the module docstring).
 
-        A failed send raises here, as :meth:`call` would: nothing was sent.
+        A failed send raises here, as :meth:`call` would: nothing was sent. A script not yet
+        seen in the server's cache on this connection (its first call, after a reconnect) runs
+        synchronously instead, so a ``NOSCRIPT`` never delays what the command does.
         """
+        if script.sha_bytes not in self._loaded:
+            try:
+                reply = self.call(script, keys, args)
+            except (redis.ConnectionError, redis.TimeoutError):
+                raise  # as a failed send: the caller reports it
+            except Exception as exc:  # noqa: BLE001 - an error reply is the command's answer, as when deferred
+                reply = exc
+            _run([(on_reply, reply)])
+            return
         done: list[tuple[OnReply, Any]] = []
         try:
             with self._lock:
@@ -202,6 +217,8 @@ class Channel:
                 self._conn_lost(conn, exc, done)
                 return exc
             read.append((sent, reply))
+            if not isinstance(reply, NoScriptError):
+                self._loaded.add(sent.script.sha_bytes)
             if sent is until:
                 break
         first = next((i for i, (_, r) in enumerate(read) if isinstance(r, NoScriptError)), None)
@@ -238,11 +255,14 @@ class Channel:
             except BaseException as exc:  # noqa: BLE001 - as above
                 self._conn_lost(conn, exc, [])
                 return out + [(x, exc) for x in batch[i:]]
+            if not isinstance(r, NoScriptError):
+                self._loaded.add(s.script.sha_bytes)
             out.append((s, r))
         return out
 
     def _conn_lost(self, conn: Any, exc: BaseException, done: list[tuple[OnReply, Any]]) -> None:
         """Close ``conn``; every reply still expected on it is lost (``exc``). The next command reconnects."""
+        self._loaded.clear()
         try:
             conn.disconnect()
         except Exception:  # noqa: BLE001 - already broken

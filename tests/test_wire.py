@@ -1,0 +1,223 @@
+"""The lease channel (``_wire``): packing, replies read late and in order, NOSCRIPT, lost links, threads, fork."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_lockguard import LockedTask
+from celery_lockguard import _lease as L
+from celery_lockguard import _scripts as scripts
+from celery_lockguard import _wire as wire
+from celery_lockguard._keys import done_name, lock_name
+from celery_lockguard._renewer import renewer
+from celery_lockguard.testing import RedisServer, settle, wait_for
+
+from .tracer import HOSTNAME, make_app
+
+P = "lgw"
+
+
+def take(c: Any, key: str = "k", ttl_ms: int = 5000, **kw: Any) -> Any:
+    args = {"task_id": "t1", "task_name": "n", "digest": "d", "worker": "w@h", "fence_ttl_ms": 60_000}
+    args.update(kw)
+    return L.acquire(c, P, key, ttl_ms=ttl_ms, **args)
+
+
+class Replies:
+    """A deferred command's callback: records what it was handed, and on which thread."""
+
+    def __init__(self) -> None:
+        self.got: list[Any] = []
+        self.threads: list[str] = []
+
+    def __call__(self, reply: Any) -> None:
+        self.got.append(reply)
+        self.threads.append(threading.current_thread().name)
+
+
+def warm(c: Any) -> Any:
+    """Run ACQUIRE and RELEASE once on ``c``'s channel: the server has them cached, so RELEASE may be deferred."""
+    L.release(c, take(c, "warm-up"), P)
+    return c
+
+
+@pytest.fixture
+def c(own_redis: RedisServer) -> Any:
+    return warm(own_redis.client())
+
+
+def release_later(c: Any, lease: L.Lease, replies: Replies, scope: str | None = None) -> None:
+    assert L.release_later(c, lease, P, replies, scope, '{"r":1}' if scope else "", 60_000 if scope else 0)
+
+
+def test_packing_matches_redis_py() -> None:
+    keys, args = ["a:{k}", "ü"], ["tok", 30000, "", b"raw", -1]
+    ours = wire.pack_evalsha(scripts.acquire.sha_bytes, keys, args)
+    theirs = b"".join(redis.Connection().pack_command("EVALSHA", scripts.acquire.sha, len(keys), *keys, *args))
+    assert ours == theirs
+    with pytest.raises(TypeError, match="float"):
+        wire.pack_evalsha(scripts.acquire.sha_bytes, [], [1.5])
+
+
+def test_a_plain_client_gets_one_channel_per_thread_and_others_get_none(c: Any, own_redis: RedisServer) -> None:
+    mine = wire.channel(c)
+    assert mine is not None and wire.channel(c) is mine
+    seen: list[Any] = []
+    thread = threading.Thread(target=lambda: seen.append(wire.channel(c)))
+    thread.start()
+    thread.join()
+    assert seen[0] is not None and seen[0] is not mine
+
+    class OtherPool(redis.ConnectionPool):
+        pass
+
+    assert wire.channel(redis.Redis(connection_pool=OtherPool(port=own_redis.port))) is None
+
+
+def test_a_deferred_release_frees_the_lease_at_once_and_its_reply_comes_with_the_next_call(
+    c: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(wire, "DRAIN_DELAY", 60.0)  # keep the renewer's drain out of this test's window
+    lease = take(c)
+    replies = Replies()
+    release_later(c, lease, replies, scope="s1")
+    ch = wire.channel(c)
+    assert ch is not None and ch.pending == 1 and lease.released
+    other = redis.Redis(port=c.connection_pool.connection_kwargs["port"], decode_responses=True)
+    # On the server already (RELEASE went out before the check did); the reply is not read yet.
+    assert not other.exists(lock_name(P, "k")) and other.exists(done_name(P, "s1"))
+    assert replies.got == []
+    again = take(c)  # the same entity, right after the release on the same connection: free
+    assert isinstance(again, L.Lease)
+    assert replies.got == [(1, 1)] and ch.pending == 0
+
+
+def test_a_script_not_yet_seen_on_the_connection_runs_synchronously(c: Any) -> None:
+    """The first RELEASE on a fresh server would answer NOSCRIPT: deferred, the lease would stay held until read."""
+    c.script_flush()
+    lease = take(c)
+    ch = wire.channel(c)
+    assert ch is not None
+    ch._loaded.discard(scripts.release.sha_bytes)
+    replies = Replies()
+    release_later(c, lease, replies)
+    assert replies.got == [(1, 0)] and ch.pending == 0  # answered at once
+    lease2 = take(c)
+    release_later(c, lease2, Replies())
+    assert ch.deferred >= 1  # now known to the server: deferred
+
+
+def test_an_idle_channel_is_drained_by_the_renewer_within_the_delay(c: Any) -> None:
+    lease = take(c)
+    replies = Replies()
+    release_later(c, lease, replies)
+    wait_for(lambda: replies.got, 1.0, interval=0.005, what="the renewer to read the deferred reply")
+    assert replies.got == [(1, 0)] and replies.threads == ["lockguard-renewer"]
+    assert renewer()._drain_at == float("inf")  # nothing left to drain: the thread sleeps again
+
+
+def test_replies_are_read_in_order_and_error_replies_keep_the_stream_in_step(c: Any) -> None:
+    first, second = take(c, "a"), take(c, "b")
+    c.delete(lock_name(P, "b"))
+    c.set(lock_name(P, "b"), "a string, not a lease hash")  # RELEASE's HGET answers WRONGTYPE
+    one, two = Replies(), Replies()
+    ch = wire.channel(c)
+    assert ch is not None
+    with ch._lock:  # keep the renewer out: the next call must read both, in order
+        release_later_locked = [(first, one), (second, two)]
+        for lease, replies in release_later_locked:
+            ch._send(ch._connection(), wire._Sent(scripts.release, [lease.redis_key], [lease.token, "", 0], replies), [])
+    assert isinstance(take(c, "c"), L.Lease)  # its own reply, after both deferred ones
+    assert one.got == [[1, 0]]
+    assert len(two.got) == 1 and isinstance(two.got[0], redis.ResponseError) and "WRONGTYPE" in str(two.got[0])
+    assert ch.pending == 0 and c.ping()
+
+
+def test_noscript_on_a_deferred_reply_reloads_and_runs_it_again_in_order(c: Any, own_redis: RedisServer) -> None:
+    lease = take(c)
+    c.script_flush()  # a restart or SCRIPT FLUSH between acquire and release
+    replies = Replies()
+    ch = wire.channel(c)
+    assert ch is not None
+    with ch._lock:
+        ch._send(ch._connection(), wire._Sent(scripts.release, [lease.redis_key], [lease.token, "", 0], replies), [])
+    again = take(c)  # NOSCRIPT for both: loaded, then RELEASE and ACQUIRE run again, in that order
+    assert isinstance(again, L.Lease)
+    assert replies.got == [[1, 0]]
+    assert c.hget(lock_name(P, "k"), "token") == again.token
+
+
+def test_a_lost_link_fails_the_replies_in_flight_and_the_next_call_reconnects(own_redis: RedisServer) -> None:
+    c = warm(own_redis.client())
+    lease = take(c)
+    ch = wire.channel(c)
+    assert ch is not None
+    replies = Replies()
+    with ch._lock:
+        ch._send(ch._connection(), wire._Sent(scripts.release, [lease.redis_key], [lease.token, "", 0], replies), [])
+        own_redis.stop()  # the reply may or may not have been written: either way the stream ends
+    own_redis.start()
+    with pytest.raises((redis.ConnectionError, redis.TimeoutError)):
+        ch.call(scripts.acquire, [], [])  # reads through the dead link first
+    assert len(replies.got) == 1
+    assert isinstance(replies.got[0], (redis.ConnectionError, redis.TimeoutError)) or replies.got[0] == [1, 0]
+    assert isinstance(take(c), L.Lease)  # reconnected (the restarted server has no lease)
+
+
+def test_an_idle_connection_the_server_closed_is_replaced_before_the_next_command(own_redis: RedisServer) -> None:
+    c = own_redis.client()
+    take(c)
+    own_redis.stop()
+    own_redis.start()
+    assert isinstance(take(c), L.Lease)  # no error: the stale link is seen at checkout, as the pool does
+
+
+def test_a_forked_child_gets_its_own_channel(c: Any) -> None:
+    parent = wire.channel(c)
+    lease = take(c)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        ok = False
+        try:
+            child = wire.channel(c)
+            ok = child is not None and child is not parent and isinstance(take(c, "child"), L.Lease)
+        finally:
+            os.write(write, b"1" if ok else b"0")
+            os._exit(0)
+    os.close(write)
+    assert os.read(read, 1) == b"1"
+    os.waitpid(pid, 0)
+    assert L.release(c, lease, P) == (1, 0)  # the parent's link is intact
+
+
+def test_a_locked_delivery_frees_the_lease_before_its_release_is_reported(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through Celery's real tracer: the lease is free when the tracer returns; lock.released comes with settle()."""
+    from celery.app.trace import build_tracer
+    from structlog.testing import capture_logs
+
+    monkeypatch.setattr(wire, "DRAIN_DELAY", 60.0)
+    app: Celery = make_app("wire", redis_url, prefix, lockguard_redis_url=redis_url)
+
+    @app.task(base=LockedTask, bind=True, name="w.t", lock_key="k:{a}")
+    def t(self: Any, a: int) -> int:
+        return a
+
+    c = redis.Redis.from_url(redis_url, decode_responses=True)
+    t.apply((0,))  # ACQUIRE and RELEASE cached on the server and known to this thread's channel
+    request = {"id": "wire-1", "task": t.name, "args": [3], "kwargs": {}, "hostname": HOSTNAME, "is_eager": False}
+    tracer = build_tracer(t.name, t, app=app, eager=False, propagate=False)
+    with capture_logs() as logs:
+        assert tracer("wire-1", [3], {}, request)[0] == 3
+        assert not c.exists(lock_name(prefix, "k:3")) and c.exists(done_name(prefix, "task:wire-1"))
+        assert "lock.released" not in [e["event"] for e in logs]
+        assert settle() >= 1
+    assert "lock.released" in [e["event"] for e in logs]
