@@ -130,9 +130,9 @@ def test_replies_are_read_in_order_and_error_replies_keep_the_stream_in_step(c: 
     ch = wire.channel(c)
     assert ch is not None
     with ch._lock:  # keep the renewer out: the next call must read both, in order
-        release_later_locked = [(first, one), (second, two)]
-        for lease, replies in release_later_locked:
-            ch._send(ch._connection(), wire._Sent(scripts.release, [lease.redis_key], [lease.token, "", 0], replies), [])
+        for lease, replies in [(first, one), (second, two)]:
+            sent = wire._Sent(scripts.release, [lease.redis_key], [lease.token, "", 0], replies)
+            ch._send(ch._connection(), sent, [])
     assert isinstance(take(c, "c"), L.Lease)  # its own reply, after both deferred ones
     assert one.got == [[1, 0]]
     assert len(two.got) == 1 and isinstance(two.got[0], redis.ResponseError) and "WRONGTYPE" in str(two.got[0])
