@@ -954,10 +954,18 @@ class LockGuard(Task):
             except BaseException:
                 self._free_claim(s, opts, call, token, task_id)
                 raise
+            backend, span, name = events.backend_choice(), tracing.current_span(), self.name
+
+            def confirmed(reply: bool | BaseException) -> None:
+                # Read later (nothing waits on it: the message is out); a failed confirm lapses after the grace.
+                if isinstance(reply, BaseException):
+                    failed = {**fields, "reason": f"confirm claim: {_describe(reply)}"}
+                    events.emit_for("lock.backend_unavailable", name, failed, backend=backend, span=span)
+
             try:
-                lease_ops.confirm_claim(connection.client(s), ckey, token, ttl_ms)
+                lease_ops.confirm_claim(connection.client(s), ckey, token, ttl_ms, on_reply=confirmed)
             except Exception as exc:  # noqa: BLE001 - the message is out; its claim then lapses after the grace
-                emit("lock.backend_unavailable", self.name, **fields, reason=f"confirm claim: {_describe(exc)}")
+                confirmed(exc)
             return result
         if action is PublishAction.MISCONFIGURED:
             assert failure is not None

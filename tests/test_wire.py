@@ -221,3 +221,20 @@ def test_a_locked_delivery_frees_the_lease_before_its_release_is_reported(
         assert "lock.released" not in [e["event"] for e in logs]
         assert settle() >= 1
     assert "lock.released" in [e["event"] for e in logs]
+
+
+def test_tokens_are_unique_per_lease_and_never_repeat_across_fork() -> None:
+    """Owner tokens come from a per-process generator: a forked child must not repeat its parent's sequence."""
+    tokens = {L.new_token() for _ in range(20_000)}
+    assert len(tokens) == 20_000 and all(len(t) == 32 for t in tokens)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            os.write(write, L.new_token().encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    child = os.read(read, 64).decode()
+    os.waitpid(pid, 0)
+    assert len(child) == 32 and child != L.new_token() and child not in tokens
