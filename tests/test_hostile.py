@@ -318,10 +318,11 @@ def test_release_only_ever_deletes_the_one_key_named(app: Celery, r: redis.Redis
     others = ["inv:1", "inv:2", "inv:*", "a"]
     for k in others:
         if not r.exists(lock_name(prefix, k)):
-            L.acquire(
-                r, prefix, k, ttl_ms=60_000, task_id="t", task_name="n", digest="d", worker="w", fence_ttl_ms=60_000
-            )
-    r.set(done_name(prefix, "inv:1"), "{}", px=60_000)
+            hour = 3_600_000
+            L.acquire(r, prefix, k, ttl_ms=hour, task_id="t", task_name="n", digest="d", worker="w", fence_ttl_ms=hour)
+    # An hour, not a minute: hypothesis runs many examples over the same keys, and on a loaded machine the
+    # whole test outlived a 60 s TTL, so keys expired between the two snapshots and looked deleted.
+    r.set(done_name(prefix, "inv:1"), "{}", px=3_600_000)
     before = {k: r.type(k) for k in r.scan_iter(match=f"{prefix}:*")}
     head, tail = f"{prefix}:v1:{{", "}:lock"
     entity = key[len(head) : -len(tail)] if key.startswith(head) and key.endswith(tail) else key
