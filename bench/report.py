@@ -173,8 +173,10 @@ def render(res: Results, plot_name: str | None) -> str:
     add(
         "Commands sent at publish include kombu's own (1 for a plain task); in the worker they are the pool "
         "child's (a plain task with `ignore_result` makes none: the main process fetches and acks). "
-        "*Waited* is the same minus deferred sends. Server commands per task include the broker's (BRPOP, "
-        "the unacked bookkeeping, LPUSH).\n"
+        "*Waited* is the same minus deferred sends. Commands of the children's renewer threads (a tick "
+        "that finds a lease held; time-driven, section 4) are left out of the per-task counts: "
+        f"{_renewer_note(res)}. Server commands per task include the broker's (BRPOP, the unacked "
+        "bookkeeping, LPUSH).\n"
     )
     budget = plain.run_us.median * (1 / WORKER_TARGET - 1)
     add("**What limits it.** ")
@@ -457,7 +459,7 @@ def _target_rows(res: Results) -> list[list[str]]:
             "round trips per locked task (default `while_running`)",
             "<= 2 commands sent",
             f"{sent:.2f} sent ({locked.publish_rt - ee[e2e_mod.BASE].publish_rt:.2f} at publish), {waited:.2f} waited",
-            _yes(sent <= 2.01),
+            _yes(sent <= 2 + e2e_mod.ROUND_TRIP_SLACK),
         ],
         ["renewal round trips per tick, 1 to 1,000 leases", "1", f"{renew_rt:.2f}", _yes(renew_rt <= 1.0)],
     ]
@@ -479,6 +481,15 @@ def _target_rows(res: Results) -> list[list[str]]:
             ],
         ]
     return rows
+
+
+def _renewer_note(res: Results) -> str:
+    """How many commands the renewer threads sent during the end-to-end sections, per 1,000 tasks."""
+    parts = []
+    for label, results in [("`-c 1`", res.e2e)] + [(f"`-c {c}`", r) for c, r in sorted(res.concurrency.items())]:
+        worst = max((r.renewer_rt for r in results), default=0.0)
+        parts.append(f"{worst * 1000:.1f} per 1,000 tasks at {label}")
+    return "at most " + ", ".join(parts) + " in this run"
 
 
 def _e2e_table(results: list[E2EResult]) -> str:

@@ -59,6 +59,8 @@ RATES = [10, 100, 1000]
 #: Hard limits checked in every mode (issue 8): more is a regression, not noise.
 MAX_LOCK_ROUND_TRIPS = 2
 MAX_RENEW_ROUND_TRIPS_PER_TICK = 1
+#: Slack of the per-task round-trip checks (see bench.e2e.ROUND_TRIP_SLACK).
+ROUND_TRIP_SLACK = e2e.ROUND_TRIP_SLACK
 #: On Redis Cluster a task-id completion scope lands in another slot than the entity (by design).
 CLUSTER_EXTRA_ROUND_TRIPS = 2
 
@@ -121,7 +123,7 @@ def run(quick: bool, command: str) -> Results:
         res.checks.append(
             (
                 f"{label}: commands sent added per task <= {MAX_LOCK_ROUND_TRIPS}",
-                sent <= MAX_LOCK_ROUND_TRIPS + 0.01,
+                sent <= MAX_LOCK_ROUND_TRIPS + ROUND_TRIP_SLACK,
                 f"{sent:.2f} sent, {waited:.2f} waited",
             )
         )
@@ -179,7 +181,7 @@ def run(quick: bool, command: str) -> Results:
         # on each side (ACQUIRE's record check, RELEASE's record write), by design.
         limit = MAX_LOCK_ROUND_TRIPS + CLUSTER_EXTRA_ROUND_TRIPS
         label = f"LockedTask on Redis Cluster: commands sent added per task <= {limit}"
-        res.checks.append((label, sent <= limit + 0.01, f"{sent:.2f}"))
+        res.checks.append((label, sent <= limit + ROUND_TRIP_SLACK, f"{sent:.2f}"))
 
     def do_handoff(srv: RedisServer) -> None:
         with RedisServer() as locks:

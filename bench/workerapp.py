@@ -155,9 +155,9 @@ def create_app(cfg: dict[str, Any]) -> Celery:
             rec.rpush(f"{marks}:ready", json.dumps({"pid": os.getpid()}))
             if rec.blpop([gate], timeout=120) is None:
                 raise RuntimeError(f"gate {gate} never opened")
-        sent, deferred = counting.sent(), counting.deferred()
+        sent, deferred = counting.sent(), counting.deferred()  # read first: the marker's own push is not counted
         mark = {"tag": tag, "t": time.time(), "sent": sent, "deferred": deferred, "runs": dict(RUNS)}
-        mark["pid"] = os.getpid()
+        mark.update(pid=os.getpid(), background=counting.background())
         rec.rpush(f"{marks}:{tag}", json.dumps(mark))
         if barrier is not None and rec.blpop([barrier], timeout=120) is None:
             raise RuntimeError(f"barrier {barrier} never opened")
