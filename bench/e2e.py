@@ -49,6 +49,10 @@ BASE = "plain task"
 #: command added to every task adds 1, to one task in ten 0.1.
 ROUND_TRIP_SLACK = 0.05
 
+#: Socket timeout of the clients that block on a marker, gate or barrier list (BLPOP up to 120 s):
+#: redis-py 8 defaults to 5 s, which a loaded machine's stall outlasts.
+BLOCKING_SOCKET_TIMEOUT = 180.0
+
 
 @dataclass
 class E2EResult:
@@ -141,7 +145,8 @@ def measure(
     groups = groups or [{}]
     prefix = f"benche2e{uuid.uuid4().hex[:6]}"
     gs = [_Group(url, prefix, i, extra, concurrency) for i, extra in enumerate(groups)]
-    admin = redis.Redis.from_url(url, decode_responses=True)
+    # BLPOP waits up to a marker's timeout: redis-py 8's default 5 s socket timeout would cut it short.
+    admin = redis.Redis.from_url(url, decode_responses=True, socket_timeout=BLOCKING_SOCKET_TIMEOUT)
     more = list(stats_clients or [])
     names = [v.name for v in variants]
     spec = {v.name: v for v in variants}

@@ -108,7 +108,8 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         singleton_key_prefix=f"{prefix}:singleton:",
         singleton_lock_expiry=3600,
     )
-    rec = redis.Redis.from_url(backend, decode_responses=True)
+    # tp_mark blocks on its gate or barrier up to 120 s: redis-py 8's default 5 s socket timeout is too short.
+    rec = redis.Redis.from_url(backend, decode_responses=True, socket_timeout=180.0)
     marks = f"{prefix}:marks"
     record_key = f"{prefix}:bodies"
 
