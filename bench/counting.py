@@ -8,6 +8,9 @@ for the reply. Counting its calls counts round trips as the client pays them.
 *Values sent*: every command's arguments (its name, keys, values) pass
 through the serializer's ``pack``; counting them shows how much a client
 encodes per operation (redis-py's default serializer is pure Python).
+lockguard may pack its lease scripts itself (``celery_lockguard._wire.pack_evalsha``,
+bypassing redis-py's packer): where that function exists its values are
+counted too (``EVALSHA``, the sha, numkeys, keys, args), the same way.
 
 *Deferred sends*: the runtime may hand a command to the connection without
 waiting for its reply (RELEASE: the reply is read later, with the next command
@@ -41,6 +44,8 @@ _installed = False
 _deferred = 0
 #: ``(Channel class, its own defer)`` once wrapped, so :func:`uninstall` can put it back.
 _original_defer: tuple[Any, Any] | None = None
+#: ``(the _wire module, its own pack_evalsha)`` once wrapped.
+_original_pack_evalsha: tuple[Any, Any] | None = None
 
 
 #: Sends of lockguard's renewer thread (its ticks: per held lease per ~ttl/3, not per task; section 4).
@@ -79,6 +84,32 @@ def _channel_class() -> Any:
     return cls if cls is not None and callable(getattr(cls, "defer", None)) else None
 
 
+def _wrap_pack() -> None:
+    """Count the values of lockguard's own EVALSHA packer, if the runtime has one.
+
+    Why: a client that packs its scripts itself would otherwise show 0 values sent.
+    The wrapper is set on the module, where the runtime's callers look the name up.
+    """
+    global _original_pack_evalsha
+    wire: Any
+    try:
+        wire = importlib.import_module("celery_lockguard._wire")
+    except ImportError:
+        return
+    original = getattr(wire, "pack_evalsha", None)
+    if original is None or _original_pack_evalsha is not None:
+        return
+
+    def counting_pack_evalsha(sha: Any, keys: Any, args: Any) -> Any:
+        global _values
+        with _lock:
+            _values += 3 + len(keys) + len(args)
+        return original(sha, keys, args)
+
+    wire.pack_evalsha = counting_pack_evalsha
+    _original_pack_evalsha = (wire, original)
+
+
 def _wrap_defer() -> None:
     """Count calls of ``Channel.defer`` (a send whose reply is not waited for), if it exists."""
     global _original_defer
@@ -105,12 +136,13 @@ def install() -> None:
         AbstractConnection.send_packed_command = _counting_send  # type: ignore[method-assign]
         PythonRespSerializer.pack = _counting_pack  # type: ignore[method-assign]
         _wrap_defer()
+        _wrap_pack()
         _installed = True
 
 
 def uninstall() -> None:
     """Put redis-py's (and the runtime's) own methods back: what follows is not counted."""
-    global _installed, _original_defer
+    global _installed, _original_defer, _original_pack_evalsha
     if _installed:
         AbstractConnection.send_packed_command = _original_send  # type: ignore[method-assign]
         PythonRespSerializer.pack = _original_pack  # type: ignore[method-assign]
@@ -118,6 +150,10 @@ def uninstall() -> None:
             cls, original = _original_defer
             cls.defer = original
             _original_defer = None
+        if _original_pack_evalsha is not None:
+            wire, pack = _original_pack_evalsha
+            wire.pack_evalsha = pack
+            _original_pack_evalsha = None
         _installed = False
 
 
