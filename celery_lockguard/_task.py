@@ -32,6 +32,7 @@ from . import _claims as claims
 from . import _completion as completion
 from . import _connection as connection
 from . import _errors as errors
+from . import _handoff as handoff
 from . import _headers as headers
 from . import _keys as keys
 from . import _lease as lease_ops
@@ -47,9 +48,12 @@ from ._decision import (
     Delivery,
     HolderFacts,
     Outcome,
+    ParkedAction,
     Publish,
     PublishAction,
+    after_park,
     decide_delivery,
+    decide_parked,
     decide_publish,
 )
 from ._events import emit
@@ -329,13 +333,25 @@ class LockGuard(Task):
         replace_token = claim_token if opts.mode == "until_done" else ""
         # until_started: free it on start; until_done: free it too when it queued in {K}:claim behind other work.
         start_claim = claim_token
+        # A copy of a parked delivery (safety or woken) settles with its waiter entry before ACQUIRE, and
+        # adopts the reservation RELEASE made for it (token = park token), if it is still there.
+        park_token = headers.read_str(req, headers.PARK) if opts.mode == "while_running" and not watch_copy else ""
+        if park_token:
+            replace_token = park_token
+        can_park = opts.mode == "while_running" and not claim_token and not watch_copy and not req.is_eager
+        free_retries = 0
         while True:
             token = lease_ops.new_token()
             got: Lease | Holder | Done | None = None
             failure: BaseException | None = None
             outcome: Outcome
             try:
+                if park_token:
+                    self._settle_parked(s, call, client, park_token)
+                    park_token = ""
                 got = self._acquire(s, opts, call, client, token, replace_token, store, start_claim)
+            except Ignore:
+                raise
             except Exception as exc:
                 kind = errors.classify(exc)
                 if kind is None:
@@ -355,6 +371,7 @@ class LockGuard(Task):
                     watch_copy=watch_copy and not (outcome == "record" and not self._original_settled()),
                     waits=headers.read_int(req, headers.WAITS),
                     max_waits=opts.max_waits,
+                    can_park=can_park,
                 )
             )
             action = decision.action
@@ -388,6 +405,19 @@ class LockGuard(Task):
                 else:
                     self._release(s, opts, got)
             self._met(opts, call, decision, holder, failure)
+            if action is Action.PARK:
+                assert holder is not None
+                parked = self._park(s, opts, call, client, decision, holder, free_retries)
+                if parked == "acquire_again":
+                    free_retries += 1
+                    continue
+                if isinstance(parked, str) and parked.startswith("adopt:"):
+                    replace_token = parked[len("adopt:") :]  # our publish failed, yet a releaser woke us
+                    continue
+                if parked is not None:
+                    raise Retry(exc=self._contention_error(call, holder, None), when=None, sig=parked)
+                decision = Decision(Action.WAIT, decision.reason)  # could not park: back off as before
+                action = decision.action
             if action in FREES_CLAIM and not (action is Action.FAIL_OPEN and opts.mode == "until_done"):
                 self._free_claim(s, opts, call, claim_token)
             if action is Action.WAIT:
@@ -552,7 +582,7 @@ class LockGuard(Task):
         failure: BaseException | None,
     ) -> None:
         """Say what the delivery met before it skips, waits, gives up or raises: another holder, or an outage."""
-        if decision.action not in (Action.SKIP, Action.WAIT, Action.GIVE_UP, Action.RAISE):
+        if decision.action not in (Action.SKIP, Action.WAIT, Action.PARK, Action.GIVE_UP, Action.RAISE):
             return
         fields = self._fields(call)
         if holder is None:
@@ -680,8 +710,11 @@ class LockGuard(Task):
             else:
                 scope = done.scope
         fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence}
+        reserve_ms = int(handoff.RESERVATION_TTL * 1000)
         try:
-            released, _recorded = lease_ops.release(connection.client(s), lease, s.key_prefix, scope, record, ttl_ms)
+            released, _recorded, woken = lease_ops.release_and_wake(
+                connection.client(s), lease, s.key_prefix, scope, record, ttl_ms, reserve_ms
+            )
         except Exception as exc:  # noqa: BLE001 - the body's outcome stands; the lease expires by its TTL
             lease.released = True
             emit("lock.backend_unavailable", self.name, **fields, reason=f"release: {_describe(exc)}")
@@ -707,6 +740,8 @@ class LockGuard(Task):
             if lease.mark_lost(reason):
                 emit("lock.lost", self.name, **fields, hold_ms=round(hold_ms), reason=reason)
             emit("lock.expired_before_release", self.name, **fields, hold_ms=round(hold_ms), reason=reason)
+        # The one place the releaser's part of park and wake runs, on RELEASE's reply (never raises).
+        handoff.wake(self.app, s, woken, self.name, lease.task_id)
 
     def _record_for(self, call: CallNames, task_id: str, result: Any) -> tuple[str, int]:
         record, dropped = completion.encode_record(keys.meta(task_id), result, keys.meta(self.name), call.digest)
@@ -872,6 +907,88 @@ class LockGuard(Task):
         time.sleep(countdown)
         req.headers = hdrs
         return None
+
+    def _park(
+        self,
+        s: Settings,
+        opts: TaskOptions,
+        call: CallNames,
+        client: Any,
+        decision: Decision,
+        holder: Holder,
+        free_retries: int,
+    ) -> Any:
+        """Park behind ``holder`` and publish the one safety copy; see :mod:`celery_lockguard._handoff`.
+
+        Returns the safety copy's signature (the caller raises ``Retry``), ``"acquire_again"`` (the
+        lease was gone by PARK), ``"adopt:<P>"`` (the safety copy's publish failed, yet a releaser had
+        already woken us: ACQUIRE adopting P), or ``None``: back off as before (arguments that are not
+        JSON, a full queue, an error at PARK, or a failed publish whose entry was taken back).
+        """
+        req = self.request
+        park_token = lease_ops.new_token()
+        hdrs = {**republish.wait_headers(req, None), headers.PARK: park_token}
+        hdrs.pop(headers.WOKEN, None)
+        args, kwargs = req.args or (), req.kwargs or {}
+        message = handoff.message_for(self, req, args, kwargs, {**hdrs, headers.WOKEN: 1})
+        countdown = handoff.safety_countdown(holder.pttl_ms, s)
+        fields = {**self._fields(call), "reason": decision.reason, "waits": headers.read_int(req, headers.WAITS)}
+        answer: Any = "unserializable"
+        if message is not None:
+            try:
+                answer = handoff.park(
+                    client,
+                    s.key_prefix,
+                    call.key,
+                    park_token,
+                    message,
+                    task_id=req.id,
+                    task_name=self.name,
+                    digest=call.digest,
+                    countdown=countdown,
+                ).kind
+            except Exception as exc:
+                if errors.classify(exc) is None:
+                    raise
+                emit("lock.backend_unavailable", self.name, **{**fields, "reason": f"park: {_describe(exc)}"})
+                answer = "unavailable"
+        then = after_park(answer, free_retries)
+        if then != "parked":
+            return "acquire_again" if then == "acquire_again" else None
+        emit("lock.retry_scheduled", self.name, **fields, countdown=round(countdown, 3), policy="park")
+        try:
+            return republish.publish(self, args, kwargs, countdown, hdrs)
+        except Exception as exc:  # noqa: BLE001 - a failed publish must not lose the task: take the entry back
+            failed = {**fields, "policy": "park", "reason": f"publish failed: {exc.__class__.__name__}"}
+            emit("lock.backend_unavailable", self.name, **failed)
+        try:
+            state, age = handoff.check(client, s.key_prefix, call.key, park_token, "safety", grace=0)
+        except Exception as exc:  # noqa: BLE001 - cannot tell whether a releaser woke us: adopt if it did
+            emit("lock.backend_unavailable", self.name, **{**fields, "reason": f"unpark: {_describe(exc)}"})
+            return f"adopt:{park_token}"
+        action, _why = decide_parked("safety", state, age, 0)  # type: ignore[arg-type]
+        if action is ParkedAction.DROP:
+            raise Ignore()  # a releaser woke us and the woken copy is out: it runs the job
+        return f"adopt:{park_token}" if state == "waking" else None
+
+    def _settle_parked(self, s: Settings, call: CallNames, client: Any, park_token: str) -> None:
+        """A copy of a parked delivery settles with its entry: returns to ACQUIRE, or raises ``Ignore``.
+
+        Within the grace of a releaser still publishing, it looks again in this process (a short,
+        bounded wait: the releaser either publishes within ms or has died).
+        """
+        req = self.request
+        copy = "woken" if headers.read(req, headers.WOKEN) else "safety"
+        grace_ms = int(handoff.WAKE_GRACE * 1000)
+        while True:
+            state, age = handoff.check(client, s.key_prefix, call.key, park_token, copy, handoff.WAKE_GRACE)
+            action, reason = decide_parked(copy, state, age, grace_ms)  # type: ignore[arg-type]
+            if action is ParkedAction.PROCEED:
+                return
+            if action is ParkedAction.DROP:
+                emit("lock.handoff_dropped", self.name, **self._fields(call), reason=reason)
+                raise Ignore()  # the other copy of this message runs the job; store nothing under its id
+            time.sleep(min(0.1, max(0.01, (grace_ms - age) / 1000)))
 
     def _watch(self, s: Settings, opts: TaskOptions, call: CallNames) -> None:
         """Before dropping a redelivered copy of a running task, leave a delayed watch copy behind.
