@@ -336,6 +336,7 @@ class LockGuard(Task):
         # A copy of a parked delivery (safety or woken) settles with its waiter entry before ACQUIRE, and
         # adopts the reservation RELEASE made for it (token = park token), if it is still there.
         park_token = headers.read_str(req, headers.PARK) if opts.mode == "while_running" and not watch_copy else ""
+        reserved = park_token  # a reservation RELEASE may have made for us: freed on every exit that does not run
         if park_token:
             replace_token = park_token
         can_park = opts.mode == "while_running" and not claim_token and not watch_copy and not req.is_eager
@@ -420,6 +421,9 @@ class LockGuard(Task):
                 action = decision.action
             if action in FREES_CLAIM and not (action is Action.FAIL_OPEN and opts.mode == "until_done"):
                 self._free_claim(s, opts, call, claim_token)
+            if reserved and action in FREES_CLAIM:
+                # answered from the record, skipped, gave up...: the reservation must not hold up the next waiter
+                handoff.abandon(self.app, s, call.key, reserved, self.name, req.id)
             if action is Action.WAIT:
                 attempt = token if outcome == "unavailable" and got is None else None
                 sig = self._wait(s, opts, call, decision, holder, attempt, handed)
