@@ -17,6 +17,7 @@ import redis
 from celery import Celery
 
 from celery_lockguard import LockedTask
+from celery_lockguard import _headers as headers
 
 
 def create_app(cfg: dict[str, Any]) -> Celery:
@@ -63,6 +64,8 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         lease = self.lock
         record(ev="end", key=key, tag=tag, task_id=self.request.id, lost=lease.lost if lease else None)
         return {
+            "waits": headers.read_int(self.request, headers.WAITS),
+            "woken": bool(headers.read(self.request, headers.WOKEN)),
             "tag": tag,
             "fence": lease.fence if lease else None,
             "lost": lease.lost if lease else None,
@@ -98,6 +101,11 @@ def create_app(cfg: dict[str, Any]) -> Celery:
     @app.task(base=LockedTask, bind=True, shared=False, name="charge", lock_key="invoice:{invoice_id}", lock_ttl=5)
     def charge(self: Any, invoice_id: int, amount: int, seconds: float = 1.0) -> dict[str, Any]:
         return body(self, f"invoice:{invoice_id}", seconds, f"charge:{amount}")
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="hold_invoice", lock_key="invoice:{invoice_id}", lock_ttl=5)
+    def hold_invoice(self: Any, invoice_id: int, seconds: float = 2.0) -> dict[str, Any]:
+        """A holder of other work on the ``charge`` entity (its own name: the releaser-killed hook names it)."""
+        return body(self, f"invoice:{invoice_id}", seconds, "holder")
 
     @app.task(
         base=LockedTask,
