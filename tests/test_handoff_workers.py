@@ -6,6 +6,7 @@ task (each park publishes one safety copy, each wake one woken copy: ``waits`` +
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import uuid
 from typing import Any
@@ -38,7 +39,7 @@ def run_contention(fleet: Fleet, cfg: dict[str, Any], r: redis.Redis) -> tuple[l
 def gaps(rows: list[dict[str, Any]]) -> list[float]:
     """Seconds from each body's end to the next body's start, in order."""
     spans = intervals(rows)
-    return [b[0] - a[1] for a, b in zip(spans, spans[1:])]
+    return [b[0] - a[1] for a, b in itertools.pairwise(spans)]
 
 
 def test_a_release_wakes_the_next_waiter_at_once_and_each_waiter_costs_at_most_two_publishes(
@@ -55,8 +56,10 @@ def test_a_release_wakes_the_next_waiter_at_once_and_each_waiter_costs_at_most_t
     assert all(p <= 2 for p in publishes), publishes
     assert len(handoffs) == 3
     median = statistics.median(handoffs)
-    print(f"hand-off latency median {median * 1000:.1f} ms, all {[round(g * 1000, 1) for g in handoffs]} ms; "
-          f"re-publishes per waiter {publishes}")
+    print(
+        f"hand-off latency median {median * 1000:.1f} ms, all {[round(g * 1000, 1) for g in handoffs]} ms; "
+        f"re-publishes per waiter {publishes}"
+    )
     assert median < 0.5, handoffs
 
 

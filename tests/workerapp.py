@@ -102,7 +102,9 @@ def create_app(cfg: dict[str, Any]) -> Celery:
     def charge(self: Any, invoice_id: int, amount: int, seconds: float = 1.0) -> dict[str, Any]:
         return body(self, f"invoice:{invoice_id}", seconds, f"charge:{amount}")
 
-    @app.task(base=LockedTask, bind=True, shared=False, name="hold_invoice", lock_key="invoice:{invoice_id}", lock_ttl=5)
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="hold_invoice", lock_key="invoice:{invoice_id}", lock_ttl=5
+    )
     def hold_invoice(self: Any, invoice_id: int, seconds: float = 2.0) -> dict[str, Any]:
         """A holder of other work on the ``charge`` entity (its own name: the releaser-killed hook names it)."""
         return body(self, f"invoice:{invoice_id}", seconds, "holder")
