@@ -64,8 +64,6 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         lease = self.lock
         record(ev="end", key=key, tag=tag, task_id=self.request.id, lost=lease.lost if lease else None)
         return {
-            "waits": headers.read_int(self.request, headers.WAITS),
-            "woken": bool(headers.read(self.request, headers.WOKEN)),
             "tag": tag,
             "fence": lease.fence if lease else None,
             "lost": lease.lost if lease else None,
@@ -100,7 +98,13 @@ def create_app(cfg: dict[str, Any]) -> Celery:
 
     @app.task(base=LockedTask, bind=True, shared=False, name="charge", lock_key="invoice:{invoice_id}", lock_ttl=5)
     def charge(self: Any, invoice_id: int, amount: int, seconds: float = 1.0) -> dict[str, Any]:
-        return body(self, f"invoice:{invoice_id}", seconds, f"charge:{amount}")
+        out = body(self, f"invoice:{invoice_id}", seconds, f"charge:{amount}")
+        # what the message cost: waits spent (each a publish: a back-off or a safety copy) and a wake publish
+        return {
+            **out,
+            "waits": headers.read_int(self.request, headers.WAITS),
+            "woken": bool(headers.read(self.request, headers.WOKEN)),
+        }
 
     @app.task(
         base=LockedTask, bind=True, shared=False, name="hold_invoice", lock_key="invoice:{invoice_id}", lock_ttl=5
