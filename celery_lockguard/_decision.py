@@ -10,6 +10,9 @@ task class only carries the answer out:
   completion store, or an error) said.
 * :func:`decide_publish` — ``apply_async`` in a queue-time mode, given what
   CLAIM said.
+* :func:`after_park` and :func:`decide_parked` — park and wake (``_handoff``):
+  what PARK's answer makes a waiting delivery do, and what a parked delivery's
+  copy (safety or woken) does with the state of its waiter entry.
 
 Both read the same duplicate rule (:func:`skips_duplicate`): only identical
 work is ever skipped, only behind a holder presumed alive, never with
@@ -55,6 +58,10 @@ class Action(enum.Enum):
     DROP_AND_WATCH = "drop_and_watch"
     #: Re-deliver later (a self-republish, never deduplicated); the claim travels with the message.
     WAIT = "wait"
+    #: Wait behind a live foreign holder in the entity's waiter queue: its release wakes us (``_handoff``);
+    #: one safety copy is published. Only where parking is possible (``Delivery.can_park``: while_running,
+    #: no claim, not eager, not a watch copy); PARK's answer may still fall back on WAIT (:func:`after_park`).
+    PARK = "park"
     #: The wait budget is spent: fail visibly (``LockContended`` or ``BackendUnavailable``). Frees the claim.
     GIVE_UP = "give_up"
     #: ``on_locked="raise"``: fail visibly with ``LockContended``. Frees the claim.
@@ -105,6 +112,8 @@ class Delivery:
     #: Waits already spent (message header) and the budget (``lock_max_waits``).
     waits: int = 0
     max_waits: int = 100
+    #: The runtime can park this delivery: while_running, no queue claim, not eager, not a watch copy.
+    can_park: bool = False
 
 
 @dataclass(frozen=True)
@@ -171,7 +180,69 @@ def decide_delivery(d: Delivery) -> Decision:
 def _wait(d: Delivery, reason: str) -> Decision:
     if d.waits >= d.max_waits:
         return Decision(Action.GIVE_UP, reason)
+    h = d.holder
+    # Park only behind a live holder of other work: its release is what wakes us. A dead holder, a holder of
+    # our own id and an outage never release: there the back-off is the wait.
+    if d.can_park and not d.watch_copy and h is not None and h.alive and not h.own_id:
+        return Decision(Action.PARK, reason)
     return Decision(Action.WAIT, reason)
+
+
+#: What PARK answered: parked (safety copy to publish), the lease was already gone, the queue is full; or
+#: the runtime could not park: arguments that are not JSON, an error at PARK.
+ParkAnswer = Literal["parked", "free", "full", "unserializable", "unavailable"]
+#: What the delivery does next: publish the safety copy and end (``Retry``), ACQUIRE again at once, or back off.
+AfterPark = Literal["parked", "acquire_again", "back_off"]
+
+#: ``free`` answers in a row after which a delivery backs off instead (a lease flickering between holders).
+MAX_FREE_RETRIES = 3
+
+
+def after_park(answer: ParkAnswer, free_retries: int) -> AfterPark:
+    """What a delivery decided to PARK does with PARK's answer (``free_retries``: ``free`` answers so far)."""
+    if answer == "parked":
+        return "parked"
+    if answer == "free" and free_retries < MAX_FREE_RETRIES:
+        return "acquire_again"
+    return "back_off"
+
+
+#: A parked delivery's copy: the ``woken`` one its releaser published, or its own ``safety`` copy.
+ParkedCopy = Literal["woken", "safety"]
+#: The waiter entry's state as CHECK_PARKED found it (``missing``: gone, expired or dropped as stale).
+EntryState = Literal["parked", "waking", "woken", "running", "taken", "missing"]
+
+
+class ParkedAction(enum.Enum):
+    """What a copy of a parked delivery does once CHECK_PARKED has read (and moved) its entry."""
+
+    #: Decide as any delivery, ACQUIRE adopting the reservation carrying the park token if it is still there.
+    PROCEED = "proceed"
+    #: Consume the message with ``Ignore`` (no state stored): the other copy of this message runs the job.
+    DROP = "drop"
+    #: The releaser is publishing the woken copy (``waking`` within the grace): look again shortly.
+    AWAIT = "await"
+
+
+def decide_parked(copy: ParkedCopy, state: EntryState, waking_ms: int, grace_ms: int) -> tuple[ParkedAction, str]:
+    """One rule for both copies of a parked message; CHECK_PARKED writes the matching state change.
+
+    The woken copy runs unless its safety copy took over (``taken``); the safety copy drops itself
+    once the woken copy is out (``woken``, ``running``), waits out the grace while the releaser
+    publishes (``waking``), takes over past it (the releaser died), and decides afresh when its entry
+    is still ``parked`` (no release came within a whole TTL; it may park again) or gone.
+    """
+    if copy == "woken":
+        if state == "taken":
+            return ParkedAction.DROP, "safety_copy_took_over"
+        return ParkedAction.PROCEED, "woken" if state in ("waking", "woken") else f"woken_entry_{state}"
+    if state in ("woken", "running"):
+        return ParkedAction.DROP, "woken_copy_runs"
+    if state == "waking":
+        if waking_ms < grace_ms:
+            return ParkedAction.AWAIT, "releaser_publishing"
+        return ParkedAction.PROCEED, "releaser_lost"
+    return ParkedAction.PROCEED, "still_parked" if state == "parked" else f"safety_entry_{state}"
 
 
 class PublishAction(enum.Enum):

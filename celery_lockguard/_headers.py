@@ -21,8 +21,14 @@ CLAIM = "lockguard_claim"
 #: the returning message must recognise that orphan lease as its own (it ACQUIREs with the same token).
 ATTEMPT = "lockguard_attempt"
 
+#: The park token P of a parked delivery's copies (safety and woken): its waiter entry, and the token of
+#: the reservation RELEASE hands to it (``_handoff``).
+PARK = "lockguard_park"
+#: Marks the woken copy a releaser published (absent: the safety copy); see ``_decision.decide_parked``.
+WOKEN = "lockguard_woken"
+
 #: Every header lockguard sets; a self-republish carries each one it finds on.
-ALL = (WAITS, WATCH, WATCH_TOKEN, CLAIM, ATTEMPT)
+ALL = (WAITS, WATCH, WATCH_TOKEN, CLAIM, ATTEMPT, PARK, WOKEN)
 
 
 def read(request: Any, name: str) -> Any:

@@ -308,6 +308,16 @@ def watch_name(prefix: str, key: str) -> str:
     return f"{prefix}:v1:{{{key}}}:watch"
 
 
+def wait_name(prefix: str, key: str) -> str:
+    """Redis key of entity K's waiter queue: park tokens, oldest first (same slot as its lease)."""
+    return f"{prefix}:v1:{{{key}}}:wait"
+
+
+def waiters_name(prefix: str, key: str) -> str:
+    """Redis key of entity K's waiter entries: message, state and deadline per park token (same slot)."""
+    return f"{prefix}:v1:{{{key}}}:waiters"
+
+
 def done_name(prefix: str, scope: str) -> str:
     """Redis key of scope S's completion record."""
     return f"{prefix}:v1:{{{scope}}}:done"

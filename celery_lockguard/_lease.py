@@ -25,7 +25,7 @@ from redis.exceptions import AskError, MovedError, NoScriptError, ResponseError
 from . import _cluster as cluster
 from . import _scripts as scripts
 from . import _wire
-from ._keys import claim_name, done_name, fence_name, lock_name, meta, watch_name
+from ._keys import claim_name, done_name, fence_name, lock_name, meta, wait_name, waiters_name, watch_name
 from .exceptions import LockLost
 
 HOST = socket.gethostname()
@@ -271,54 +271,111 @@ def release(
 ) -> tuple[int, int]:
     """Release ``lease`` if it still owns the key; record completion of ``scope`` if given.
 
-    Returns ``(released, recorded)`` as the RELEASE script does. On Cluster,
-    with the record in another slot, the record is written first (``SET NX
-    PX``), then the lease is released: never a moment where the lease is free
-    and the record missing.
+    Returns ``(released, recorded)`` as the RELEASE script does; wakes nobody
+    (see :func:`release_and_wake`).
     """
-    keys = [lease.redis_key]
+    released, recorded, _ = release_and_wake(client, lease, prefix, scope, record, completion_ttl_ms, reserve_ms=0)
+    return released, recorded
+
+
+@dataclass(frozen=True)
+class Woken:
+    """The waiter RELEASE handed the entity to: its park token (the reservation's token) and message."""
+
+    key: str
+    park_token: str
+    message: str
+
+
+def release_and_wake(
+    client: Any,
+    lease: Lease,
+    prefix: str,
+    scope: str | None = None,
+    record: str = "",
+    completion_ttl_ms: int = 0,
+    reserve_ms: int = 0,
+) -> tuple[int, int, Woken | None]:
+    """Release ``lease`` as :func:`release` does and, with ``reserve_ms`` > 0, hand the entity to its oldest waiter.
+
+    Returns ``(released, recorded, woken)``; ``woken`` is the waiter whose message the caller must
+    publish now (``_handoff.wake``), or ``None``. On Cluster, with the record in another slot, the
+    record is written first (``SET NX PX``), then the lease is released: never a moment where the
+    lease is free and the record missing.
+    """
     recorded = 0
+    done_key: str | None = None
     if scope is not None:
         done_key = done_name(prefix, scope)
         if cluster.split_done(client, lease.redis_key, done_key):
             recorded = 1 if client.set(done_key, record, nx=True, px=completion_ttl_ms) else 0
-        else:
-            keys.append(done_key)
-    released, recorded_here = scripts.release(client, keys, [lease.token, record, completion_ttl_ms])
+            done_key = None
+    released, recorded_here, woken = release_token(
+        client, prefix, lease.key, lease.token, record, completion_ttl_ms, reserve_ms, done_key
+    )
     lease.released = True
-    return int(released), int(recorded_here) or recorded
+    return released, recorded_here or recorded, woken
+
+
+def release_token(
+    client: Any,
+    prefix: str,
+    key: str,
+    token: str,
+    record: str = "",
+    completion_ttl_ms: int = 0,
+    reserve_ms: int = 0,
+    done_key: str | None = None,
+) -> tuple[int, int, Woken | None]:
+    """RELEASE by token (also a woken copy's reservation, from the worker's main process on a revoke)."""
+    keys, args = _release_call(prefix, key, token, record, completion_ttl_ms, reserve_ms, done_key)
+    return _released(key, scripts.release(client, keys, args))
+
+
+def _release_call(
+    prefix: str, key: str, token: str, record: str, completion_ttl_ms: int, reserve_ms: int, done_key: str | None
+) -> tuple[list[str], list[Any]]:
+    keys = [lock_name(prefix, key), wait_name(prefix, key), waiters_name(prefix, key)]
+    if done_key is not None:
+        keys.append(done_key)
+    return keys, [token, record, completion_ttl_ms, reserve_ms]
+
+
+def _released(key: str, reply: Any) -> tuple[int, int, Woken | None]:
+    woken = Woken(key, reply[2], reply[3]) if len(reply) > 3 else None
+    return int(reply[0]), int(reply[1]), woken
 
 
 def release_later(
     client: Any,
     lease: Lease,
     prefix: str,
-    on_reply: Callable[[tuple[int, int] | BaseException], None],
+    on_reply: Callable[[tuple[int, int, Woken | None] | BaseException], None],
     scope: str | None = None,
     record: str = "",
     completion_ttl_ms: int = 0,
+    reserve_ms: int = 0,
 ) -> bool:
-    """Send RELEASE now and hand its ``(released, recorded)`` (or the error) to ``on_reply`` when it is read.
+    """:func:`release_and_wake`, sent now; ``on_reply`` gets ``(released, recorded, woken)`` (or the error) when read.
 
-    The lease is free on the server as soon as this returns; only the reply is read
-    later (:mod:`celery_lockguard._wire`). False, with nothing sent, where that cannot be
-    done exactly (Sentinel, Cluster, green pools): call :func:`release` instead. A failed
-    send raises, as :func:`release` would.
+    The lease is free (or handed to its oldest waiter) on the server as soon as this
+    returns; only the reply is read later (:mod:`celery_lockguard._wire`), and with it
+    the waiter to publish. False, with nothing sent, where that cannot be done exactly
+    (Sentinel, Cluster, green pools): call :func:`release_and_wake` instead. A failed
+    send raises, as :func:`release_and_wake` would.
     """
-    keys = [lease.redis_key]
-    if scope is not None:
-        done_key = done_name(prefix, scope)
-        if cluster.split_done(client, lease.redis_key, done_key):
-            return False
-        keys.append(done_key)
+    done_key = done_name(prefix, scope) if scope is not None else None
+    if done_key is not None and cluster.split_done(client, lease.redis_key, done_key):
+        return False
     ch = _wire.channel(client)
     if ch is None:
         return False
+    keys, args = _release_call(prefix, lease.key, lease.token, record, completion_ttl_ms, reserve_ms, done_key)
 
     def read(reply: Any) -> None:
-        on_reply(reply if isinstance(reply, BaseException) else (int(reply[0]), int(reply[1])))
+        on_reply(reply if isinstance(reply, BaseException) else _released(lease.key, reply))
 
-    ch.defer(scripts.release, keys, [lease.token, record, completion_ttl_ms], read)
+    ch.defer(scripts.release, keys, args, read)
     lease.released = True
     return True
 

@@ -117,14 +117,27 @@ return {'ok', fence}
 """
 )
 
-RELEASE = """
+RELEASE = (
+    """
 -- RELEASE: delete the lease only if it still carries our token, and record completion
--- (even when the lease was lost: the body did run). One round trip.
--- KEYS[1] lease hash    KEYS[2] completion record (absent when nothing is recorded)
+-- (even when the lease was lost: the body did run); when it deleted our lease and the wake
+-- keys are given, hand the entity to the oldest live waiter (park and wake). One round trip.
+-- KEYS[1] lease hash
+-- KEYS[2] waiter queue   {prefix}:v1:{K}:wait     (with KEYS[3]; both absent: nobody is woken)
+-- KEYS[3] waiter entries {prefix}:v1:{K}:waiters
+-- KEYS[4] completion record (absent when nothing is recorded or it lives in another slot)
 -- ARGV[1] token  ARGV[2] completion record (JSON)  ARGV[3] completion_ttl_ms
--- Returns {released, recorded}
+-- ARGV[4] reservation ttl_ms for a woken waiter ('' or 0: nobody is woken)
+-- Returns {released, recorded} or {released, recorded, park_token, entry}
 --   released: 1 deleted; 0 the key was gone (expired); -1 another token holds it (left alone)
 --   recorded: 1 record written; 0 none asked, or an earlier record was kept (first wins)
+--   park_token, entry: the waiter woken. Stale entries met on the way (state not 'parked', or past
+--   their deadline) are dropped. The lease hash becomes its reservation (token = park_token,
+--   state 'handed', PX ARGV[4]) and its entry 'waking' (waking_at = now): the releaser publishes
+--   the entry's message, then CONFIRM_WAKE makes it 'woken'.
+"""
+    + _NOW
+    + """
 local released = 0
 local token = redis.call('HGET', KEYS[1], 'token')
 if token == ARGV[1] then
@@ -134,11 +147,30 @@ elseif token then
   released = -1
 end
 local recorded = 0
-if KEYS[2] then
-  if redis.call('SET', KEYS[2], ARGV[2], 'NX', 'PX', ARGV[3]) then recorded = 1 end
+if KEYS[4] then
+  if redis.call('SET', KEYS[4], ARGV[2], 'NX', 'PX', ARGV[3]) then recorded = 1 end
+end
+local reserve_ms = tonumber(ARGV[4] or '') or 0
+if released ~= 1 or not KEYS[3] or reserve_ms <= 0 then return {released, recorded} end
+while true do
+  local p = redis.call('LPOP', KEYS[2])
+  if not p then break end
+  local e = redis.call('HMGET', KEYS[3], 's:' .. p, 'd:' .. p, 'm:' .. p, 't:' .. p, 'n:' .. p, 'g:' .. p)
+  if e[1] == 'parked' and (tonumber(e[2]) or 0) >= now_ms and e[3] then
+    redis.call('HSET', KEYS[1], 'token', p, 'task_id', e[4] or '', 'task_name', e[5] or '', 'digest', e[6] or '',
+               'host', '', 'pid', 0, 'worker', '', 'state', 'handed', 'acquired_at', now_ms,
+               'renewed_at', now_ms, 'ttl', reserve_ms, 'fence', '')
+    redis.call('PEXPIRE', KEYS[1], reserve_ms)
+    redis.call('HSET', KEYS[3], 's:' .. p, 'waking', 'w:' .. p, now_ms)
+    return {released, recorded, p, e[3]}
+  end
+  if e[1] == 'parked' or not e[1] then
+    redis.call('HDEL', KEYS[3], 's:' .. p, 'd:' .. p, 'm:' .. p, 't:' .. p, 'n:' .. p, 'g:' .. p, 'w:' .. p)
+  end
 end
 return {released, recorded}
 """
+)
 
 RENEW = (
     """
@@ -314,6 +346,105 @@ return 1
 """
 
 
+#: Lua: drop stale entries at the head of the waiter queue (KEYS[1] queue, KEYS[2] entries, now_ms set).
+_PURGE_STALE_HEAD = """
+local function drop(p)
+  redis.call('HDEL', KEYS[2], 's:' .. p, 'd:' .. p, 'm:' .. p, 't:' .. p, 'n:' .. p, 'g:' .. p, 'w:' .. p)
+end
+local function purge_stale_head()
+  while true do
+    local head = redis.call('LINDEX', KEYS[1], 0)
+    if not head then return end
+    local e = redis.call('HMGET', KEYS[2], 's:' .. head, 'd:' .. head)
+    if e[1] == 'parked' and (tonumber(e[2]) or 0) >= now_ms then return end
+    redis.call('LPOP', KEYS[1])
+    if e[1] == 'parked' or not e[1] then drop(head) end
+  end
+end
+"""
+
+PARK = (
+    """
+-- PARK: append a waiter behind a live holder of entity K, unless the lease is already gone.
+-- KEYS[1] waiter queue   {prefix}:v1:{K}:wait     (list of park tokens, oldest first)
+-- KEYS[2] waiter entries {prefix}:v1:{K}:waiters  (hash; per park token P: m:P message, s:P state,
+--         d:P deadline ms, t:P task id, n:P task name, g:P args digest, w:P waking_at ms)
+-- KEYS[3] lease hash     {prefix}:v1:{K}:lock
+-- ARGV[1] park token P  ARGV[2] message (JSON: what the releaser re-publishes)
+-- ARGV[3] task_id  ARGV[4] task_name  ARGV[5] args digest
+-- ARGV[6] entry lifetime ms: past it a still-parked entry is stale (never woken; its copy decides afresh)
+-- ARGV[7] keys ttl ms (both waiter keys; extended, never shortened)  ARGV[8] most waiters per entity
+-- Returns {'parked', lease pttl_ms} | {'free'} (no lease: acquire now) | {'full', waiters}
+-- Stale entries at the head of the queue are dropped first.
+"""
+    + _NOW
+    + _PURGE_STALE_HEAD
+    + """
+if redis.call('EXISTS', KEYS[3]) == 0 then return {'free'} end
+purge_stale_head()
+local n = redis.call('LLEN', KEYS[1])
+if n >= tonumber(ARGV[8]) then return {'full', n} end
+local p = ARGV[1]
+redis.call('RPUSH', KEYS[1], p)
+redis.call('HSET', KEYS[2], 'm:' .. p, ARGV[2], 's:' .. p, 'parked', 'd:' .. p, now_ms + tonumber(ARGV[6]),
+           't:' .. p, ARGV[3], 'n:' .. p, ARGV[4], 'g:' .. p, ARGV[5])
+for i = 1, 2 do
+  if redis.call('PTTL', KEYS[i]) < tonumber(ARGV[7]) then redis.call('PEXPIRE', KEYS[i], ARGV[7]) end
+end
+return {'parked', redis.call('PTTL', KEYS[3])}
+"""
+)
+
+CHECK_PARKED = (
+    """
+-- CHECK_PARKED: a copy of a parked delivery (safety or woken) reads and moves its entry, before ACQUIRE.
+-- KEYS[1] waiter queue {prefix}:v1:{K}:wait   KEYS[2] waiter entries {prefix}:v1:{K}:waiters
+-- ARGV[1] park token P  ARGV[2] copy: 'woken' | 'safety'
+-- ARGV[3] grace ms a 'waking' entry is left to its releaser (safety copy only)
+-- Returns {state found ('parked'|'waking'|'woken'|'running'|'taken'|'missing'), ms since waking (or -1)}
+-- Writes (see _decision.decide_parked for what each answer makes the copy do):
+--   woken copy:  'waking'|'woken' -> 'running' (its safety copy then drops itself)
+--   safety copy: 'parked' -> entry removed (it decides afresh); 'woken'|'running'|'taken' -> entry removed;
+--                'waking' past the grace -> 'taken' (a late woken copy then drops itself); within it: nothing
+"""
+    + _NOW
+    + """
+local p = ARGV[1]
+local function drop()
+  redis.call('HDEL', KEYS[2], 's:' .. p, 'd:' .. p, 'm:' .. p, 't:' .. p, 'n:' .. p, 'g:' .. p, 'w:' .. p)
+end
+local e = redis.call('HMGET', KEYS[2], 's:' .. p, 'w:' .. p)
+local state = e[1] or 'missing'
+local age = -1
+if e[2] then age = now_ms - tonumber(e[2]) end
+if ARGV[2] == 'woken' then
+  if state == 'waking' or state == 'woken' then redis.call('HSET', KEYS[2], 's:' .. p, 'running') end
+  return {state, age}
+end
+if state == 'parked' then
+  redis.call('LREM', KEYS[1], 1, p)
+  drop()
+elseif state == 'woken' or state == 'running' or state == 'taken' then
+  drop()
+elseif state == 'waking' and age >= tonumber(ARGV[3]) then
+  redis.call('HSET', KEYS[2], 's:' .. p, 'taken')
+end
+return {state, age}
+"""
+)
+
+CONFIRM_WAKE = """
+-- CONFIRM_WAKE: the releaser published the woken copy: its entry 'waking' -> 'woken'.
+-- KEYS[1] waiter entries {prefix}:v1:{K}:waiters
+-- ARGV[1] park token P
+-- Returns 1 confirmed; 0 the entry is no longer 'waking' (the woken copy already runs, or the safety
+-- copy took over after the grace, or it is gone)
+if redis.call('HGET', KEYS[1], 's:' .. ARGV[1]) ~= 'waking' then return 0 end
+redis.call('HSET', KEYS[1], 's:' .. ARGV[1], 'woken')
+return 1
+"""
+
+
 class Script:
     """A named Lua script run by raw EVALSHA, reloaded on NOSCRIPT.
 
@@ -382,3 +513,6 @@ release_claim = Script("RELEASE_CLAIM", RELEASE_CLAIM)
 handover = Script("HANDOVER", HANDOVER)
 confirm_claim = Script("CONFIRM_CLAIM", CONFIRM_CLAIM)
 watch_arm = Script("WATCH_ARM", WATCH_ARM)
+park = Script("PARK", PARK)
+check_parked = Script("CHECK_PARKED", CHECK_PARKED)
+confirm_wake = Script("CONFIRM_WAKE", CONFIRM_WAKE)

@@ -107,8 +107,31 @@ def _on_revoked(
     args, kwargs = request.args or (), request.kwargs or {}
     if terminated:  # the request knows its child: a same-id holder in another process is left alone
         shorten_from_main(sender, request.id, args, kwargs, "terminated", getattr(request, "worker_pid", None))
-    else:  # discarded before it ran: its queue claim will never be adopted
+    else:  # discarded before it ran: its queue claim will never be adopted, its reservation never used
         free_claim_from_main(sender, request.id, args, kwargs, "expired" if expired else "revoked")
+        free_reservation_from_main(sender, request, args, kwargs)
+
+
+def free_reservation_from_main(task: Any, request: Any, args: Any, kwargs: Any) -> bool:
+    """A woken copy discarded before it ran: free the reservation RELEASE made for it, wake the next waiter."""
+    from . import _handoff as handoff
+    from . import _headers as headers
+    from ._config import settings
+    from ._task import LockGuard
+
+    if not isinstance(task, LockGuard):
+        return False
+    found = getattr(request, "request_dict", None) or {}
+    park_token = headers.read_str(request, headers.PARK) or str(found.get(headers.PARK) or "")
+    woken = headers.read(request, headers.WOKEN) or found.get(headers.WOKEN)
+    s, opts = settings(task.app), task.lockguard_options
+    if not park_token or not woken or not s.enabled or not opts.locked or opts.mode != "while_running":
+        return False
+    try:
+        key = task._names(opts, request.id, tuple(args), dict(kwargs)).key
+    except Exception:  # noqa: BLE001 - a key that cannot render never parked
+        return False
+    return handoff.abandon(task.app, s, key, park_token, task.name, request.id)
 
 
 def free_claim_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason: str) -> bool:

@@ -33,6 +33,7 @@ from . import _completion as completion
 from . import _connection as connection
 from . import _errors as errors
 from . import _events as events
+from . import _handoff as handoff
 from . import _headers as headers
 from . import _keys as keys
 from . import _lease as lease_ops
@@ -49,9 +50,12 @@ from ._decision import (
     Delivery,
     HolderFacts,
     Outcome,
+    ParkedAction,
     Publish,
     PublishAction,
+    after_park,
     decide_delivery,
+    decide_parked,
     decide_publish,
 )
 from ._events import emit
@@ -331,13 +335,26 @@ class LockGuard(Task):
         replace_token = claim_token if opts.mode == "until_done" else ""
         # until_started: free it on start; until_done: free it too when it queued in {K}:claim behind other work.
         start_claim = claim_token
+        # A copy of a parked delivery (safety or woken) settles with its waiter entry before ACQUIRE, and
+        # adopts the reservation RELEASE made for it (token = park token), if it is still there.
+        park_token = headers.read_str(req, headers.PARK) if opts.mode == "while_running" and not watch_copy else ""
+        reserved = park_token  # a reservation RELEASE may have made for us: freed on every exit that does not run
+        if park_token:
+            replace_token = park_token
+        can_park = opts.mode == "while_running" and not claim_token and not watch_copy and not req.is_eager
+        free_retries = 0
         while True:
             token = lease_ops.new_token()
             got: Lease | Holder | Done | None = None
             failure: BaseException | None = None
             outcome: Outcome
             try:
+                if park_token:
+                    self._settle_parked(s, call, client, park_token)
+                    park_token = ""
                 got = self._acquire(s, opts, call, client, token, replace_token, store, start_claim)
+            except Ignore:
+                raise
             except Exception as exc:
                 kind = errors.classify(exc)
                 if kind is None:
@@ -357,6 +374,7 @@ class LockGuard(Task):
                     watch_copy=watch_copy and not (outcome == "record" and not self._original_settled()),
                     waits=headers.read_int(req, headers.WAITS),
                     max_waits=opts.max_waits,
+                    can_park=can_park,
                 )
             )
             action = decision.action
@@ -390,8 +408,24 @@ class LockGuard(Task):
                 else:
                     self._release(s, opts, got)
             self._met(opts, call, decision, holder, failure)
+            if action is Action.PARK:
+                assert holder is not None
+                parked = self._park(s, opts, call, client, decision, holder, free_retries)
+                if parked == "acquire_again":
+                    free_retries += 1
+                    continue
+                if isinstance(parked, str) and parked.startswith("adopt:"):
+                    replace_token = parked[len("adopt:") :]  # our publish failed, yet a releaser woke us
+                    continue
+                if parked is not None:
+                    raise Retry(exc=self._contention_error(call, holder, None), when=None, sig=parked)
+                decision = Decision(Action.WAIT, decision.reason)  # could not park: back off as before
+                action = decision.action
             if action in FREES_CLAIM and not (action is Action.FAIL_OPEN and opts.mode == "until_done"):
                 self._free_claim(s, opts, call, claim_token)
+            if reserved and action in FREES_CLAIM:
+                # answered from the record, skipped, gave up...: the reservation must not hold up the next waiter
+                handoff.abandon(self.app, s, call.key, reserved, self.name, req.id)
             if action is Action.WAIT:
                 attempt = token if outcome == "unavailable" and got is None else None
                 sig = self._wait(s, opts, call, decision, holder, attempt, handed)
@@ -554,7 +588,7 @@ class LockGuard(Task):
         failure: BaseException | None,
     ) -> None:
         """Say what the delivery met before it skips, waits, gives up or raises: another holder, or an outage."""
-        if decision.action not in (Action.SKIP, Action.WAIT, Action.GIVE_UP, Action.RAISE):
+        if decision.action not in (Action.SKIP, Action.WAIT, Action.PARK, Action.GIVE_UP, Action.RAISE):
             return
         fields = self._fields(call)
         if holder is None:
@@ -689,13 +723,16 @@ class LockGuard(Task):
                 self._record_elsewhere(store, done, lease.task_id, record, ttl_ms)
             else:
                 scope = done.scope
-        report = _ReleaseReport(self.name, lease, scope)
+        report = _ReleaseReport(self.app, s, self.name, lease, scope)
         client = connection.client(s)
+        reserve_ms = int(handoff.RESERVATION_TTL * 1000)
         try:
-            if later and lease_ops.release_later(client, lease, s.key_prefix, report, scope, record, ttl_ms):
+            if later and lease_ops.release_later(
+                client, lease, s.key_prefix, report, scope, record, ttl_ms, reserve_ms
+            ):
                 return
-            reply: tuple[int, int] | BaseException
-            reply = lease_ops.release(client, lease, s.key_prefix, scope, record, ttl_ms)
+            reply: tuple[int, int, lease_ops.Woken | None] | BaseException
+            reply = lease_ops.release_and_wake(client, lease, s.key_prefix, scope, record, ttl_ms, reserve_ms)
         except Exception as exc:  # noqa: BLE001 - the body's outcome stands; the lease expires by its TTL
             lease.released = True
             reply = exc
@@ -865,6 +902,88 @@ class LockGuard(Task):
         time.sleep(countdown)
         req.headers = hdrs
         return None
+
+    def _park(
+        self,
+        s: Settings,
+        opts: TaskOptions,
+        call: CallNames,
+        client: Any,
+        decision: Decision,
+        holder: Holder,
+        free_retries: int,
+    ) -> Any:
+        """Park behind ``holder`` and publish the one safety copy; see :mod:`celery_lockguard._handoff`.
+
+        Returns the safety copy's signature (the caller raises ``Retry``), ``"acquire_again"`` (the
+        lease was gone by PARK), ``"adopt:<P>"`` (the safety copy's publish failed, yet a releaser had
+        already woken us: ACQUIRE adopting P), or ``None``: back off as before (arguments that are not
+        JSON, a full queue, an error at PARK, or a failed publish whose entry was taken back).
+        """
+        req = self.request
+        park_token = lease_ops.new_token()
+        hdrs = {**republish.wait_headers(req, None), headers.PARK: park_token}
+        hdrs.pop(headers.WOKEN, None)
+        args, kwargs = req.args or (), req.kwargs or {}
+        message = handoff.message_for(self, req, args, kwargs, {**hdrs, headers.WOKEN: 1})
+        countdown = handoff.safety_countdown(holder.pttl_ms, s)
+        fields = {**self._fields(call), "reason": decision.reason, "waits": headers.read_int(req, headers.WAITS)}
+        answer: Any = "unserializable"
+        if message is not None:
+            try:
+                answer = handoff.park(
+                    client,
+                    s.key_prefix,
+                    call.key,
+                    park_token,
+                    message,
+                    task_id=req.id,
+                    task_name=self.name,
+                    digest=call.digest,
+                    countdown=countdown,
+                ).kind
+            except Exception as exc:
+                if errors.classify(exc) is None:
+                    raise
+                emit("lock.backend_unavailable", self.name, **{**fields, "reason": f"park: {_describe(exc)}"})
+                answer = "unavailable"
+        then = after_park(answer, free_retries)
+        if then != "parked":
+            return "acquire_again" if then == "acquire_again" else None
+        emit("lock.retry_scheduled", self.name, **fields, countdown=round(countdown, 3), policy="park")
+        try:
+            return republish.publish(self, args, kwargs, countdown, hdrs)
+        except Exception as exc:  # noqa: BLE001 - a failed publish must not lose the task: take the entry back
+            failed = {**fields, "policy": "park", "reason": f"publish failed: {exc.__class__.__name__}"}
+            emit("lock.backend_unavailable", self.name, **failed)
+        try:
+            state, age = handoff.check(client, s.key_prefix, call.key, park_token, "safety", grace=0)
+        except Exception as exc:  # noqa: BLE001 - cannot tell whether a releaser woke us: adopt if it did
+            emit("lock.backend_unavailable", self.name, **{**fields, "reason": f"unpark: {_describe(exc)}"})
+            return f"adopt:{park_token}"
+        action, _why = decide_parked("safety", state, age, 0)  # type: ignore[arg-type]
+        if action is ParkedAction.DROP:
+            raise Ignore()  # a releaser woke us and the woken copy is out: it runs the job
+        return f"adopt:{park_token}" if state == "waking" else None
+
+    def _settle_parked(self, s: Settings, call: CallNames, client: Any, park_token: str) -> None:
+        """A copy of a parked delivery settles with its entry: returns to ACQUIRE, or raises ``Ignore``.
+
+        Within the grace of a releaser still publishing, it looks again in this process (a short,
+        bounded wait: the releaser either publishes within ms or has died).
+        """
+        req = self.request
+        copy = "woken" if headers.read(req, headers.WOKEN) else "safety"
+        grace_ms = int(handoff.WAKE_GRACE * 1000)
+        while True:
+            state, age = handoff.check(client, s.key_prefix, call.key, park_token, copy, handoff.WAKE_GRACE)
+            action, reason = decide_parked(copy, state, age, grace_ms)  # type: ignore[arg-type]
+            if action is ParkedAction.PROCEED:
+                return
+            if action is ParkedAction.DROP:
+                emit("lock.handoff_dropped", self.name, **self._fields(call), reason=reason)
+                raise Ignore()  # the other copy of this message runs the job; store nothing under its id
+            time.sleep(min(0.1, max(0.01, (grace_ms - age) / 1000)))
 
     def _watch(self, s: Settings, opts: TaskOptions, call: CallNames) -> None:
         """Before dropping a redelivered copy of a running task, leave a delayed watch copy behind.
@@ -1226,7 +1345,8 @@ class _ReleaseReport:
     thread or inside the next task, where neither the time nor the context is this task's.
     """
 
-    def __init__(self, task_name: str, lease: Lease, scope: str | None) -> None:
+    def __init__(self, app: Any, s: Settings, task_name: str, lease: Lease, scope: str | None) -> None:
+        self.app, self.settings = app, s
         self.task_name = task_name
         self.lease = lease
         self.scope = scope
@@ -1238,7 +1358,7 @@ class _ReleaseReport:
     def _emit(self, event: str, **fields: Any) -> None:
         events.emit_for(event, self.task_name, fields, backend=self.backend, span=self.span)
 
-    def __call__(self, reply: tuple[int, int] | BaseException) -> None:
+    def __call__(self, reply: tuple[int, int, lease_ops.Woken | None] | BaseException) -> None:
         lease, hold_ms = self.lease, round(self.hold_ms)
         fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence}
         if isinstance(reply, BaseException):
@@ -1251,7 +1371,7 @@ class _ReleaseReport:
                     reason=f"release: {_describe(reply)}",
                 )
             return
-        released, _recorded = reply
+        released, _recorded, woken = reply
         observe_hold(self.task_name, self.hold_ms)
         if released == 1:
             # Still ours in Redis, yet past its validity here (e.g. a renewal delayed in flight): the body
@@ -1264,6 +1384,8 @@ class _ReleaseReport:
             if lease.mark_lost(reason):
                 self._emit("lock.lost", **fields, hold_ms=hold_ms, reason=reason)
             self._emit("lock.expired_before_release", **fields, hold_ms=hold_ms, reason=reason)
+        # The one place the releaser's part of park and wake runs, on RELEASE's reply (never raises).
+        handoff.wake(self.app, self.settings, woken, self.task_name, lease.task_id)
 
 
 def _describe(exc: BaseException | None) -> str:

@@ -18,7 +18,25 @@ CONNECTION = ("hello", "client|setname", "ping")
 SETINFO = ("client|setinfo",)
 
 #: What the Lua scripts call (_scripts.py, _cluster.py): checked against the caller's ACL.
-IN_SCRIPTS = ("time", "get", "set", "hget", "hmget", "hset", "pexpire", "pttl", "del")
+IN_SCRIPTS = (
+    "time",
+    "get",
+    "set",
+    "hget",
+    "hmget",
+    "hset",
+    "pexpire",
+    "pttl",
+    "del",
+    # park and wake (PARK, CHECK_PARKED, CONFIRM_WAKE, RELEASE's wake)
+    "exists",
+    "hdel",
+    "rpush",
+    "lpop",
+    "lindex",
+    "llen",
+    "lrem",
+)
 
 #: Workers: scripts; completion records on Cluster (GET, SET); checkpoints (HGET, then HSET +
 #: PEXPIRE in MULTI/EXEC); metrics flushes (HINCRBY, EXPIRE, HSETNX, HSET in MULTI/EXEC);

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
 from celery_lockguard._decision import (
     FREES_CLAIM,
+    MAX_FREE_RETRIES,
     Action,
     Delivery,
     HolderFacts,
+    ParkedAction,
     Publish,
     PublishAction,
+    after_park,
     decide_delivery,
+    decide_parked,
     decide_publish,
     skips_duplicate,
 )
@@ -69,6 +74,19 @@ TABLE = [
     ("held", PARENT, {}, Action.WAIT),
     ("held", PARENT, {"on_locked": "raise"}, Action.RAISE),
     ("held", OWN_ORPHAN, {"on_locked": "raise", "waits": 100}, Action.ADOPT),
+    # park and wake: only behind a live holder of other work, where the runtime can park
+    ("held", OTHER_DIFFERENT, {"can_park": True}, Action.PARK),
+    ("held", OTHER_DUP_ALIVE, {"can_park": True, "on_locked": "retry"}, Action.PARK),
+    ("held", OTHER_DUP_ALIVE, {"can_park": True}, Action.SKIP),
+    ("held", OTHER_DUP_DEAD, {"can_park": True}, Action.WAIT),
+    ("held", PARENT, {"can_park": True}, Action.PARK),
+    ("held", OTHER_DIFFERENT, {"can_park": True, "watch_copy": True}, Action.WAIT),
+    ("held", OTHER_DIFFERENT, {"can_park": True, "waits": 3, "max_waits": 3}, Action.GIVE_UP),
+    ("held", OTHER_DIFFERENT, {"can_park": True, "on_locked": "raise"}, Action.RAISE),
+    ("held", OWN_DEAD_REMOTE, {"can_park": True}, Action.WAIT),
+    ("held", OWN_ALIVE, {"can_park": True}, Action.DROP_AND_WATCH),
+    ("unavailable", None, {"can_park": True}, Action.WAIT),
+    ("late", None, {"can_park": True}, Action.WAIT),
 ]
 
 
@@ -94,8 +112,8 @@ OUTCOMES = ("acquired", "held", "record", "unavailable", "late", "misconfigured"
 
 def every_delivery() -> list[Delivery]:
     out = []
-    for mode, locked, unavail, outcome, watch, waits in itertools.product(
-        MODES, LOCKED, UNAVAILABLE, OUTCOMES, (False, True), (0, 5)
+    for mode, locked, unavail, outcome, watch, waits, park in itertools.product(
+        MODES, LOCKED, UNAVAILABLE, OUTCOMES, (False, True), (0, 5), (False, True)
     ):
         for holder in HOLDERS[1:] if outcome == "held" else [None]:
             out.append(
@@ -108,6 +126,7 @@ def every_delivery() -> list[Delivery]:
                     watch_copy=watch,
                     waits=waits,
                     max_waits=5,
+                    can_park=park,
                 )
             )
     return out
@@ -116,7 +135,7 @@ def every_delivery() -> list[Delivery]:
 def test_the_whole_space_keeps_the_promises() -> None:
     """Properties over every combination: nothing is dropped silently, nothing runs twice on purpose."""
     cases = every_delivery()
-    assert len(cases) == 3 * 3 * 2 * 2 * 2 * (5 + len(HOLDERS) - 1)
+    assert len(cases) == 3 * 3 * 2 * 2 * 2 * 2 * (5 + len(HOLDERS) - 1)
     for case in cases:
         action = decide_delivery(case).action
         h = case.holder
@@ -128,8 +147,14 @@ def test_the_whole_space_keeps_the_promises() -> None:
         if action is Action.RAISE:
             assert case.on_locked == "raise" and h is not None and not h.own_id
         # A wait is never past the budget; giving up is only at the budget.
-        if action is Action.WAIT:
+        if action in (Action.WAIT, Action.PARK):
             assert case.waits < case.max_waits
+        # Parking is only behind a live holder of other work (its release wakes us), where the runtime can park.
+        if action is Action.PARK:
+            assert case.can_park and not case.watch_copy and h is not None and h.alive and not h.own_id
+        # Everything else is the same decision with or without parking.
+        if case.can_park and action is not Action.PARK:
+            assert decide_delivery(replace(case, can_park=False)).action is action
         if action is Action.GIVE_UP:
             assert case.waits >= case.max_waits
         # Running unlocked happens only under fail_open.
@@ -147,8 +172,9 @@ def test_the_whole_space_keeps_the_promises() -> None:
 
 def test_every_action_says_what_happens_to_the_claim() -> None:
     kept = set(Action) - FREES_CLAIM
-    # RUN (adopted or freed by ACQUIRE), ADOPT (loops), WAIT (hands over), DROP_AND_WATCH (the original adopted it).
-    assert kept == {Action.RUN, Action.ADOPT, Action.WAIT, Action.DROP_AND_WATCH}
+    # RUN (adopted or freed by ACQUIRE), ADOPT (loops), WAIT (hands over), DROP_AND_WATCH (the original adopted it),
+    # PARK (only without a claim: while_running).
+    assert kept == {Action.RUN, Action.ADOPT, Action.WAIT, Action.DROP_AND_WATCH, Action.PARK}
 
 
 def test_one_duplicate_rule_for_publish_and_delivery() -> None:
@@ -196,3 +222,79 @@ def test_publish_table(facts: Publish, expected: PublishAction) -> None:
 def test_held_needs_holder_facts() -> None:
     with pytest.raises(ValueError, match="holder facts"):
         decide_delivery(d("held", None))
+
+
+# -- park and wake ---------------------------------------------------------------------------
+
+AFTER_PARK = [
+    ("parked", 0, "parked"),
+    ("free", 0, "acquire_again"),
+    ("free", MAX_FREE_RETRIES - 1, "acquire_again"),
+    ("free", MAX_FREE_RETRIES, "back_off"),
+    ("full", 0, "back_off"),
+    ("unserializable", 0, "back_off"),
+    ("unavailable", 0, "back_off"),
+]
+
+
+@pytest.mark.parametrize(("answer", "free_retries", "expected"), AFTER_PARK)
+def test_after_park_table(answer: str, free_retries: int, expected: str) -> None:
+    assert after_park(answer, free_retries) == expected  # type: ignore[arg-type]
+
+
+GRACE = 2000
+# (copy, entry state, ms since waking) -> what the copy does
+PARKED_TABLE = [
+    ("woken", "waking", 5, ParkedAction.PROCEED),
+    ("woken", "woken", 5, ParkedAction.PROCEED),
+    ("woken", "running", 5, ParkedAction.PROCEED),  # a redelivered woken copy: the own-id rules decide
+    ("woken", "missing", -1, ParkedAction.PROCEED),
+    ("woken", "taken", 3000, ParkedAction.DROP),
+    ("safety", "parked", -1, ParkedAction.PROCEED),
+    ("safety", "missing", -1, ParkedAction.PROCEED),
+    ("safety", "taken", 3000, ParkedAction.PROCEED),
+    ("safety", "waking", 5, ParkedAction.AWAIT),
+    ("safety", "waking", GRACE, ParkedAction.PROCEED),
+    ("safety", "woken", 5, ParkedAction.DROP),
+    ("safety", "running", 5, ParkedAction.DROP),
+]
+
+
+@pytest.mark.parametrize(("copy", "state", "age", "expected"), PARKED_TABLE)
+def test_parked_copy_table(copy: str, state: str, age: int, expected: ParkedAction) -> None:
+    assert decide_parked(copy, state, age, GRACE)[0] is expected  # type: ignore[arg-type]
+
+
+STATES = ("parked", "waking", "woken", "running", "taken", "missing")
+
+
+def test_exactly_one_copy_of_a_parked_message_runs() -> None:
+    """For every state the entry can be in when the two copies look (in either order), exactly one proceeds.
+
+    CHECK_PARKED moves the entry as it answers: the woken copy makes waking/woken ``running``, the safety
+    copy makes a waking entry past the grace ``taken`` and removes the others. Whoever looks first decides.
+    """
+
+    def woken_moves(state: str) -> str:
+        return "running" if state in ("waking", "woken") else state
+
+    def safety_moves(state: str, age: int) -> str:
+        if state == "waking":
+            return "taken" if age >= GRACE else state
+        return "missing"
+
+    for state in ("waking", "woken"):
+        for age in (0, GRACE):
+            # woken copy first, then the safety copy
+            first = decide_parked("woken", state, age, GRACE)[0]  # type: ignore[arg-type]
+            second = decide_parked("safety", woken_moves(state), age, GRACE)[0]  # type: ignore[arg-type]
+            assert [first, second].count(ParkedAction.PROCEED) == 1, (state, age, "woken first")
+            # safety copy first (AWAIT means: it looks again later, the woken copy gets there meanwhile)
+            first = decide_parked("safety", state, age, GRACE)[0]  # type: ignore[arg-type]
+            if first is ParkedAction.AWAIT:
+                continue
+            second = decide_parked("woken", safety_moves(state, age), age, GRACE)[0]  # type: ignore[arg-type]
+            assert [first, second].count(ParkedAction.PROCEED) == 1, (state, age, "safety first")
+    for copy, state in itertools.product(("woken", "safety"), STATES):
+        action, reason = decide_parked(copy, state, GRACE, GRACE)  # type: ignore[arg-type]
+        assert reason and action in ParkedAction

@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
+from celery_lockguard import _handoff as handoff
 from celery_lockguard import _lease as L
 from celery_lockguard import _scripts as scripts
-from celery_lockguard._keys import claim_name, done_name, fence_name, lock_name
+from celery_lockguard._keys import claim_name, done_name, fence_name, lock_name, wait_name, waiters_name
 from celery_lockguard.testing import RedisServer
 
 from .harness import wait_for
@@ -40,6 +41,9 @@ def test_every_script_declares_keys_argv_and_returns() -> None:
         scripts.RELEASE_CLAIM,
         scripts.HANDOVER,
         scripts.WATCH_ARM,
+        scripts.PARK,
+        scripts.CHECK_PARKED,
+        scripts.CONFIRM_WAKE,
     ):
         header = [line for line in script.strip().splitlines() if line.startswith("--")]
         text = "\n".join(header)
@@ -480,3 +484,150 @@ def test_shorten_with_a_pid_leaves_a_same_host_holder_of_the_same_task_id_in_ano
     assert c.pttl(lock_name(P, "k")) > 50_000
     assert L.shorten(c, P, "k", "t1", 2000, pid=int(new_holder))
     assert 0 < c.pttl(lock_name(P, "k")) <= 2000
+
+
+# -- park and wake ---------------------------------------------------------------------------
+
+
+def park(c: Any, p: str, key: str = "k", task_id: str = "w", countdown: float = 5.0) -> handoff.Parked:
+    return handoff.park(
+        c, P, key, p, f'{{"task":"n","id":"{p}"}}', task_id=task_id, task_name="n", digest="dw", countdown=countdown
+    )
+
+
+def test_park_behind_a_held_lease_queues_in_order_and_extends_the_waiter_keys(c: Any) -> None:
+    take(c)
+    first, second = park(c, "p1"), park(c, "p2", task_id="w2")
+    assert first.kind == "parked" and 0 < first.pttl_ms <= 5000 and second.kind == "parked"
+    assert c.lrange(wait_name(P, "k"), 0, -1) == ["p1", "p2"]
+    entries = c.hgetall(waiters_name(P, "k"))
+    assert entries["s:p1"] == "parked" and entries["t:p2"] == "w2" and entries["m:p1"].startswith("{")
+    assert c.pttl(wait_name(P, "k")) > 600_000 and c.pttl(waiters_name(P, "k")) > 600_000
+
+
+def test_park_on_a_missing_or_expired_lease_answers_free_and_writes_nothing(c: Any) -> None:
+    assert park(c, "p1").kind == "free"
+    take(c, ttl_ms=50)
+    wait_for(lambda: not c.exists(lock_name(P, "k")), 5, what="the lease to expire")
+    assert park(c, "p1").kind == "free"
+    assert not c.exists(wait_name(P, "k")) and not c.exists(waiters_name(P, "k"))
+
+
+def test_park_past_the_cap_answers_full(c: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(handoff, "MAX_WAITERS", 2)
+    take(c)
+    assert [park(c, f"p{i}").kind for i in range(3)] == ["parked", "parked", "full"]
+
+
+def test_park_drops_stale_entries_at_the_head_first(c: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(handoff, "MAX_WAITERS", 1)
+    monkeypatch.setattr(handoff, "ENTRY_SLACK", 0.0)
+    take(c)
+    assert park(c, "old", countdown=0.05).kind == "parked"
+    wait_for(lambda: _stale(c, "old"), 5, what="stale entry")
+    assert park(c, "new").kind == "parked", "a stale entry must not count against the cap"
+    assert c.lrange(wait_name(P, "k"), 0, -1) == ["new"] and not c.hexists(waiters_name(P, "k"), "m:old")
+
+
+def _stale(c: Any, p: str) -> bool:
+    sec, us = c.time()
+    return int(c.hget(waiters_name(P, "k"), f"d:{p}") or 0) < sec * 1000 + us // 1000
+
+
+def test_release_wakes_the_oldest_live_waiter_and_reserves_the_lease_for_it(c: Any) -> None:
+    lease = take(c)
+    park(c, "p1", task_id="w1")
+    park(c, "p2", task_id="w2")
+    released, recorded, woken = L.release_and_wake(c, lease, P, reserve_ms=3000)
+    assert (released, recorded) == (1, 0) and woken is not None
+    assert (woken.key, woken.park_token) == ("k", "p1") and '"id":"p1"' in woken.message
+    held = c.hgetall(lock_name(P, "k"))
+    assert (held["token"], held["state"], held["task_id"], held["digest"]) == ("p1", "handed", "w1", "dw")
+    assert 0 < c.pttl(lock_name(P, "k")) <= 3000
+    assert c.hget(waiters_name(P, "k"), "s:p1") == "waking" and c.lrange(wait_name(P, "k"), 0, -1) == ["p2"]
+    assert handoff.confirm(c, P, "k", "p1") and c.hget(waiters_name(P, "k"), "s:p1") == "woken"
+    assert not handoff.confirm(c, P, "k", "p1"), "confirm only moves a waking entry"
+    # the woken copy adopts the reservation: ACQUIRE replacing the park token
+    adopted = take(c, task_id="w1", replace_token="p1")
+    assert isinstance(adopted, L.Lease) and c.hget(lock_name(P, "k"), "state") == "running"
+    assert isinstance(take(c, task_id="fresh"), L.Holder), "nobody barges in meanwhile"
+
+
+def test_release_with_the_wrong_token_or_an_expired_lease_wakes_nobody(c: Any) -> None:
+    lease = take(c)
+    park(c, "p1")
+    impostor = L.Lease("k", P, "not-the-token", 1, 5000, 0.0, "t9", "n")
+    assert L.release_and_wake(c, impostor, P, reserve_ms=3000) == (-1, 0, None)
+    c.delete(lock_name(P, "k"))  # expired
+    assert L.release_and_wake(c, lease, P, reserve_ms=3000) == (0, 0, None)
+    assert c.lrange(wait_name(P, "k"), 0, -1) == ["p1"], "the waiter stays parked for its safety copy"
+
+
+def test_release_with_an_empty_queue_or_without_reserve_wakes_nobody(c: Any) -> None:
+    assert L.release_and_wake(c, take(c), P, reserve_ms=3000) == (1, 0, None)
+    lease = take(c)
+    park(c, "p1")
+    assert L.release(c, lease, P) == (1, 0)
+    assert not c.exists(lock_name(P, "k")) and c.lrange(wait_name(P, "k"), 0, -1) == ["p1"]
+
+
+def test_release_skips_stale_and_taken_entries(c: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(handoff, "ENTRY_SLACK", 0.0)
+    lease = take(c)
+    park(c, "stale", countdown=0.05)
+    park(c, "gone")
+    monkeypatch.setattr(handoff, "ENTRY_SLACK", 30.0)
+    park(c, "live")
+    c.hdel(waiters_name(P, "k"), "s:gone", "m:gone")  # its safety copy took it out (or the hash expired)
+    wait_for(lambda: _stale(c, "stale"), 5, what="stale entry")
+    _, _, woken = L.release_and_wake(c, lease, P, reserve_ms=3000)
+    assert woken is not None and woken.park_token == "live"
+    assert c.llen(wait_name(P, "k")) == 0 and not c.hexists(waiters_name(P, "k"), "m:stale")
+
+
+def test_release_records_completion_and_wakes_in_one_script(c: Any) -> None:
+    lease = take(c)
+    park(c, "p1")
+    got = L.release_and_wake(c, lease, P, scope="s", record='{"result":1}', completion_ttl_ms=10_000, reserve_ms=3000)
+    assert got[:2] == (1, 1) and got[2] is not None and c.get(done_name(P, "s")) == '{"result":1}'
+
+
+def test_check_parked_moves_the_entry_for_each_copy(c: Any) -> None:
+    lease = take(c)
+    for p in ("a", "b", "c", "d"):
+        park(c, p)
+    # safety copy of a still-parked entry takes it out of the queue
+    assert handoff.check(c, P, "k", "a", "safety")[0] == "parked"
+    assert c.lrange(wait_name(P, "k"), 0, -1) == ["b", "c", "d"] and not c.hexists(waiters_name(P, "k"), "s:a")
+    assert handoff.check(c, P, "k", "a", "safety")[0] == "missing"
+    # b is woken: the woken copy marks it running, its safety copy then drops it
+    _, _, woken = L.release_and_wake(c, lease, P, reserve_ms=3000)
+    assert woken is not None and woken.park_token == "b"
+    state, age = handoff.check(c, P, "k", "b", "safety", grace=60)
+    assert state == "waking" and 0 <= age < 60_000 and c.hget(waiters_name(P, "k"), "s:b") == "waking"
+    assert handoff.check(c, P, "k", "b", "woken")[0] == "waking"
+    assert c.hget(waiters_name(P, "k"), "s:b") == "running"
+    assert handoff.check(c, P, "k", "b", "safety")[0] == "running" and not c.hexists(waiters_name(P, "k"), "s:b")
+    # c is woken and its releaser dies: past the grace the safety copy takes over, the late woken copy sees it
+    lease2 = take(c, task_id="w", replace_token="b")
+    _, _, woken = L.release_and_wake(c, lease2, P, reserve_ms=3000)
+    assert woken is not None and woken.park_token == "c"
+    assert handoff.check(c, P, "k", "c", "safety", grace=0)[0] == "waking"
+    assert c.hget(waiters_name(P, "k"), "s:c") == "taken"
+    assert handoff.check(c, P, "k", "c", "woken")[0] == "taken" and c.hget(waiters_name(P, "k"), "s:c") == "taken"
+    assert handoff.check(c, P, "k", "c", "safety")[0] == "taken" and not c.hexists(waiters_name(P, "k"), "s:c")
+    assert handoff.check(c, P, "k", "nope", "woken") == ("missing", -1)
+
+
+@pytest.mark.parametrize("name", ["park", "check_parked", "confirm_wake"])
+def test_noscript_after_script_flush_reloads_the_handoff_scripts(c: Any, name: str) -> None:
+    take(c)
+    park(c, "p1")
+    c.script_flush()
+    if name == "park":
+        assert park(c, "p2").kind == "parked"
+    elif name == "check_parked":
+        assert handoff.check(c, P, "k", "p1", "safety")[0] == "parked"
+    else:
+        assert not handoff.confirm(c, P, "k", "p1")
+    assert c.script_exists(getattr(scripts, name).sha) == [True]

@@ -95,7 +95,7 @@ def test_a_deferred_release_frees_the_lease_at_once_and_its_reply_comes_with_the
     assert replies.got == []
     again = take(c)  # the same entity, right after the release on the same connection: free
     assert isinstance(again, L.Lease)
-    assert replies.got == [(1, 1)] and ch.pending == 0
+    assert replies.got == [(1, 1, None)] and ch.pending == 0
 
 
 def test_a_script_not_yet_seen_on_the_connection_runs_synchronously(c: Any) -> None:
@@ -107,7 +107,7 @@ def test_a_script_not_yet_seen_on_the_connection_runs_synchronously(c: Any) -> N
     ch._loaded.discard(scripts.release.sha_bytes)
     replies = Replies()
     release_later(c, lease, replies)
-    assert replies.got == [(1, 0)] and ch.pending == 0  # answered at once
+    assert replies.got == [(1, 0, None)] and ch.pending == 0  # answered at once
     lease2 = take(c)
     release_later(c, lease2, Replies())
     assert ch.deferred >= 1  # now known to the server: deferred
@@ -118,7 +118,7 @@ def test_an_idle_channel_is_drained_by_the_renewer_within_the_delay(c: Any) -> N
     replies = Replies()
     release_later(c, lease, replies)
     wait_for(lambda: replies.got, 1.0, interval=0.005, what="the renewer to read the deferred reply")
-    assert replies.got == [(1, 0)] and replies.threads == ["lockguard-renewer"]
+    assert replies.got == [(1, 0, None)] and replies.threads == ["lockguard-renewer"]
     assert renewer()._drain_at == float("inf")  # nothing left to drain: the thread sleeps again
 
 

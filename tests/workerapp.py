@@ -17,6 +17,7 @@ import redis
 from celery import Celery
 
 from celery_lockguard import LockedTask
+from celery_lockguard import _headers as headers
 
 
 def create_app(cfg: dict[str, Any]) -> Celery:
@@ -97,7 +98,20 @@ def create_app(cfg: dict[str, Any]) -> Celery:
 
     @app.task(base=LockedTask, bind=True, shared=False, name="charge", lock_key="invoice:{invoice_id}", lock_ttl=5)
     def charge(self: Any, invoice_id: int, amount: int, seconds: float = 1.0) -> dict[str, Any]:
-        return body(self, f"invoice:{invoice_id}", seconds, f"charge:{amount}")
+        out = body(self, f"invoice:{invoice_id}", seconds, f"charge:{amount}")
+        # what the message cost: waits spent (each a publish: a back-off or a safety copy) and a wake publish
+        return {
+            **out,
+            "waits": headers.read_int(self.request, headers.WAITS),
+            "woken": bool(headers.read(self.request, headers.WOKEN)),
+        }
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="hold_invoice", lock_key="invoice:{invoice_id}", lock_ttl=5
+    )
+    def hold_invoice(self: Any, invoice_id: int, seconds: float = 2.0) -> dict[str, Any]:
+        """A holder of other work on the ``charge`` entity (its own name: the releaser-killed hook names it)."""
+        return body(self, f"invoice:{invoice_id}", seconds, "holder")
 
     @app.task(
         base=LockedTask,

@@ -1,0 +1,335 @@
+"""Park and wake through Celery's real tracer: every exit of a parked delivery, its copies and its releaser.
+
+A holder of other work runs on the entity (a lease taken in this process, so it is alive, or a real
+``LockedTask`` body in a thread); the waiter is delivered through ``build_tracer(eager=False)``; what
+the runtime publishes is read back from the broker list and delivered again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_lockguard import LockedTask
+from celery_lockguard import _handoff as handoff
+from celery_lockguard import _headers as headers
+from celery_lockguard import _lease as L
+from celery_lockguard._config import settings
+from celery_lockguard._keys import lock_name, wait_name, waiters_name
+
+from .test_paths import hold
+from .tracer import Message, deliver, make_app, published, redeliver
+
+
+@pytest.fixture
+def app(redis_url: str, prefix: str) -> Iterator[Celery]:
+    yield make_app("handoff", redis_url, prefix)
+
+
+def release(app: Celery, r: redis.Redis, prefix: str, lease: L.Lease) -> bool:
+    """What ``LockGuard._release`` does on RELEASE's reply: wake the oldest waiter."""
+    _, _, woken = L.release_and_wake(r, lease, prefix, reserve_ms=int(handoff.RESERVATION_TTL * 1000))
+    return handoff.wake(app, settings(app), woken, "holder", "other")
+
+
+def messages(r: redis.Redis, app: Celery, task_id: str) -> list[Message]:
+    return [m for m in published(r, app) if m.task_id == task_id]
+
+
+def waiter(app: Celery, runs: list[str], name: str = "h.charge", **options: Any) -> Any:
+    @app.task(base=LockedTask, bind=True, name=name, lock_key="inv:{a}", shared=False, **options)
+    def charge(self: Any, a: int, amount: int) -> int:
+        runs.append(f"{self.request.id}:{amount}")
+        return amount
+
+    return charge
+
+
+def lines(caplog: pytest.LogCaptureFixture, event: str) -> list[dict[str, Any]]:
+    return [rec.lockguard for rec in caplog.records if getattr(rec, "lockguard", {}).get("event") == event]
+
+
+def test_a_waiter_parks_once_and_the_release_wakes_it_with_a_reservation(
+    app: Celery, r: redis.Redis, prefix: str
+) -> None:
+    runs: list[str] = []
+    t = waiter(app, runs)
+    lease = hold(r, prefix, "inv:1")
+    out = deliver(t, (1, 100))
+    assert out.state == "RETRY" and runs == []
+    (safety,) = messages(r, app, out.task_id)
+    park_token = safety.headers[headers.PARK]
+    assert safety.headers["eta"] and headers.WOKEN not in safety.headers and safety.headers[headers.WAITS] == 1
+    assert r.lrange(wait_name(prefix, "inv:1"), 0, -1) == [park_token]
+    # a fresh delivery of other work meets the live holder and parks behind
+    second = deliver(t, (1, 200))
+    assert second.state == "RETRY"
+    assert release(app, r, prefix, lease)
+    woken = messages(r, app, out.task_id)[-1]
+    assert woken.headers[headers.WOKEN] == 1 and woken.headers[headers.PARK] == park_token
+    assert woken.headers.get("eta") is None and woken.args == [1, 100]
+    held = r.hgetall(lock_name(prefix, "inv:1"))
+    assert held["state"] == "handed" and held["token"] == park_token
+    # nobody barges in on the reservation: a fresh delivery parks behind it
+    barging = deliver(t, (1, 300))
+    assert barging.state == "RETRY" and runs == []
+    assert redeliver(t, woken).state == "SUCCESS" and runs == [f"{out.task_id}:100"]
+    # the woken copy's release woke the next waiter; the safety copy drops itself, storing nothing
+    assert messages(r, app, second.task_id)[-1].headers.get(headers.WOKEN) == 1
+    assert redeliver(t, safety).state == "SUCCESS" and runs == [f"{out.task_id}:100"]
+    assert not r.hexists(waiters_name(prefix, "inv:1"), f"s:{park_token}"), "the safety copy cleans its entry up"
+    assert len(messages(r, app, out.task_id)) == 2, "a waiting task costs two re-publishes"
+
+
+@pytest.mark.parametrize("exit_", ["success", "failure", "retry"])
+def test_every_exit_of_the_holder_wakes_the_waiter(app: Celery, r: redis.Redis, prefix: str, exit_: str) -> None:
+    runs: list[str] = []
+    t = waiter(app, runs)
+    go, started = threading.Event(), threading.Event()
+
+    @app.task(base=LockedTask, bind=True, name="h.holder", lock_key="inv:{a}", shared=False, max_retries=3)
+    def holder(self: Any, a: int) -> int:
+        started.set()
+        go.wait(10)
+        if exit_ == "failure":
+            raise ValueError("body failed")
+        if exit_ == "retry":
+            raise self.retry(countdown=30)
+        return a
+
+    holding: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: holding.update(out=deliver(holder, (2,), task_id="holder-id")))
+    thread.start()
+    assert started.wait(10)
+    out = deliver(t, (2, 100))
+    assert out.state == "RETRY"
+    go.set()
+    thread.join(10)
+    assert holding["out"].state == {"success": "SUCCESS", "failure": "FAILURE", "retry": "RETRY"}[exit_]
+    woken = messages(r, app, out.task_id)[-1]
+    assert woken.headers.get(headers.WOKEN) == 1, f"the holder's {exit_} did not wake the waiter"
+    assert redeliver(t, woken).state == "SUCCESS" and len(runs) == 1
+
+
+def test_the_wait_budget_gives_up_without_parking(app: Celery, r: redis.Redis, prefix: str) -> None:
+    runs: list[str] = []
+    t = waiter(app, runs, lock_max_waits=1)
+    hold(r, prefix, "inv:3")
+    out = deliver(t, (3, 100), headers={headers.WAITS: 1})
+    assert out.state == "FAILURE" and not r.exists(wait_name(prefix, "inv:3"))
+
+
+def test_identical_work_is_still_skipped_not_parked(app: Celery, r: redis.Redis, prefix: str) -> None:
+    from celery_lockguard._keys import digest
+
+    runs: list[str] = []
+    t = waiter(app, runs)
+    hold(r, prefix, "inv:4", task_name=t.name, dig=digest({"a": 4, "amount": 100}))
+    out = deliver(t, (4, 100))
+    assert out.state == "SUCCESS" and out.retval is None and not r.exists(wait_name(prefix, "inv:4"))
+
+
+def test_a_woken_copy_answered_from_the_record_frees_its_reservation_for_the_next(
+    app: Celery, r: redis.Redis, prefix: str
+) -> None:
+    runs: list[str] = []
+    t = waiter(app, runs, name="h.idem", idempotency_key="pay:{a}:{amount}")
+    lease = hold(r, prefix, "inv:5")
+    first, second = deliver(t, (5, 100)), deliver(t, (5, 200))
+    assert release(app, r, prefix, lease)
+    # identical work meanwhile meets the reservation of identical work: skipped, as behind any live holder
+    assert deliver(t, (5, 100), task_id="identical").retval is None
+    r.set(f"{prefix}:v1:{{pay:5:100}}:done", '{"task_id":"x","task":"h.idem","digest":"","result":100}')
+    woken = messages(r, app, first.task_id)[-1]
+    assert redeliver(t, woken).state == "SUCCESS" and runs == []  # answered from the record
+    assert messages(r, app, second.task_id)[-1].headers.get(headers.WOKEN) == 1, "the next waiter was stranded"
+
+
+def test_an_outage_at_park_backs_off_as_before(
+    app: Celery, r: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs: list[str] = []
+    t = waiter(app, runs)
+    hold(r, prefix, "inv:6")
+
+    def down(*args: Any, **kwargs: Any) -> Any:
+        raise redis.ConnectionError("lock Redis unreachable")
+
+    monkeypatch.setattr(handoff, "park", down)
+    out = deliver(t, (6, 100))
+    assert out.state == "RETRY"
+    (msg,) = messages(r, app, out.task_id)
+    assert headers.PARK not in msg.headers and msg.headers[headers.WAITS] == 1
+
+
+def test_arguments_that_are_not_json_back_off_as_before(
+    app: Celery, r: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs: list[str] = []
+    t = waiter(app, runs)
+    hold(r, prefix, "inv:7")
+    monkeypatch.setattr(handoff, "message_for", lambda *a, **k: None)  # what a pickled, non-JSON argument gives
+    out = deliver(t, (7, 100))
+    (msg,) = messages(r, app, out.task_id)
+    assert out.state == "RETRY" and headers.PARK not in msg.headers and not r.exists(wait_name(prefix, "inv:7"))
+
+
+def test_a_safety_copy_that_cannot_be_published_takes_its_entry_back_and_waits_in_process(
+    app: Celery, r: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kombu.exceptions import OperationalError
+
+    from celery_lockguard import _republish
+
+    runs: list[str] = []
+    t = waiter(app, runs)
+    hold(r, prefix, "inv:8", ttl_ms=300)
+
+    def broker_down(*args: Any, **kwargs: Any) -> None:
+        raise OperationalError("broker unreachable")
+
+    monkeypatch.setattr(_republish, "publish", broker_down)
+    out = deliver(t, (8, 100))
+    assert out.state == "SUCCESS" and len(runs) == 1, "the delivery must not be lost"
+    assert r.llen(wait_name(prefix, "inv:8")) == 0 and not r.hgetall(waiters_name(prefix, "inv:8"))
+
+
+def test_a_woken_copy_that_cannot_be_published_never_fails_the_releaser_and_the_safety_copy_takes_over(
+    app: Celery, r: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    runs: list[str] = []
+    t = waiter(app, runs)
+    lease = hold(r, prefix, "inv:9")
+    out = deliver(t, (9, 100))
+    (safety,) = messages(r, app, out.task_id)
+
+    def broker_down(*args: Any, **kwargs: Any) -> None:
+        raise OSError("broker unreachable")
+
+    monkeypatch.setattr(handoff, "publish", broker_down)
+    monkeypatch.setattr(handoff, "WAKE_GRACE", 0.2)
+    with caplog.at_level(logging.WARNING, logger="celery_lockguard"):
+        assert release(app, r, prefix, lease) is False
+    assert lines(caplog, "lock.wake_failed")[0]["reason"].startswith("publish: OSError")
+    assert r.hget(waiters_name(prefix, "inv:9"), f"s:{safety.headers[headers.PARK]}") == "waking"
+    assert redeliver(t, safety).state == "SUCCESS" and len(runs) == 1  # took over after the grace
+
+
+def test_an_outage_at_release_leaves_the_waiter_to_its_safety_copy(app: Celery, r: redis.Redis, prefix: str) -> None:
+    runs: list[str] = []
+    t = waiter(app, runs)
+    hold(r, prefix, "inv:10")
+    out = deliver(t, (10, 100))
+    (safety,) = messages(r, app, out.task_id)
+    r.delete(lock_name(prefix, "inv:10"))  # RELEASE never answered: the lease expires by its TTL
+    assert redeliver(t, safety).state == "SUCCESS" and len(runs) == 1
+    assert r.llen(wait_name(prefix, "inv:10")) == 0
+
+
+def test_an_outage_at_wake_confirm_still_runs_the_waiter_once(
+    app: Celery, r: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    runs: list[str] = []
+    t = waiter(app, runs)
+    lease = hold(r, prefix, "inv:11")
+    out = deliver(t, (11, 100))
+    (safety,) = messages(r, app, out.task_id)
+
+    def down(*args: Any, **kwargs: Any) -> Any:
+        raise redis.ConnectionError("lock Redis unreachable")
+
+    monkeypatch.setattr(handoff, "confirm", down)
+    with caplog.at_level(logging.WARNING, logger="celery_lockguard"):
+        assert release(app, r, prefix, lease)
+    assert lines(caplog, "lock.backend_unavailable")[0]["reason"] == "confirm wake: ConnectionError"
+    woken = messages(r, app, out.task_id)[-1]
+    assert redeliver(t, woken).state == "SUCCESS"
+    assert redeliver(t, safety).state == "SUCCESS" and len(runs) == 1
+
+
+def test_a_releaser_that_dies_before_the_wake_publish_is_covered_by_the_safety_copy(
+    app: Celery, r: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs: list[str] = []
+    t = waiter(app, runs, completion=False)
+    lease = hold(r, prefix, "inv:12")
+    out = deliver(t, (12, 100))
+    (safety,) = messages(r, app, out.task_id)
+    monkeypatch.setattr(handoff, "WAKE_GRACE", 0.2)
+    _, _, woken = L.release_and_wake(r, lease, prefix, reserve_ms=5000)  # ... and the releaser dies here
+    assert woken is not None and len(messages(r, app, out.task_id)) == 1
+    assert redeliver(t, safety).state == "SUCCESS" and len(runs) == 1
+    # had the releaser only been slow, its late woken copy drops itself: never a second run (completion off)
+    handoff.publish(app, __import__("json").loads(woken.message))
+    late = messages(r, app, out.task_id)[-1]
+    assert late.headers.get(headers.WOKEN) == 1
+    redeliver(t, late)
+    assert len(runs) == 1
+
+
+def test_a_revoked_woken_copy_frees_its_reservation_and_wakes_the_next(
+    app: Celery, r: redis.Redis, prefix: str
+) -> None:
+    from celery_lockguard import _signals
+
+    runs: list[str] = []
+    t = waiter(app, runs)
+    lease = hold(r, prefix, "inv:13")
+    first, second = deliver(t, (13, 100)), deliver(t, (13, 200))
+    assert release(app, r, prefix, lease)
+    woken = messages(r, app, first.task_id)[-1]
+
+    class Discarded:  # what the worker's main process hands task_revoked: the request of the discarded message
+        id = first.task_id
+        args, kwargs = [13, 100], {}
+        headers = woken.custom()
+
+    assert _signals.free_reservation_from_main(t, Discarded(), [13, 100], {})
+    assert r.hget(lock_name(prefix, "inv:13"), "task_id") == second.task_id, "the next waiter holds the reservation"
+    assert messages(r, app, second.task_id)[-1].headers.get(headers.WOKEN) == 1
+
+
+def test_a_woken_copy_whose_reservation_lapsed_decides_as_any_delivery(
+    app: Celery, r: redis.Redis, prefix: str
+) -> None:
+    runs: list[str] = []
+    t = waiter(app, runs)
+    lease = hold(r, prefix, "inv:14")
+    out = deliver(t, (14, 100))
+    assert release(app, r, prefix, lease)
+    r.delete(lock_name(prefix, "inv:14"))  # the reservation lapsed (the woken copy sat in a long queue) ...
+    hold(r, prefix, "inv:14", task_id="barged-in")  # ... and other work took the entity
+    woken = messages(r, app, out.task_id)[-1]
+    assert redeliver(t, woken).state == "RETRY" and runs == []  # it parks again
+    assert messages(r, app, out.task_id)[-1].headers[headers.PARK] != woken.headers[headers.PARK]
+
+
+def test_a_stale_entry_whose_message_is_gone_is_skipped_by_the_release(
+    app: Celery, r: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs: list[str] = []
+    t = waiter(app, runs)
+    lease = hold(r, prefix, "inv:15")
+    monkeypatch.setattr(handoff, "ENTRY_SLACK", -1000.0)  # the first entry is past its deadline at once
+    lost = deliver(t, (15, 100))
+    monkeypatch.setattr(handoff, "ENTRY_SLACK", 30.0)
+    live = deliver(t, (15, 200))
+    assert release(app, r, prefix, lease)
+    assert messages(r, app, live.task_id)[-1].headers.get(headers.WOKEN) == 1
+    assert len(messages(r, app, lost.task_id)) == 1, "a stale entry is never woken; its safety copy decides"
+    (safety,) = messages(r, app, lost.task_id)
+    assert redeliver(t, safety).state == "RETRY"  # entry gone: decides afresh (the entity is reserved)
+
+
+def test_eager_apply_never_parks(app: Celery, r: redis.Redis, prefix: str) -> None:
+    runs: list[str] = []
+    t = waiter(app, runs, lock_max_waits=20)
+    hold(r, prefix, "inv:16", ttl_ms=200)
+    assert t.apply(args=(16, 100)).get() == 100  # waited in process, then ran
+    assert not r.exists(wait_name(prefix, "inv:16"))
