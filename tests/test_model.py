@@ -1,10 +1,12 @@
 """A stateful model of the runtime: modes x policies x events, through Celery's real tracer on the real Redis.
 
 Hypothesis drives publishes, deliveries, broker redeliveries, duplicate
-publishes, foreign holders (alive, identical, killed), a lock-Redis outage,
-retries and revokes, and checks after every step that
+publishes, foreign holders (alive, identical, killed) and their releases (which
+wake the oldest parked waiter, or die between RELEASE and the wake publish), a
+lock-Redis outage, retries and revokes, and checks after every step that
 
 * no claim outlives its message (every queued claim belongs to a message in the queue);
+* no reservation outlives its waiter (an entity handed to a parked waiter belongs to a message of it in the queue);
 * no message is both swallowed and retried (a delivery left in RETRY has its message queued);
 * no job's body runs twice;
 
@@ -29,9 +31,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from celery_lockguard import AlreadyQueued, LockedTask
 from celery_lockguard import _completion as completion
 from celery_lockguard import _connection as connection
+from celery_lockguard import _handoff as handoff
 from celery_lockguard import _lease as L
 from celery_lockguard import _signals as signals
 from celery_lockguard._config import reset
+from celery_lockguard._config import settings as lockguard_settings
 from celery_lockguard._keys import claim_name, digest, lock_name
 from celery_lockguard.testing import delete_prefix
 
@@ -43,7 +47,7 @@ MODES = ("while_running", "until_started", "until_done")
 POLICIES = ("skip", "retry", "raise")
 DOWN = "redis://127.0.0.1:1/0"
 #: Deliveries made across all examples: the model must have exercised the runtime, not only published.
-STEPS = {"deliveries": 0}
+STEPS = {"deliveries": 0, "woken": 0, "releaser_died": 0}
 ENTITIES = (1, 2)
 AMOUNTS = (10, 20)
 
@@ -115,9 +119,16 @@ def machine(mode: str, policy: str, redis_url: str, store: str = "redis") -> typ
         # -- rules ---------------------------------------------------------------------------
 
         @initialize(
-            work=st.lists(st.tuples(st.sampled_from(ENTITIES), st.sampled_from(AMOUNTS)), min_size=2, max_size=4)
+            work=st.lists(st.tuples(st.sampled_from(ENTITIES), st.sampled_from(AMOUNTS)), min_size=2, max_size=4),
+            held=st.sampled_from([True, False]),
         )
-        def some_work(self, work: list[tuple[int, int]]) -> None:
+        def some_work(self, work: list[tuple[int, int]], held: bool) -> None:
+            """The work, and (``held``) another worker already running other work on the first entity.
+
+            Started held more often than not: its deliveries then park, and its release wakes them.
+            """
+            if held:
+                self.foreign_holder(work[0][0], identical=False, alive=True)
             for a, amount in work:
                 self.publish(a, amount, False)
 
@@ -171,6 +182,8 @@ def machine(mode: str, policy: str, redis_url: str, store: str = "redis") -> typ
             if self.down:  # the claim cannot be freed now: it lives out queue_lock_ttl (documented)
                 self.excused.add(msg.task_id)
             signals.free_claim_from_main(self.task, msg.task_id, msg.args, msg.kwargs, "revoked")
+            # A woken copy discarded: its reservation goes too, and the next waiter is woken.
+            signals.free_reservation_from_main(self.task, _Request(msg), msg.args, msg.kwargs)
             if self.jobs.get(msg.task_id) == "pending" and not any(m.task_id == msg.task_id for m in self.queued()):
                 self.jobs[msg.task_id] = "revoked"
 
@@ -203,8 +216,20 @@ def machine(mode: str, policy: str, redis_url: str, store: str = "redis") -> typ
         @precondition(lambda self: bool(self.foreign))
         @rule(data=st.data())
         def foreign_release(self, data: Any) -> None:
+            """The other worker's body ends: RELEASE hands the entity to the oldest parked waiter, if any.
+
+            ``dies``: its process is killed between RELEASE and the wake publish; the waiter's safety
+            copy must then run it, once.
+            """
             a = data.draw(st.sampled_from(sorted(self.foreign)))
-            L.release(self.r, self.foreign.pop(a), self.prefix)
+            dies = data.draw(st.booleans())
+            lease = self.foreign.pop(a)
+            reserve_ms = int(handoff.RESERVATION_TTL * 1000)
+            _, _, woken = L.release_and_wake(self.r, lease, self.prefix, reserve_ms=reserve_ms)
+            if woken is not None and dies:
+                STEPS["releaser_died"] += 1
+            elif woken is not None:
+                STEPS["woken"] += handoff.wake(self.app, lockguard_settings(self.app), woken, "other", lease.task_id)
 
         @rule(down=st.booleans())
         def outage(self, down: bool) -> None:
@@ -224,6 +249,15 @@ def machine(mode: str, policy: str, redis_url: str, store: str = "redis") -> typ
                     waiting = holder.get("state") in ("queued", "publishing")
                     if waiting and holder["task_id"] not in self.excused:
                         assert holder["task_id"] in queued_ids, f"claim {key} of {holder['task_id']} has no message"
+
+        @invariant()
+        def no_reservation_outlives_its_waiter(self) -> None:
+            queued_ids = {m.task_id for m in self.queued()}
+            for a in ENTITIES:
+                holder = self.r.hgetall(lock_name(self.prefix, f"k:{a}"))
+                if holder.get("state") == "handed" and holder["task_id"] not in self.excused:
+                    handed = holder["task_id"]
+                    assert handed in queued_ids, f"k:{a} is handed to {handed}, which has no message"
 
         @invariant()
         def no_body_runs_twice(self) -> None:
@@ -282,12 +316,30 @@ def machine(mode: str, policy: str, redis_url: str, store: str = "redis") -> typ
 
 @pytest.mark.parametrize(("mode", "policy"), list(itertools.product(MODES, POLICIES)))
 def test_model(mode: str, policy: str, redis_url: str) -> None:
+    woken, died = STEPS["woken"], STEPS["releaser_died"]
     run(machine(mode, policy, redis_url))
+    if mode == "while_running" and policy != "raise":  # waiters park behind other work: releases must wake them
+        assert STEPS["woken"] > woken and STEPS["releaser_died"] > died, "the model never exercised park and wake"
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_model_with_the_postgresql_store(mode: str, redis_url: str, postgres_url: str) -> None:
     run(machine(mode, "skip", redis_url, store=postgres_url))
+
+
+class _Request:
+    """What the worker's main process knows of a discarded message: its id and headers."""
+
+    def __init__(self, msg: Message) -> None:
+        self.id = msg.task_id
+        self.headers = msg.custom()
+        self.request_dict = msg.custom()
+
+
+@pytest.fixture(autouse=True)
+def _short_wake_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A safety copy finding its waiter still 'waking' polls for the grace in-process: keep the model quick."""
+    monkeypatch.setattr(handoff, "WAKE_GRACE", 0.05)
 
 
 def run(Model: type[RuleBasedStateMachine]) -> None:
