@@ -43,8 +43,22 @@ def install(app: Any = None) -> None:
         signals.worker_init.connect(_validate_at_worker_init, weak=False, dispatch_uid="lockguard.worker_init")
         signals.task_failure.connect(_on_failure, weak=False, dispatch_uid="lockguard.task_failure")
         signals.task_revoked.connect(_on_revoked, weak=False, dispatch_uid="lockguard.task_revoked")
+        # Before the metrics flush (receivers run in the order they connected): the release replies still
+        # unread carry hold times and lock.released counts, and a woken waiter to publish.
+        for shutdown in (signals.worker_process_shutdown, signals.worker_shutdown):
+            shutdown.connect(_read_replies, weak=False, dispatch_uid=f"lockguard.replies.{shutdown.name}")
         metrics.connect_signals()  # flush target per worker process; flush on process and worker shutdown
         _installed = True
+
+
+def _read_replies(sender: Any = None, **_: Any) -> None:
+    """Read the lease replies this process has not read yet (``_wire.drain_all``); never raises."""
+    from ._wire import drain_all
+
+    try:
+        drain_all()
+    except Exception:  # noqa: BLE001 - a process on its way out: what is unread stays unread
+        pass
 
 
 def _validate_at_worker_init(sender: Any = None, **_: Any) -> None:

@@ -18,13 +18,15 @@ so that read costs no round trip), or by the renewer thread within
 process shutdown (:func:`drain_all`). Its callback then logs and counts what
 the synchronous path would have.
 
-Replies are read strictly in the order their commands were sent. A ``NOSCRIPT``
-reply (a restart or ``SCRIPT FLUSH`` between two calls) means nothing ran: the
-script is loaded and every command from the first ``NOSCRIPT`` on is sent
-again in order (each is idempotent by its token: ACQUIRE with its own token
-answers the lease it holds, RELEASE checks the token, the record is
-``SET NX``). A connection error fails every command still waiting for its
-reply: their effect is unknown, as for any lost reply.
+Replies are read strictly in the order their commands were sent, and a
+command that waits for its reply reads every earlier one first. A ``NOSCRIPT``
+reply (a restart or ``SCRIPT FLUSH`` between two calls) means that command did
+not run: the script is loaded and that command alone is sent again (a command
+that ran is never sent twice). A connection error fails every command still
+waiting for its reply: their effect is unknown, as for any lost reply. Replies
+the renewer thread reads have their callbacks run on a thread of their own
+(``lockguard-replies``), so a callback that publishes (a wake-up) never holds
+up renewal.
 
 Only for what it can do exactly: a plain ``redis.Redis`` over a plain
 connection pool, outside gevent/eventlet (a green socket belongs to its hub,
@@ -36,6 +38,7 @@ redis-py's own path (:func:`channel` returns ``None``).
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import weakref
 from collections import deque
@@ -44,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from billiard.exceptions import SoftTimeLimitExceeded
 from redis.exceptions import NoScriptError
 
 #: Seconds within which the renewer thread reads a deferred reply nobody else read.
@@ -137,6 +141,11 @@ class Channel:
         try:
             with self._lock:
                 conn = self._connection()
+                if self._inflight:
+                    # Earlier deferred replies first (in the socket buffer by now: no round trip), each
+                    # NOSCRIPT among them re-run before this command goes out, so the order holds.
+                    self._read_through(conn, None, done)
+                    conn = self._connection()
                 sent = _Sent(script, keys, args, None)
                 self._send(conn, sent, done)
                 reply = self._read_through(conn, sent, done)
@@ -184,7 +193,9 @@ class Channel:
                 self._read_through(self._conn, None, done)
         finally:
             self._lock.release()
-            _run(done)
+            # On the renewer thread the callbacks go to a thread of their own: a wake-up publish to a
+            # stalled broker must never hold up the renewal ticks of every lease in the process.
+            (_run if block else _dispatch)(done)
         return len(done)
 
     # -- with the lock held --------------------------------------------------
@@ -221,9 +232,12 @@ class Channel:
                 self._loaded.add(sent.script.sha_bytes)
             if sent is until:
                 break
-        first = next((i for i, (_, r) in enumerate(read) if isinstance(r, NoScriptError)), None)
-        if first is not None:
-            read[first:] = self._rerun(conn, [s for s, _ in read[first:]])
+        missed = [i for i, (_, r) in enumerate(read) if isinstance(r, NoScriptError)]
+        if missed:
+            # Only what did not run goes out again: a command that ran must not run twice (a RELEASE
+            # run again would answer "taken" and lose the waiter it woke).
+            for i, again in zip(missed, self._rerun(conn, [read[i][0] for i in missed]), strict=True):
+                read[i] = again
         answer: Any = None
         for s, r in read:
             if s is until:
@@ -277,11 +291,43 @@ def _collect(sent: _Sent, reply: Any, done: list[tuple[OnReply, Any]]) -> None:
 
 
 def _run(done: list[tuple[OnReply, Any]]) -> None:
+    limit: BaseException | None = None
     for on_reply, reply in done:
         try:
             on_reply(reply)
+        except SoftTimeLimitExceeded as exc:  # the running task's own limit: the other replies first, then it
+            limit = exc
         except Exception:  # noqa: BLE001 - a reply's bookkeeping must never fail the command that read it
             pass
+    if limit is not None:
+        raise limit
+
+
+_dispatcher: tuple[int, queue.SimpleQueue[tuple[OnReply, Any]]] | None = None
+_dispatcher_lock = threading.Lock()
+
+
+def _dispatch(done: list[tuple[OnReply, Any]]) -> None:
+    """Run ``done``'s callbacks on this process's ``lockguard-replies`` thread (started on first use)."""
+    global _dispatcher
+    if not done:
+        return
+    pid = os.getpid()
+    current = _dispatcher
+    if current is None or current[0] != pid:
+        with _dispatcher_lock:
+            current = _dispatcher
+            if current is None or current[0] != pid:
+                replies: queue.SimpleQueue[tuple[OnReply, Any]] = queue.SimpleQueue()
+                threading.Thread(target=_serve, args=(replies,), name="lockguard-replies", daemon=True).start()
+                current = _dispatcher = (pid, replies)
+    for item in done:
+        current[1].put(item)
+
+
+def _serve(replies: queue.SimpleQueue[tuple[OnReply, Any]]) -> None:
+    while True:
+        _run([replies.get()])
 
 
 def _give_back(pool: Any, holder: list[Any]) -> None:

@@ -66,3 +66,25 @@ def test_shutdown_flushes_and_a_sigkill_loses_only_the_unflushed(fleet: Any, red
     worker.stop()  # warm: worker_process_shutdown flushes in the child
     assert worker.proc is not None and worker.proc.returncode == 0
     assert acquired(r, prefix) == 1
+
+
+def test_a_recycled_child_counts_every_release(fleet: Any, redis_url: str, prefix: str) -> None:
+    """A child recycled by max_tasks_per_child reads its last release replies before its metrics flush.
+
+    RELEASE's reply is read after the task returns; the child's exit used to flush the metrics first,
+    so the last task of every child counted no hold time and no lock.released.
+    """
+    cfg = make_cfg(prefix, redis_url, metrics_flush_interval=3600, max_tasks_per_child=2)
+    fleet.worker(cfg, concurrency=1)
+    app = fleet.app(cfg)
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    for _ in range(8):  # one at a time: each child runs two and exits
+        run_tasks(app, 1)
+    total = metrics.total_key(prefix)
+    wait_for(lambda: int(r.hget(total, "plain_locked|lock.acquired") or 0) >= 6, 30, what="three children's flushes")
+    wait_for(
+        lambda: r.hget(total, "plain_locked|hold.count") == r.hget(total, "plain_locked|lock.acquired"),
+        30,
+        what="every flushed acquisition to have its hold time",
+    )
+    assert r.hget(total, "plain_locked|lock.released") == r.hget(total, "plain_locked|lock.acquired")

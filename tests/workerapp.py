@@ -43,6 +43,8 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         task_reject_on_worker_lost=cfg.get("acks_late", False),
         worker_hijack_root_logger=False,
     )
+    if cfg.get("max_tasks_per_child"):
+        app.conf.worker_max_tasks_per_child = cfg["max_tasks_per_child"]
     if cfg.get("metrics_flush_interval"):
         app.conf.lockguard_metrics_flush_interval = cfg["metrics_flush_interval"]
     if cfg.get("soft_time_limit"):
