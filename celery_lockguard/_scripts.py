@@ -403,9 +403,11 @@ CHECK_PARKED = (
 -- ARGV[3] grace ms a 'waking' entry is left to its releaser (safety copy only)
 -- Returns {state found ('parked'|'waking'|'woken'|'running'|'taken'|'missing'), ms since waking (or -1)}
 -- Writes (see _decision.decide_parked for what each answer makes the copy do):
---   woken copy:  'waking'|'woken' -> 'running' (its safety copy then drops itself)
+--   woken copy:  'waking'|'woken' -> 'running' (its safety copy then drops itself); 'taken' -> entry removed
+--                (the safety copy ran it; this copy drops itself)
 --   safety copy: 'parked' -> entry removed (it decides afresh); 'woken'|'running'|'taken' -> entry removed;
---                'waking' past the grace -> 'taken' (a late woken copy then drops itself); within it: nothing
+--                'waking' past the grace -> 'taken', and only that marker kept (a late woken copy then
+--                drops itself and removes it); within it: nothing
 """
     + _NOW
     + """
@@ -419,6 +421,7 @@ local age = -1
 if e[2] then age = now_ms - tonumber(e[2]) end
 if ARGV[2] == 'woken' then
   if state == 'waking' or state == 'woken' then redis.call('HSET', KEYS[2], 's:' .. p, 'running') end
+  if state == 'taken' then drop() end
   return {state, age}
 end
 if state == 'parked' then
@@ -427,6 +430,7 @@ if state == 'parked' then
 elseif state == 'woken' or state == 'running' or state == 'taken' then
   drop()
 elseif state == 'waking' and age >= tonumber(ARGV[3]) then
+  drop()  -- the message and holder fields are not needed again: a marker of a few bytes stays
   redis.call('HSET', KEYS[2], 's:' .. p, 'taken')
 end
 return {state, age}

@@ -730,6 +730,10 @@ class LockGuard(Task):
             if later and lease_ops.release_later(
                 client, lease, s.key_prefix, report, scope, record, ttl_ms, reserve_ms
             ):
+                # The task's span ends before the reply is read (its lock.released then goes to the logs and
+                # metrics only): say on the span that the release went out.
+                fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence}
+                tracing.span_event("lock.release_sent", self.name, {**fields, "hold_ms": round(report.hold_ms)})
                 return
             reply: tuple[int, int, lease_ops.Woken | None] | BaseException
             reply = lease_ops.release_and_wake(client, lease, s.key_prefix, scope, record, ttl_ms, reserve_ms)

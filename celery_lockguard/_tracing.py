@@ -28,6 +28,7 @@ SPAN_EVENTS = frozenset(
         "lock.max_hold_reached",
         "lock.expired_before_release",
         "lock.released",
+        "lock.release_sent",
         "lock.force_released",
         "lock.fail_open",
         "lock.backend_unavailable",

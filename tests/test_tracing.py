@@ -133,3 +133,25 @@ def test_without_a_recording_span_nothing_breaks(app: Celery, tracer: Any) -> No
 
     assert t.apply(args=(5,)).get() == 5
     assert exporter.get_finished_spans() == ()
+
+
+def test_a_worker_delivery_says_on_its_span_that_the_release_went_out(app: Celery, tracer: Any) -> None:
+    """The reply of a worker's release is read after the task's span ended: the span gets lock.release_sent."""
+    from celery.app.trace import build_tracer
+
+    from celery_lockguard.testing import settle
+
+    tr, exporter = tracer
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="tr.worker", lock_key="k:{a}")
+    def t(self: Any, a: int) -> int:
+        return a
+
+    t.apply(args=(0,))  # the scripts cached and known on this thread's connection: the release may be deferred
+    exporter.clear()
+    request = {"id": "id-w", "task": t.name, "args": [7], "kwargs": {}, "hostname": "h@h", "is_eager": False}
+    with tr.start_as_current_span("job"):
+        assert build_tracer(t.name, t, app=app, eager=False, propagate=False)("id-w", [7], {}, request)[0] == 7
+    settle()
+    names = [name for name, _ in span_events(exporter)]
+    assert names[0] == "lock.acquired" and "lock.release_sent" in names
