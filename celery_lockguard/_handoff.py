@@ -96,8 +96,13 @@ def park(
     task_name: str,
     digest: str,
     countdown: float,
+    first_parked_ms: int | None = None,
 ) -> Parked:
-    """Append this delivery to ``key``'s waiter queue (PARK); one round trip."""
+    """Append this delivery to ``key``'s waiter queue (PARK); one round trip.
+
+    ``first_parked_ms``: when this delivery first parked (a copy parking again behind a holder
+    that outlived its safety countdown): it goes back ahead of everyone who parked after it.
+    """
     lifetime_ms = int((countdown + ENTRY_SLACK) * 1000)
     reply = scripts.park(
         client,
@@ -111,6 +116,7 @@ def park(
             lifetime_ms,
             lifetime_ms + int(KEYS_SLACK * 1000),
             MAX_WAITERS,
+            "" if first_parked_ms is None else first_parked_ms,
         ],
     )
     return Parked(reply[0], int(reply[1]) if reply[0] == "parked" else 0)

@@ -28,7 +28,10 @@ PARK = "lockguard_park"
 WOKEN = "lockguard_woken"
 
 #: Every header lockguard sets; a self-republish carries each one it finds on.
-ALL = (WAITS, WATCH, WATCH_TOKEN, CLAIM, ATTEMPT, PARK, WOKEN)
+#: When the delivery first parked (ms, the publisher's clock): a copy parking again keeps its place in the queue.
+PARKED_AT = "lockguard_parked_at"
+
+ALL = (WAITS, WATCH, WATCH_TOKEN, CLAIM, ATTEMPT, PARK, WOKEN, PARKED_AT)
 
 
 def read(request: Any, name: str) -> Any:

@@ -165,7 +165,8 @@ while true do
     return {released, recorded, p, e[3]}
   end
   if e[1] == 'parked' or not e[1] then
-    redis.call('HDEL', KEYS[3], 's:' .. p, 'd:' .. p, 'm:' .. p, 't:' .. p, 'n:' .. p, 'g:' .. p, 'w:' .. p)
+    redis.call('HDEL', KEYS[3], 's:' .. p, 'd:' .. p, 'm:' .. p, 't:' .. p, 'n:' .. p, 'g:' .. p, 'w:' .. p,
+               'o:' .. p)
   end
 end
 return {released, recorded}
@@ -349,7 +350,8 @@ return 1
 #: Lua: drop stale entries at the head of the waiter queue (KEYS[1] queue, KEYS[2] entries, now_ms set).
 _PURGE_STALE_HEAD = """
 local function drop(p)
-  redis.call('HDEL', KEYS[2], 's:' .. p, 'd:' .. p, 'm:' .. p, 't:' .. p, 'n:' .. p, 'g:' .. p, 'w:' .. p)
+  redis.call('HDEL', KEYS[2], 's:' .. p, 'd:' .. p, 'm:' .. p, 't:' .. p, 'n:' .. p, 'g:' .. p, 'w:' .. p,
+             'o:' .. p)
 end
 local function purge_stale_head()
   while true do
@@ -368,12 +370,15 @@ PARK = (
 -- PARK: append a waiter behind a live holder of entity K, unless the lease is already gone.
 -- KEYS[1] waiter queue   {prefix}:v1:{K}:wait     (list of park tokens, oldest first)
 -- KEYS[2] waiter entries {prefix}:v1:{K}:waiters  (hash; per park token P: m:P message, s:P state,
---         d:P deadline ms, t:P task id, n:P task name, g:P args digest, w:P waking_at ms)
+--         d:P deadline ms, t:P task id, n:P task name, g:P args digest, w:P waking_at ms,
+--         o:P when the delivery first parked, ms)
 -- KEYS[3] lease hash     {prefix}:v1:{K}:lock
 -- ARGV[1] park token P  ARGV[2] message (JSON: what the releaser re-publishes)
 -- ARGV[3] task_id  ARGV[4] task_name  ARGV[5] args digest
 -- ARGV[6] entry lifetime ms: past it a still-parked entry is stale (never woken; its copy decides afresh)
 -- ARGV[7] keys ttl ms (both waiter keys; extended, never shortened)  ARGV[8] most waiters per entity
+-- ARGV[9] when this delivery first parked (ms; '' = now): a copy parking again (its holder outlived a
+--         whole safety countdown) goes back ahead of every waiter that parked after it, not to the tail
 -- Returns {'parked', lease pttl_ms} | {'free'} (no lease: acquire now) | {'full', waiters}
 -- Stale entries at the head of the queue are dropped first.
 """
@@ -385,9 +390,17 @@ purge_stale_head()
 local n = redis.call('LLEN', KEYS[1])
 if n >= tonumber(ARGV[8]) then return {'full', n} end
 local p = ARGV[1]
-redis.call('RPUSH', KEYS[1], p)
+local first = tonumber(ARGV[9] or '') or now_ms
+local tail = redis.call('LINDEX', KEYS[1], -1)
+local after = nil  -- the oldest entry that first parked later than this one
+if tail and (tonumber(redis.call('HGET', KEYS[2], 'o:' .. tail)) or 0) > first then
+  for _, q in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
+    if (tonumber(redis.call('HGET', KEYS[2], 'o:' .. q)) or 0) > first then after = q break end
+  end
+end
+if after then redis.call('LINSERT', KEYS[1], 'BEFORE', after, p) else redis.call('RPUSH', KEYS[1], p) end
 redis.call('HSET', KEYS[2], 'm:' .. p, ARGV[2], 's:' .. p, 'parked', 'd:' .. p, now_ms + tonumber(ARGV[6]),
-           't:' .. p, ARGV[3], 'n:' .. p, ARGV[4], 'g:' .. p, ARGV[5])
+           't:' .. p, ARGV[3], 'n:' .. p, ARGV[4], 'g:' .. p, ARGV[5], 'o:' .. p, first)
 for i = 1, 2 do
   if redis.call('PTTL', KEYS[i]) < tonumber(ARGV[7]) then redis.call('PEXPIRE', KEYS[i], ARGV[7]) end
 end
@@ -413,7 +426,7 @@ CHECK_PARKED = (
     + """
 local p = ARGV[1]
 local function drop()
-  redis.call('HDEL', KEYS[2], 's:' .. p, 'd:' .. p, 'm:' .. p, 't:' .. p, 'n:' .. p, 'g:' .. p, 'w:' .. p)
+  redis.call('HDEL', KEYS[2], 's:' .. p, 'd:' .. p, 'm:' .. p, 't:' .. p, 'n:' .. p, 'g:' .. p, 'w:' .. p, 'o:' .. p)
 end
 local e = redis.call('HMGET', KEYS[2], 's:' .. p, 'w:' .. p)
 local state = e[1] or 'missing'

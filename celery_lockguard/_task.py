@@ -926,7 +926,13 @@ class LockGuard(Task):
         """
         req = self.request
         park_token = lease_ops.new_token()
-        hdrs = {**republish.wait_headers(req, None), headers.PARK: park_token}
+        # A copy of a delivery that parked before keeps its place in the queue (not the tail).
+        first = headers.read_int(req, headers.PARKED_AT) or None
+        hdrs = {
+            **republish.wait_headers(req, None),
+            headers.PARK: park_token,
+            headers.PARKED_AT: first or int(time.time() * 1000),
+        }
         hdrs.pop(headers.WOKEN, None)
         args, kwargs = req.args or (), req.kwargs or {}
         message = handoff.message_for(self, req, args, kwargs, {**hdrs, headers.WOKEN: 1})
@@ -945,6 +951,7 @@ class LockGuard(Task):
                     task_name=self.name,
                     digest=call.digest,
                     countdown=countdown,
+                    first_parked_ms=hdrs[headers.PARKED_AT],
                 ).kind
             except Exception as exc:
                 if errors.classify(exc) is None:

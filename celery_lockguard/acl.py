@@ -36,6 +36,8 @@ IN_SCRIPTS = (
     "lindex",
     "llen",
     "lrem",
+    "lrange",
+    "linsert",
 )
 
 #: Workers: scripts; completion records on Cluster (GET, SET); checkpoints (HGET, then HSET +

@@ -333,3 +333,24 @@ def test_eager_apply_never_parks(app: Celery, r: redis.Redis, prefix: str) -> No
     hold(r, prefix, "inv:16", ttl_ms=200)
     assert t.apply(args=(16, 100)).get() == 100  # waited in process, then ran
     assert not r.exists(wait_name(prefix, "inv:16"))
+
+
+def test_a_safety_copy_whose_holder_still_runs_keeps_its_place_in_the_queue(
+    app: Celery, r: redis.Redis, prefix: str
+) -> None:
+    """W1 parked first; its safety copy comes back while the holder still runs and parks again: the release
+    must still wake W1 before W2 (it went to the tail, and W2 was woken first)."""
+    runs: list[str] = []
+    t = waiter(app, runs)
+    lease = hold(r, prefix, "inv:1")
+    w1 = deliver(t, (1, 100), task_id="W1")
+    w2 = deliver(t, (1, 200), task_id="W2")
+    assert (w1.state, w2.state) == ("RETRY", "RETRY")
+    (safety,) = messages(r, app, "W1")
+    again = redeliver(t, safety)  # its countdown ended; the holder is alive: it parks again
+    assert again.state == "RETRY" and runs == []
+    queue = r.lrange(wait_name(prefix, "inv:1"), 0, -1)
+    assert len(queue) == 2 and r.hget(waiters_name(prefix, "inv:1"), f"t:{queue[0]}") == "W1"
+    assert release(app, r, prefix, lease)
+    woken = messages(r, app, "W1")[-1]
+    assert woken.headers[headers.WOKEN] == 1  # the oldest waiter goes first

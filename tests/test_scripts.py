@@ -489,10 +489,29 @@ def test_shorten_with_a_pid_leaves_a_same_host_holder_of_the_same_task_id_in_ano
 # -- park and wake ---------------------------------------------------------------------------
 
 
-def park(c: Any, p: str, key: str = "k", task_id: str = "w", countdown: float = 5.0) -> handoff.Parked:
+def park(
+    c: Any, p: str, key: str = "k", task_id: str = "w", countdown: float = 5.0, first: int | None = None
+) -> handoff.Parked:
+    message = f'{{"task":"n","id":"{p}"}}'
     return handoff.park(
-        c, P, key, p, f'{{"task":"n","id":"{p}"}}', task_id=task_id, task_name="n", digest="dw", countdown=countdown
+        c, P, key, p, message, task_id=task_id, task_name="n", digest="dw", countdown=countdown, first_parked_ms=first
     )
+
+
+def test_a_copy_parking_again_goes_back_ahead_of_those_who_parked_after_it(c: Any) -> None:
+    """FIFO by first park: a safety copy whose holder outlived its countdown must not lose its place."""
+    take(c)
+    park(c, "w1", first=1_000)
+    park(c, "w2", first=2_000)
+    park(c, "w3", first=3_000)
+    assert handoff.check(c, P, "k", "w1", "safety")[0] == "parked"  # W1's safety copy: the holder still runs
+    assert c.lrange(wait_name(P, "k"), 0, -1) == ["w2", "w3"]
+    park(c, "w1-again", first=1_000)  # parks again with its first-park time
+    assert c.lrange(wait_name(P, "k"), 0, -1) == ["w1-again", "w2", "w3"]
+    park(c, "w2-again", first=2_000) if handoff.check(c, P, "k", "w2", "safety")[0] == "parked" else None
+    assert c.lrange(wait_name(P, "k"), 0, -1) == ["w1-again", "w2-again", "w3"]
+    park(c, "w4")  # a new waiter: the tail
+    assert c.lrange(wait_name(P, "k"), 0, -1)[-1] == "w4"
 
 
 def test_park_behind_a_held_lease_queues_in_order_and_extends_the_waiter_keys(c: Any) -> None:
