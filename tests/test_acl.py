@@ -218,3 +218,14 @@ def test_rediss_lifecycle_as_the_acl_user_over_tls(tmp_path: Path) -> None:
     finally:
         connection.forget_clients()
         server.close()
+
+
+@pytest.mark.parametrize("prefix", ["*", "lg*", "a?", "[a]", "", "a b"])
+def test_rule_refuses_a_prefix_that_would_widen_the_key_pattern(prefix: str) -> None:
+    # rule("*") granted ~*:*: every key on the server.
+    from celery_lockguard import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=r"acl\.rule prefix"):
+        acl.rule(prefix)
+
+
