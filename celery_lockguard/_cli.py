@@ -9,7 +9,8 @@ Commands only parse, call and print: who holds what is read by
 :mod:`~celery_lockguard._holders`, the inventory by
 :mod:`~celery_lockguard._inventory`, completion records by
 :mod:`~celery_lockguard._completion_readers`, the metrics by
-:mod:`~celery_lockguard._stats` and served by :mod:`~celery_lockguard._exporter`.
+:mod:`~celery_lockguard._stats` and served by :mod:`~celery_lockguard._exporter`;
+``release`` writes fences through :mod:`~celery_lockguard._fence_targets`.
 Every text they print from Redis passes :func:`~celery_lockguard._terminal.printable`
 (task ids and names come from message bodies anyone with broker access
 writes), every URL or DSN :mod:`~celery_lockguard._redact`; output is on
@@ -40,6 +41,7 @@ from . import _completion_readers as readers
 from . import _connection as connection
 from . import _doctor as doctor
 from . import _exporter as exporter_server
+from . import _fence_targets as fence_targets
 from . import _inventory
 from . import _lease as lease_ops
 from . import _metrics as metrics
@@ -176,65 +178,6 @@ def _yes_option(group: str) -> Any:
 # -- release --------------------------------------------------------------------------------
 
 
-def _fence_connections(dsns: tuple[str, ...], table: str) -> list[tuple[str, Any]]:
-    """Open one connection per fence database and check its fence table, before anything is released.
-
-    Unreachable is exit 69; a missing table is exit 78: a typo there would
-    write the fence where no ``advance_fence`` looks. libpq quotes parts of a
-    DSN it cannot parse, so its errors are redacted with the DSN's password.
-    """
-    import psycopg
-
-    from .fencing import _table
-
-    try:
-        _table(table)
-    except ValueError as exc:
-        raise CeleryCommandException(printable(exc, None), EX_USAGE) from exc
-    opened: list[tuple[str, Any]] = []
-    try:
-        for dsn in dsns:
-            try:
-                conn = psycopg.connect(dsn, connect_timeout=5)
-            except psycopg.Error as exc:
-                raise CeleryCommandException(
-                    f"the fence database {redact(dsn)} is unreachable: {redact_text(exc, dsn)}; nothing was released",
-                    EX_UNAVAILABLE,
-                ) from None
-            opened.append((dsn, conn))
-            row = conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()
-            if row is None or row[0] is None:
-                raise CeleryCommandException(
-                    f"no fence table {table!r} in {redact(dsn)} (create_fence_table, or --fence-table); "
-                    "nothing was released",
-                    EX_CONFIG,
-                )
-            conn.rollback()
-    except BaseException:
-        for _, conn in opened:
-            conn.close()
-        raise
-    return opened
-
-
-def _bump_fences(opened: list[tuple[str, Any]], entity: str, fence: int, table: str) -> tuple[list[str], list[str]]:
-    """Write ``fence`` for ``entity`` into every fence table: (databases written, failures with why)."""
-    from .fencing import bump_fence
-
-    written: list[str] = []
-    failed: list[str] = []
-    for dsn, conn in opened:
-        try:
-            with conn.transaction():
-                bump_fence(conn, entity, fence, table)
-            written.append(redact(dsn))
-        except Exception as exc:  # noqa: BLE001 - reported to the operator, with what it leaves open
-            failed.append(f"{redact(dsn)}: {exc.__class__.__name__}: {redact_text(exc, dsn)}")
-        finally:
-            conn.close()
-    return written, failed
-
-
 def _is_utf8(text: str) -> bool:
     try:
         text.encode("utf-8")
@@ -326,14 +269,17 @@ def release(
                 f"The holder keeps running until it notices; {stops}",
                 abort=True,
             )
-        opened = _fence_connections(dsns, table)
+        try:
+            opened = fence_targets.open_fence_databases(dsns, table)
+        except fence_targets.FenceTargetError as exc:
+            code = {"unreachable": EX_UNAVAILABLE, "no_table": EX_CONFIG}.get(exc.reason, EX_USAGE)
+            raise CeleryCommandException(f"{printable(exc, None)}; nothing was released", code) from None
         try:
             deleted, fence, evicted = lease_ops.force_release(
                 client, s.key_prefix, entity, fence_ttl_ms=int(s.fence_ttl * 1000)
             )
         except BaseException as exc:
-            for _dsn, conn in opened:
-                conn.close()
+            fence_targets.close(opened)
             if isinstance(exc, CorruptFence):
                 raise CeleryCommandException(
                     f"the fence counter {printable(repr(exc.key))} holds {printable(repr(exc.value))}, not an "
@@ -342,7 +288,7 @@ def release(
                     EX_FAILURE,
                 ) from None
             raise
-        written, failed = _bump_fences(opened, entity, fence, table)
+        written, failed = fence_targets.bump_fences(opened, entity, fence, table)
         task_name = holder.get("task_name") or "-"
         with _log_to_stderr():
             emit(
