@@ -161,3 +161,91 @@ def test_release_prints_its_result_on_stdout_and_its_log_line_on_stderr(
     assert "released 'acct:2'" in out.stdout and not r.exists(lock_name(prefix, "acct:2"))
     assert "lock.force_released" not in out.stdout, out.stdout
     assert "lock.force_released" in out.stderr
+
+
+def quickstart(page: str) -> str:
+    """The first python sample of ``page``: the app a new user copies."""
+    import re
+
+    text = (ROOT / page).read_text()
+    if page.endswith("index.md"):
+        text = text[text.index("## Quickstart") :]
+    found = re.search(r"```python\n(.*?)```", text, re.S)
+    assert found, page
+    return found.group(1)
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/index.md"])
+@pytest.mark.parametrize("store", ["redis", "postgres"])
+def test_doctor_passes_the_app_the_quickstart_sets_up(
+    page: str, store: str, own_redis: Any, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # Tried as a new user would: doctor failed the quickstart's own app (fail_closed_shares_broker: no acks_late).
+    (tmp_path / "quickstart.py").write_text(quickstart(page))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCKGUARD_", "DATABASE_URL", "REDIS_URL"))}
+    env.update(REDIS_URL=own_redis.url, PYTHONPATH=f"{tmp_path}:{ROOT}")
+    schema = None
+    if store == "postgres":
+        import uuid
+        from urllib.parse import quote
+
+        import psycopg
+
+        dsn = request.getfixturevalue("postgres_url")
+        schema = f"qs_{uuid.uuid4().hex[:10]}"
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(f"CREATE SCHEMA {schema}")
+        env["DATABASE_URL"] = f"{dsn}{'&' if '?' in dsn else '?'}options={quote(f'-csearch_path={schema}')}"
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "quickstart", "lockguard", "doctor"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        described = subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "quickstart", "lockguard", "describe", "--json"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        if schema:
+            import psycopg
+
+            with psycopg.connect(request.getfixturevalue("postgres_url"), autocommit=True) as conn:
+                conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines()[-1] == "lockguard doctor: no findings", out.stdout  # (after what the sample prints)
+    (row,) = json.loads(described.stdout[described.stdout.index("[\n") :])
+    assert row["acks_late"] is True and row["on_locked"] == "skip"
+    assert row["completion_store"].startswith("postgresql" if store == "postgres" else "redis")
+
+
+def test_no_command_prints_a_password(app: Celery, r: redis.Redis, prefix: str, postgres_url: str) -> None:
+    from celery_lockguard.testing import free_port
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="op.t", lock_key="k:{n}")
+    def t(self: Any, n: int) -> None: ...
+
+    app.conf.lockguard_redis_url = f"redis://127.0.0.1:{free_port()}/0?password=hunter2"
+    for args in (("describe",), ("doctor",), ("doctor", "--json"), ("locks",), ("stats",)):
+        out = invoke(app, *args)
+        assert "hunter2" not in out.output and "password=***" in out.output, (args, out.output)
+    app.conf.lockguard_completion_backend = "postgressql://app:hunter2@db/billing"  # a mistyped scheme
+    for args in (("describe",), ("doctor",), ("locks",)):
+        out = invoke(app, *args)
+        assert out.exit_code == 78 and "hunter2" not in out.output, (args, out.output)
+    app.conf.lockguard_redis_url = None
+    app.conf.lockguard_completion_backend = postgres_url.replace("postgres@", "postgres:hunter2%ZZ@", 1)
+    out = invoke(app, "completions", "show", "s")
+    assert out.exit_code == 69 and "hunter2" not in out.output, out.output
+    L.acquire(
+        r, prefix, "k:1", ttl_ms=60_000, task_id="t", task_name="op.t", digest="d", worker="w", fence_ttl_ms=60_000
+    )
+    out = invoke(app, "release", "k:1", "--yes", "--fence-dsn", "postgresql://u:hunter2%ZZ@127.0.0.1/test")
+    assert out.exit_code == 69 and "nothing was released" in out.output and "hunter2" not in out.output, out.output
