@@ -2,7 +2,7 @@
 
 The ACQUIRE and CLAIM scripts (``_scripts.py``) write each lease as a hash:
 ``token``, ``task_id``, ``task_name``, ``digest``, ``host``, ``pid``,
-``worker``, ``state`` (``running``/``queued``), ``acquired_at`` and
+``worker``, ``state`` (:data:`STATES`), ``acquired_at`` and
 ``renewed_at`` (server ms), ``ttl`` (ms) and ``fence``. This module is the one
 reader of that shape for the operator's tools (``lockguard locks``, the
 exporter): :meth:`HeldLease.from_hash` turns one hash into one row.
@@ -27,8 +27,10 @@ from ._keys import lock_name, parse_lock_name
 _NUMBER = re.compile(r"[0-9]{1,18}\Z")
 #: Lease hashes read per pipeline round trip.
 BATCH = 200
-#: Lease states the scripts write.
-STATES = ("running", "queued")
+#: Lease states the scripts write (docs/reference.md, "Redis keys"): an until_done claim being
+#: published or queued, a running holder, a release's reservation for a woken waiter. A state not
+#: listed here is shown as stored and named in ``malformed``: add it here when a script writes a new one.
+STATES = ("publishing", "queued", "running", "handed")
 
 
 def number(value: object) -> int | None:

@@ -3,7 +3,8 @@
 Anyone with write access to the lock Redis (or to the broker, whose task ids
 and names the leases carry) can put there what no worker writes. Planted
 here: every field of every key kind -- lease hashes, fences, claims, watch
-markers, completion records, checkpoints, metrics totals and minutes -- with
+markers, waiter queues and entries, completion records, checkpoints, metrics
+totals and minutes -- with
 escape sequences, forged newlines, format characters, bytes that are not
 UTF-8, numbers that are not (``"²"``, ``1.5e12``, ``nan``, ``inf``, ``1e400``),
 keys of the wrong type and JSON that is a list, a scalar or 100 000 nested
@@ -32,7 +33,16 @@ from celery_lockguard import _connection as connection
 from celery_lockguard import _lease as L
 from celery_lockguard import _metrics as metrics
 from celery_lockguard._config import reset
-from celery_lockguard._keys import checkpoint_name, claim_name, done_name, fence_name, lock_name, watch_name
+from celery_lockguard._keys import (
+    checkpoint_name,
+    claim_name,
+    done_name,
+    fence_name,
+    lock_name,
+    wait_name,
+    waiters_name,
+    watch_name,
+)
 from celery_lockguard.testing import RedisServer, free_port
 
 from .conftest import make_cfg
@@ -82,6 +92,10 @@ def plant(r: redis.Redis, raw: redis.Redis, prefix: str) -> dict[str, Any]:
     r.set(fence_name(prefix, "corrupt-fence"), "²")
     r.hset(claim_name(prefix, "text:0"), mapping={"task_id": ESC, "token": FORGED, "state": "\x00"})
     r.set(watch_name(prefix, "text:0"), ESC)
+    r.rpush(wait_name(prefix, "text:0"), ESC, FORGED, "x" * 100_000)  # park and wake's waiter queue
+    r.hset(waiters_name(prefix, "text:0"), mapping={ESC: FORGED, "t": "[" * 10_000})
+    r.set(wait_name(prefix, "inv:good"), "a string where a list belongs")
+    r.set(waiters_name(prefix, "inv:good"), "a string where a hash belongs")
     raw.set(fence_name(prefix, "").encode()[:-7] + b"other" + NOT_UTF8 + b"}:fence", NOT_UTF8)
     # Completion records and checkpoints.
     scopes = {
