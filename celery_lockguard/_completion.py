@@ -27,12 +27,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias
 
+from ._config import is_sql_identifier
 from ._keys import checkpoint_name, done_name
 from .exceptions import CheckpointNotSerializable
 
@@ -41,7 +41,6 @@ MAX_RECORD_BYTES = 1024
 DEFAULT_TABLE = "lockguard_completions"
 
 _NO_VALUE = '{"novalue":true}'
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?$")
 
 
 def encode_record(task_id: str, result: Any, task_name: str = "", digest: str = "") -> tuple[str, str | None]:
@@ -140,7 +139,7 @@ class PostgresStore:
     in_scripts = False
 
     def __init__(self, dsn: str, table: str = DEFAULT_TABLE, namespace: str = "lockguard") -> None:
-        if not _IDENT.match(table):
+        if not is_sql_identifier(table):
             raise ValueError(f"completion table name {table!r} must be a plain SQL identifier")
         if not isinstance(namespace, str) or not namespace or any(c in "{}" or c.isspace() for c in namespace):
             raise ValueError(f"completion namespace {namespace!r} must be non-empty, without braces or spaces")
@@ -208,7 +207,13 @@ class PostgresStore:
         import psycopg
 
         if self._conn is None or self._pid != os.getpid() or self._conn.closed:
-            self._conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=5)
+            failure: Exception | None = None
+            try:
+                self._conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=5)
+            except psycopg.Error as exc:
+                failure = redacted_error(exc, self.dsn)
+            if failure is not None:
+                raise failure  # outside the except block: the original (with the password) is not its context
             self._pid = os.getpid()
             if not self._ready:
                 self._ensure_table(self._conn)
@@ -287,6 +292,26 @@ class PostgresStore:
 #: How a caller wraps each store operation of a checkpoint: ``guard(operation, call)`` with
 #: ``operation`` ``"read"`` or ``"write"``; it may retry, raise, or return ``None`` to go on without.
 StoreGuard: TypeAlias = Callable[[str, Callable[[], Any]], Any]
+
+
+def redacted_error(exc: Exception, dsn: str) -> Exception:
+    """``exc`` again, of the same class (so it is classified alike), with ``dsn``'s password masked.
+
+    libpq quotes the part of a DSN it cannot parse (``invalid percent-encoded
+    token: "p%ZZw"``), and the message travels into ``completion.record_failed``
+    and the CLI's errors. The caller raises it outside its ``except`` block, so
+    the original is not even its ``__context__``, which a logged traceback prints.
+    """
+    from ._redact import redact_text
+
+    text = str(exc)
+    clean = redact_text(text, dsn)
+    if clean == text:
+        return exc
+    try:
+        return type(exc)(clean)
+    except Exception:  # noqa: BLE001 - a class that takes other arguments: a plain error of the same meaning
+        return RuntimeError(clean)
 
 
 def _unguarded(operation: str, call: Callable[[], Any]) -> Any:

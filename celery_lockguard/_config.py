@@ -31,7 +31,13 @@ PG_SCHEMES = ("postgresql://", "postgres://")
 MIN_SECONDS = 0.001
 
 _MISSING = object()
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?$")
+#: A plain SQL identifier, optionally schema-qualified. ``\Z``, not ``$``: ``$`` also matches before a
+#: trailing newline, and ``"lockguard_fences\n"`` would pass into the SQL text.
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?\Z")
+#: Characters a key prefix must not hold: braces and whitespace break the hash tag; glob characters
+#: turn ``SCAN MATCH {prefix}:...`` (``lockguard locks``) and the ACL key pattern ``~{prefix}:*``
+#: (``acl.rule``) into patterns over other prefixes' keys.
+PREFIX_FORBIDDEN = "{}*?[]\\"
 
 
 def setting(app: Any, name: str, default: Any = None) -> Any:
@@ -86,11 +92,7 @@ def _broker_redis_url(app: Any) -> str | None:
 
 def load_settings(app: Any) -> Settings:
     """Read and validate the ``lockguard_*`` settings of ``app``."""
-    key_prefix = str(setting(app, "key_prefix", "lockguard"))
-    if not key_prefix or any(c in key_prefix for c in "{}") or any(c.isspace() for c in key_prefix):
-        raise ConfigurationError(
-            f"setting lockguard_key_prefix={key_prefix!r} must be non-empty, without braces or spaces"
-        )
+    key_prefix = check_prefix(str(setting(app, "key_prefix", "lockguard")), "setting lockguard_key_prefix")
     on_locked = setting(app, "on_locked", "skip")
     if on_locked not in ON_LOCKED:
         raise ConfigurationError(f"setting lockguard_on_locked={on_locked!r} must be one of {ON_LOCKED}")
@@ -141,6 +143,17 @@ def load_settings(app: Any) -> Settings:
     )
 
 
+def check_prefix(prefix: str, where: str) -> str:
+    """``prefix`` if it can name keys safely: non-empty, no braces, whitespace or glob characters."""
+    if not prefix or any(c in PREFIX_FORBIDDEN or c.isspace() or not c.isprintable() for c in prefix):
+        raise ConfigurationError(
+            f"{where}={prefix!r} must be non-empty, without braces, whitespace, control or glob "
+            f"characters ({' '.join(PREFIX_FORBIDDEN)}): a glob in the prefix would make "
+            "`lockguard locks` and the ACL key pattern reach other prefixes' keys"
+        )
+    return prefix
+
+
 def _log_backend(value: Any) -> str:
     """``lockguard_log_backend``: ``"auto"``, ``"logging"`` or ``"structlog"`` (which needs structlog installed)."""
     from importlib.util import find_spec
@@ -165,8 +178,13 @@ def _fence_dsns(value: Any) -> tuple[str, ...]:
     return tuple(dsns)
 
 
+def is_sql_identifier(value: object) -> bool:
+    """Whether ``value`` is a plain SQL identifier, optionally schema-qualified (the whole string)."""
+    return isinstance(value, str) and _IDENT.match(value) is not None
+
+
 def _identifier(name: str, value: Any) -> str:
-    if not isinstance(value, str) or not _IDENT.match(value):
+    if not is_sql_identifier(value):
         raise ConfigurationError(
             f"setting {name}={value!r} must be a plain SQL identifier (optionally schema-qualified)"
         )
@@ -185,7 +203,12 @@ def _kwargs(name: str, value: Any) -> tuple[tuple[str, Any], ...]:
 def _completion_backend(value: Any) -> str:
     if value == "redis" or (isinstance(value, str) and value.startswith(PG_SCHEMES)):
         return str(value)
-    raise ConfigurationError(f"setting lockguard_completion_backend={value!r} must be 'redis' or a 'postgresql://' DSN")
+    from ._redact import redact
+
+    # The value is quoted redacted: a mistyped scheme ("postgressql://u:pw@h/db") still carries a password.
+    raise ConfigurationError(
+        f"setting lockguard_completion_backend={redact(value)!r} must be 'redis' or a 'postgresql://' DSN"
+    )
 
 
 def settings(app: Any) -> Settings:

@@ -42,7 +42,7 @@ CLUSTER_MIN_REDIS_PY = (6, 1)
 #: Seconds between two "is the master still where we think?" questions to the sentinels.
 SENTINEL_CHECK_INTERVAL = 1.0
 
-_clients: dict[tuple[int, Settings], Any] = {}
+_clients: dict[tuple[Any, ...], Any] = {}
 _lock = threading.Lock()
 _checked_at: dict[int, float] = {}
 
@@ -56,6 +56,30 @@ def client(s: Settings) -> Any:
             c = _clients.get(key)
             if c is None:
                 c = _make_client(s)
+                _clients[key] = c
+    if s.sentinels:
+        follow_failover(c)
+    return c
+
+
+def operator_client(s: Settings) -> Any:
+    """A client for the operator CLI: like :func:`client`, but bytes that are not UTF-8 survive.
+
+    Anyone with write access to the lock Redis can plant a key or a value that
+    is not UTF-8; with strict decoding one such key crashed ``lockguard locks``
+    and ``doctor`` (their SCAN decodes every name). ``surrogateescape`` decodes
+    each bad byte to a lone surrogate and encodes it back to the same byte, so
+    the key can be read, shown (``_terminal.printable`` writes it as ``\\xff``) and
+    released by name. Workers keep the strict client: their keys are rendered
+    strict UTF-8 (``_keys``).
+    """
+    key = (os.getpid(), s, "operator")
+    c = _clients.get(key)
+    if c is None:
+        with _lock:
+            c = _clients.get(key)
+            if c is None:
+                c = _make_client(s, encoding_errors="surrogateescape")
                 _clients[key] = c
     if s.sentinels:
         follow_failover(c)
@@ -83,7 +107,7 @@ def follow_failover(c: Any) -> None:
         pass
 
 
-def _make_client(s: Settings) -> Any:
+def _make_client(s: Settings, **extra: Any) -> Any:
     common: dict[str, Any] = {
         "socket_timeout": s.socket_timeout,
         "socket_connect_timeout": min(s.socket_timeout, 2.0),
@@ -91,6 +115,7 @@ def _make_client(s: Settings) -> Any:
         "decode_responses": True,
         "client_name": "lockguard",
     }
+    common.update(extra)
     common.update(dict(s.redis_kwargs))  # lockguard_redis_kwargs: e.g. username/password, ssl_* with Sentinel
     if s.sentinels:
         if not s.sentinel_master:

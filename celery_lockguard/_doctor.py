@@ -10,11 +10,13 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from . import _connection as connection
 from ._config import Settings, settings
 from ._connection import UNAVAILABLE_ERRORS
+from ._redact import redact, redact_text
+from ._terminal import plural
 from .exceptions import ConfigurationError
 
 #: Keys sampled from the lock database to look for cache traffic.
@@ -45,17 +47,6 @@ class Finding:
 
     def as_dict(self) -> dict[str, Any]:
         return {"code": self.code, "message": self.message, "tasks": self.tasks}
-
-
-def redact(url: str | None) -> str:
-    """A URL with its password replaced, for messages."""
-    if not url:
-        return str(url)
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def server_of(url: str | None) -> tuple[str, ...] | None:
@@ -101,21 +92,23 @@ def run(app: Any) -> list[Finding]:
     try:
         s = settings(app)
     except ConfigurationError as exc:
-        return [Finding("configuration", f"lockguard settings are invalid: {exc}")]
+        return [Finding("configuration", f"lockguard settings are invalid: {redact(exc)}")]
     findings: list[Finding] = []
     tasks = locked_tasks(app)
     findings += _task_findings(app, s, tasks)
     findings += _pool_findings(app, tasks)
     try:
-        client = connection.client(s)
+        # The operator's client: a key that is not UTF-8 (anyone may plant one) must not stop the checks.
+        client = connection.operator_client(s)
         client.ping()
     except ConfigurationError as exc:
-        return [*findings, Finding("configuration", str(exc))]
+        return [*findings, Finding("configuration", redact(exc))]
     except UNAVAILABLE_ERRORS as exc:
         return [
             Finding(
                 "redis_unreachable",
-                f"the lock Redis {redact(s.redis_url)} cannot be reached ({exc.__class__.__name__}: {exc}). "
+                f"the lock Redis {redact(s.redis_url)} cannot be reached "
+                f"({exc.__class__.__name__}: {redact_text(exc, s.redis_url)}). "
                 "While it is down, fail_closed tasks wait and fail_open tasks run with no lock at all.",
             ),
             *findings,
@@ -146,7 +139,7 @@ def _task_findings(app: Any, s: Settings, tasks: list[Any]) -> list[Finding]:
         try:
             opts = task.lockguard_options
         except ConfigurationError as exc:
-            out.append(Finding("configuration", str(exc), [task.name]))
+            out.append(Finding("configuration", redact(exc), [task.name]))
             continue
         if not opts.locked:
             continue
@@ -182,7 +175,8 @@ def _task_findings(app: Any, s: Settings, tasks: list[Any]) -> list[Finding]:
         out.append(
             Finding(
                 "fail_closed_shares_broker",
-                f"{len(sharing)} fail_closed task(s) keep their locks on the broker's Redis "
+                f"{plural(len(sharing), 'fail_closed task')} keep{'s' if len(sharing) == 1 else ''} their locks "
+                "on the broker's Redis "
                 f"({redact(s.redis_url)}) without acks_late. When that Redis is down the task must wait, but its "
                 "wait cannot be republished to the same dead Redis, so the worker waits in-process holding a "
                 "message it already acknowledged: a worker lost then loses the task. Set acks_late=True "
@@ -262,12 +256,14 @@ def _pool_findings(app: Any, tasks: list[Any]) -> list[Finding]:
     if "hard" in facts["time_limits"]:
         what = (
             f"worker_pool={pool!r} stops a body at its hard time limit only when the body yields, and "
-            f"{len(capped)} task(s) have one, which lock_max_hold defaults to: a CPU-bound body keeps running "
+            f"{plural(len(capped), 'task')} {'has' if len(capped) == 1 else 'have'} one, which lock_max_hold "
+            "defaults to: a CPU-bound body keeps running "
             "past the limit while its lease is no longer renewed, so a second copy can start beside it."
         )
     else:
         what = (
-            f"worker_pool={pool!r} enforces no hard time limit, but {len(capped)} task(s) have one, and "
+            f"worker_pool={pool!r} enforces no hard time limit, but {plural(len(capped), 'task')} "
+            f"{'has' if len(capped) == 1 else 'have'} one, and "
             "lock_max_hold defaults to it: past the limit the body keeps running while its lease is no longer "
             "renewed, so a second copy can start beside it."
         )
@@ -331,8 +327,8 @@ def _server_findings(app: Any, s: Settings, client: Any) -> list[Finding]:
         out.append(
             Finding(
                 "evictions",
-                f"the lock Redis has evicted {evicted} keys since it started: leases or records may have been "
-                "among them. Give it more memory, move other traffic off it, and set noeviction.",
+                f"the lock Redis has evicted {plural(evicted, 'key')} since it started: leases or records may "
+                "have been among them. Give it more memory, move other traffic off it, and set noeviction.",
             )
         )
     out += _foreign_traffic(app, s, client)

@@ -33,6 +33,7 @@ from celery import _state
 
 from . import _metrics as metrics
 from . import _tracing as tracing
+from ._terminal import MAX_SHOWN, printable
 
 LOGGER_NAME = "celery_lockguard"
 
@@ -107,11 +108,13 @@ def log(
     """Log one event at ``level`` through ``backend`` (default: the one in force here); never raises."""
     try:
         if _use_structlog(backend):
+            task_name, fields = _clean(task_name, MAX_SHOWN), _clean_fields(fields)
             kwargs = {"task_name": task_name, **fields}
             if exc_info:
                 kwargs["exc_info"] = True
             getattr(_structlog(), _METHODS.get(level, "info"))(event, **kwargs)
         elif _stdlib.isEnabledFor(level):
+            task_name, fields = _clean(task_name, MAX_SHOWN), _clean_fields(fields)
             _stdlib.log(
                 level,
                 "%s",
@@ -130,6 +133,29 @@ def render(event: str, task_name: str | None, fields: dict[str, Any]) -> str:
         parts.append(f"task_name={_text(task_name)}")
     parts.extend(f"{k}={_text(v)}" for k, v in fields.items() if v is not None)
     return " ".join(parts)
+
+
+#: Fields that carry an id or a name from a message or from Redis: cut at ``MAX_SHOWN`` characters.
+_ID_FIELDS = frozenset({"task_id", "holder_task_id", "lock_key", "scope", "worker", "host", "idempotency_key"})
+#: Any other text field (a reason quoting an error) is cut here.
+MAX_FIELD = 2048
+
+
+def _clean(value: Any, limit: int = MAX_FIELD) -> Any:
+    """A field value safe for a log line: text with non-printables escaped and cut at ``limit``.
+
+    Task ids, names and keys come from message headers anyone with broker
+    access writes: raw, an escape sequence or a newline would forge log lines
+    (and a 100 kB id fill them). Printable short text, the usual case, is
+    returned as it is, after one ``isprintable`` and one ``len``.
+    """
+    if isinstance(value, str) and (len(value) > limit or not value.isprintable()):
+        return printable(value, limit)
+    return value
+
+
+def _clean_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    return {k: _clean(v, MAX_SHOWN if k in _ID_FIELDS else MAX_FIELD) for k, v in fields.items()}
 
 
 def _text(value: Any) -> str:

@@ -293,6 +293,14 @@ def lock_name(prefix: str, key: str) -> str:
     return f"{prefix}:v1:{{{key}}}:lock"
 
 
+def parse_lock_name(prefix: str, name: str) -> str | None:
+    """The entity key K of the lease key ``{prefix}:v1:{K}:lock`` (the inverse of :func:`lock_name`), else None."""
+    head, tail = f"{prefix}:v1:{{", "}:lock"
+    if len(name) > len(head) + len(tail) and name.startswith(head) and name.endswith(tail):
+        return name[len(head) : -len(tail)]
+    return None
+
+
 def fence_name(prefix: str, key: str) -> str:
     """Redis key of entity K's fence counter (same slot as its lease)."""
     return f"{prefix}:v1:{{{key}}}:fence"

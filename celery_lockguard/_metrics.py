@@ -26,12 +26,16 @@ MULTI/EXEC to one node, on Cluster too):
 A field is ``<task name>|<counter>``: ``<counter>`` is an event name
 (``lock.acquired``) or a hold-time field (``hold.count``, ``hold.sum_ms``,
 ``hold.le.<ms>``, non-cumulative buckets). Fields starting with ``@`` are
-bookkeeping (first and last flush time).
+bookkeeping (first and last flush time). :func:`parse_count` and
+:func:`parse_timestamp` read them back; a value no flush writes (anyone with
+write access to Redis can plant one) reads as None, and the reader skips it.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import threading
 import time
 from collections import Counter
@@ -64,6 +68,29 @@ _target: tuple[Any, float] | None = None  # (Settings, interval)
 _started = False
 _stop = threading.Event()
 _flush_lock = threading.Lock()
+
+
+#: Counted when ``lockguard release`` evicts a holder (beside the ``lock.force_released`` event): that
+#: holder's own release then finds its lease gone and counts ``lock.expired_before_release``, which
+#: ``stats`` must not blame on a short TTL. Not an event name: nothing logs it.
+OPERATOR_RELEASE = "operator.force_released"
+
+#: A counter as ``HINCRBY`` writes it: an integer (ASCII digits, an optional minus, at most int64's 19 digits).
+_COUNT = re.compile(r"-?[0-9]{1,19}\Z")
+
+
+def parse_count(value: object) -> int | None:
+    """A counter field as a flush writes it, else None (``nan``, ``inf``, ``1e400``, ``1.5``, ``"²"`` are not)."""
+    return int(value) if isinstance(value, str) and _COUNT.match(value) else None
+
+
+def parse_timestamp(value: object) -> float | None:
+    """A flush time (``@first_flush_at``, ``@last_flush_at``: unix seconds) if it is one, else None."""
+    try:
+        t = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return t if math.isfinite(t) and t > 0 else None
 
 
 def total_key(prefix: str) -> str:

@@ -7,7 +7,11 @@ and in total:
 * **contention rate** -- contended attempts / (acquired + contended);
 * **average hold time** -- mean ms between acquire and release;
 * **expired-lock rate** -- leases that expired (or were taken) before their
-  release / leases that ended (released + expired before release).
+  release / leases that ended (released + expired before release). A lease
+  an operator force-released (``lockguard release``) is counted apart, as
+  *forced*: its holder's release finds it gone and counts an expiry, which
+  is subtracted here (one per ``operator.force_released``), so a release by
+  hand never reads as "the TTL is too short".
 
 A window of N minutes is the sum of the last N full per-minute buckets and
 the current (partial) one; its rate divides by the seconds that really
@@ -16,6 +20,10 @@ total's rate divides by the time since the fleet's first flush (at least a minut
 
 The readings are plain-language hints computed from those numbers; their
 thresholds are below, so an operator can check why one fired.
+
+Every field is parsed on its own (:func:`celery_lockguard._metrics.parse_count`):
+a value no flush writes (``nan``, ``inf``, ``1e400``, text) is skipped and
+named under ``malformed``, and everything else is summed as usual.
 """
 
 from __future__ import annotations
@@ -24,7 +32,16 @@ import time
 from collections import Counter
 from typing import Any
 
-from ._metrics import _BUCKET_NAMES, HOLD_BUCKETS_MS, minute_key, total_key
+from ._metrics import (
+    _BUCKET_NAMES,
+    HOLD_BUCKETS_MS,
+    OPERATOR_RELEASE,
+    minute_key,
+    parse_count,
+    parse_timestamp,
+    total_key,
+)
+from ._terminal import plural, printable
 
 #: Recent windows, in minutes (the longest must fit in ``metrics.WINDOW_KEEP``).
 WINDOWS = (1, 5, 15, 60)
@@ -56,13 +73,23 @@ def read(client: Any, prefix: str, now: float | None = None, windows: bool = Tru
     return {"now": now, "total": replies[0] or {}, "minutes": dict(zip(minutes, replies[1:], strict=True))}
 
 
-def _split(fields: dict[str, str]) -> dict[str, Counter[str]]:
+#: Malformed field names kept in a summary (the count of all of them is kept too).
+MAX_MALFORMED_LISTED = 20
+
+
+def _split(fields: dict[str, str], malformed: set[str] | None = None) -> dict[str, Counter[str]]:
+    """Per task, the counters of one metrics hash; a field whose value no flush writes goes to ``malformed``."""
     out: dict[str, Counter[str]] = {}
     for field, value in fields.items():
         if field.startswith("@") or "|" not in field:
             continue
+        n = parse_count(value)
+        if n is None:
+            if malformed is not None:
+                malformed.add(field)
+            continue
         task, name = field.rsplit("|", 1)
-        out.setdefault(task, Counter())[name] += int(float(value))
+        out.setdefault(task, Counter())[name] += n
     return out
 
 
@@ -74,8 +101,10 @@ def numbers(counts: Counter[str], seconds: float | None) -> dict[str, Any]:
     """The four numbers (and what they are made of) for one task over one window."""
     acquired = counts["lock.acquired"]
     contended = counts["lock.contended"]
-    expired = counts["lock.expired_before_release"]
-    ended = counts["lock.released"] + expired
+    forced = max(0, counts[OPERATOR_RELEASE])
+    ended_early = counts["lock.expired_before_release"]
+    expired = max(0, ended_early - forced)  # a forced release's holder counted its lease as expired
+    ended = counts["lock.released"] + ended_early
     hold_count = counts["hold.count"]
     per_min = (lambda n: n * 60.0 / seconds) if seconds else (lambda n: None)
     return {
@@ -89,7 +118,9 @@ def numbers(counts: Counter[str], seconds: float | None) -> dict[str, Any]:
         "avg_hold_ms": _ratio(counts["hold.sum_ms"], hold_count),
         "expired": expired,
         "expired_rate": _ratio(expired, ended),
+        "force_released": forced,
         "skipped_duplicates": counts["lock.skipped_duplicate"],
+        "from_record": counts["completion.skipped"],
         "waits": sum(counts[e] for e in _WAIT_EVENTS),
         "wait_rate_per_min": per_min(sum(counts[e] for e in _WAIT_EVENTS)),
         "events": {k: v for k, v in sorted(counts.items()) if not k.startswith("hold.")},
@@ -102,10 +133,13 @@ def summarize(raw: dict[str, Any], templates: dict[str, str] | None = None) -> d
     this_minute = int(now // 60)
     into_minute = now - this_minute * 60
     total = raw["total"]
-    first = float(total["@first_flush_at"]) if "@first_flush_at" in total else None
-    last = float(total["@last_flush_at"]) if "@last_flush_at" in total else None
-    per_task_total = _split(total)
-    per_minute = {m: _split(f or {}) for m, f in raw["minutes"].items()}
+    malformed: set[str] = set()
+    first, last = parse_timestamp(total.get("@first_flush_at")), parse_timestamp(total.get("@last_flush_at"))
+    for name in ("@first_flush_at", "@last_flush_at"):
+        if name in total and parse_timestamp(total[name]) is None:
+            malformed.add(name)
+    per_task_total = _split(total, malformed)
+    per_minute = {m: _split(f or {}, malformed) for m, f in raw["minutes"].items()}
     tasks: dict[str, Any] = {}
     for task in sorted(per_task_total):
         windows: dict[str, Any] = {}
@@ -120,7 +154,14 @@ def summarize(raw: dict[str, Any], templates: dict[str, str] | None = None) -> d
         if templates and task in templates:
             entry["key_template"] = templates[task]
         tasks[task] = entry
-    return {"generated_at": now, "first_flush_at": first, "last_flush_at": last, "tasks": tasks}
+    return {
+        "generated_at": now,
+        "first_flush_at": first,
+        "last_flush_at": last,
+        "tasks": tasks,
+        "malformed": sorted(malformed)[:MAX_MALFORMED_LISTED],
+        "malformed_count": len(malformed),
+    }
 
 
 def readings(w: dict[str, dict[str, Any]]) -> list[str]:
@@ -151,7 +192,7 @@ def readings(w: dict[str, dict[str, Any]]) -> list[str]:
             )
         elif rate_total >= NOTABLE_EXPIRED:
             out.append(
-                f"expired-lock rate {rate_total:.1%} ({total['expired']} leases expired before release): "
+                f"expired-lock rate {rate_total:.1%} ({plural(total['expired'], 'lease')} expired before release): "
                 "the TTL is too short or the workers too slow; raise lock_ttl or keep lock_renew on"
             )
     hour_rate, recent_rate = hour["acquisition_rate_per_min"], recent["acquisition_rate_per_min"]
@@ -171,24 +212,32 @@ def readings(w: dict[str, dict[str, Any]]) -> list[str]:
     if total["skipped_duplicates"]:
         stuck = ev.get("lock.expired_before_release", 0) + ev.get("lock.max_hold_reached", 0)
         out.append(
-            f"{total['skipped_duplicates']} duplicates skipped because identical work held the lock"
+            f"{plural(total['skipped_duplicates'], 'duplicate')} skipped because identical work held the lock"
             + (
-                f"; {stuck} leases ended by expiry or max-hold, so some skips may be behind a stuck holder"
+                f"; {plural(stuck, 'lease')} ended by expiry or max-hold, so some skips may be behind a stuck holder"
                 if stuck
                 else " (no lease expired: none were behind a stuck lock)"
             )
         )
     if ev.get("lock.wait_budget_exhausted"):
         out.append(
-            f"{ev['lock.wait_budget_exhausted']} calls gave up waiting (lock_max_waits spent): raise "
+            f"{plural(ev['lock.wait_budget_exhausted'], 'call')} gave up waiting (lock_max_waits spent): raise "
             "lock_max_waits or find the holder that does not finish (lockguard locks)"
         )
     if ev.get("lock.max_hold_reached"):
-        out.append(f"{ev['lock.max_hold_reached']} leases reached lock_max_hold: bodies ran longer than allowed")
+        n = ev["lock.max_hold_reached"]
+        out.append(f"{plural(n, 'lease')} reached lock_max_hold: the body ran longer than allowed")
     if ev.get("lock.fail_open"):
-        out.append(f"{ev['lock.fail_open']} bodies ran with no lock (fail_open while the lock Redis was unreachable)")
+        n = ev["lock.fail_open"]
+        out.append(f"{plural(n, 'body', 'bodies')} ran with no lock (fail_open while the lock Redis was unreachable)")
     if ev.get("lock.force_released"):
-        out.append(f"{ev['lock.force_released']} leases were force-released (operator or hard time limit)")
+        n, by_hand = ev["lock.force_released"], total["force_released"]
+        detail = f"{by_hand} by an operator, not counted as expired" if by_hand else "at a hard time limit or a revoke"
+        out.append(f"{plural(n, 'lease')} {'was' if n == 1 else 'were'} force-released ({detail})")
+    if total["from_record"]:
+        out.append(
+            f"{plural(total['from_record'], 'call')} answered from the completion record: the work had already run"
+        )
     return out
 
 
@@ -196,7 +245,8 @@ def readings(w: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    """A label value in the text format: non-printables written as text first (``\\x1b``), then escaped."""
+    return printable(value, None).replace("\\", "\\\\").replace('"', '\\"')
 
 
 def prometheus(raw: dict[str, Any]) -> str:
@@ -226,10 +276,11 @@ def prometheus(raw: dict[str, Any]) -> str:
             lines.append(f'lockguard_hold_seconds_bucket{{task="{t}",le="{le}"}} {cumulative}')
         lines.append(f'lockguard_hold_seconds_sum{{task="{t}"}} {counts["hold.sum_ms"] / 1000}')
         lines.append(f'lockguard_hold_seconds_count{{task="{t}"}} {counts["hold.count"]}')
-    if "@last_flush_at" in total:
+    last = parse_timestamp(total.get("@last_flush_at"))
+    if last is not None:
         lines += [
             "# HELP lockguard_metrics_last_flush_timestamp_seconds When a worker last flushed its counts.",
             "# TYPE lockguard_metrics_last_flush_timestamp_seconds gauge",
-            f"lockguard_metrics_last_flush_timestamp_seconds {float(total['@last_flush_at'])}",
+            f"lockguard_metrics_last_flush_timestamp_seconds {last}",
         ]
     return "\n".join(lines) + "\n"

@@ -81,7 +81,13 @@ def commands(cli: bool = True, cluster: bool = False, setinfo: bool = True) -> t
 def rule(prefix: str, cli: bool = True, cluster: bool = False, setinfo: bool = True) -> str:
     """The ``ACL SETUSER <name>`` arguments for a user limited to ``prefix``'s keys and these commands.
 
-    Add ``>password`` (or ``#sha256``) yourself. No pub/sub channels are needed.
+    Add ``>password`` (or ``#sha256``) yourself. No pub/sub channels are needed. A prefix
+    ``lockguard_key_prefix`` would refuse (empty, braces, whitespace, glob characters) raises
+    :class:`~celery_lockguard.exceptions.ConfigurationError`.
     """
+    from ._config import check_prefix
+
+    # A glob character would widen the key pattern: rule("*") granted ~*:*, every key on the server.
+    check_prefix(prefix, "acl.rule prefix")
     grants = " ".join(f"+{c}" for c in commands(cli, cluster, setinfo))
     return f"on resetkeys ~{prefix}:* resetchannels -@all {grants}"

@@ -16,20 +16,19 @@ serialize there, and the older one sees the newer fence once it may proceed.
 from __future__ import annotations
 
 import hashlib
-import re
 import sqlite3
 from typing import Any
 
+from ._config import is_sql_identifier
 from ._events import emit
 from ._lease import Lease
 from .exceptions import BackendUnavailable, LockContended, StaleFence
 
 DEFAULT_TABLE = "lockguard_fences"
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?$")
 
 
 def _table(table: str) -> str:
-    if not _IDENT.match(table):
+    if not is_sql_identifier(table):
         raise ValueError(f"fence table name {table!r} must be a plain SQL identifier (optionally schema-qualified)")
     return table
 

@@ -23,8 +23,9 @@ from celery_lockguard import _doctor as doctor
 from celery_lockguard import _lease as L
 from celery_lockguard import _metrics as metrics
 from celery_lockguard import _stats as stats
-from celery_lockguard._cli import _show_redis, read_locks
+from celery_lockguard._completion_readers import show_redis
 from celery_lockguard._config import settings
+from celery_lockguard._holders import read_leases
 from celery_lockguard._keys import checkpoint_name, done_name, lock_name
 from celery_lockguard.testing import RedisServer, free_port
 
@@ -103,10 +104,10 @@ def lifecycle(app: Celery, admin: redis.Redis) -> None:
     metrics.count("acl.charge", "lock.acquired", 3)
     assert metrics.flush(client, PREFIX) > 0
     assert stats.read(client, PREFIX)["total"]
-    rows = read_locks(client, PREFIX)
+    rows = [lease.as_dict() for lease in read_leases(client, PREFIX)]
     assert [r["key"] for r in rows] == ["inv:2"]
     assert L.force_release(client, PREFIX, "inv:2", 60_000)[0]
-    shown = _show_redis(client, PREFIX, "task:t-1")
+    shown = show_redis(client, PREFIX, "task:t-1")
     assert shown is not None and shown["record"]["result"] == 10
     assert client.delete(done_name(PREFIX, "task:t-1"), checkpoint_name(PREFIX, "task:t-1")) == 2
     findings = doctor.run(app)
@@ -135,6 +136,15 @@ def test_rule_lists_each_command_once_and_only_the_prefix() -> None:
     grants = [x for x in r if x.startswith("+")]
     assert len(grants) == len(set(grants)) and "+evalsha" in grants and "+cluster|slots" in grants
     assert "+scan" not in acl.rule("lgp", cli=False).split() and "+scan" in r
+
+
+@pytest.mark.parametrize("prefix", ["*", "lg*", "a?", "[a]", "", "a b"])
+def test_rule_refuses_a_prefix_that_would_widen_the_key_pattern(prefix: str) -> None:
+    # rule("*") granted ~*:*: every key on the server.
+    from celery_lockguard import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=r"acl\.rule prefix"):
+        acl.rule(prefix)
 
 
 def tls_server(tmp: Path) -> RedisServer | None:

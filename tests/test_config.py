@@ -350,3 +350,30 @@ def test_a_worker_with_a_misspelled_option_refuses_to_start(redis_url: str, pref
     assert "refusing to start the worker" in out
     assert "'payments.refund': unknown option lockkey=" in out and "did you mean lock_key?" in out
     assert "ready." not in out  # never consumed a message
+
+
+@pytest.mark.parametrize("prefix", ["*", "lg*", "lg?", "lg[ab]", "lg\\x", "a b", "lg\x1b", ""])
+def test_a_key_prefix_with_glob_characters_is_refused(prefix: str) -> None:
+    # "*" made `lockguard locks` SCAN MATCH "*:v1:{*}:lock": every other prefix's leases, listed as this app's.
+    with pytest.raises(ConfigurationError, match="lockguard_key_prefix"):
+        settings(make(lockguard_key_prefix=prefix))
+
+
+@pytest.mark.parametrize("table", ["lockguard_fences\n", "a\n", "s.t\n", "t;drop", "1t"])
+def test_a_table_name_with_a_trailing_newline_is_no_identifier(table: str) -> None:
+    # `$` matches before a trailing newline: "lockguard_fences\n" passed the check and reached the SQL text.
+    from celery_lockguard._completion import PostgresStore
+    from celery_lockguard.fencing import fence_table_sql
+
+    with pytest.raises(ConfigurationError, match="lockguard_fence_table"):
+        settings(make(lockguard_fence_table=table))
+    with pytest.raises(ValueError, match="plain SQL identifier"):
+        PostgresStore("postgresql://h/db", table)
+    with pytest.raises(ValueError, match="plain SQL identifier"):
+        fence_table_sql(table)
+
+
+def test_a_mistyped_completion_dsn_is_refused_without_its_password() -> None:
+    with pytest.raises(ConfigurationError, match="lockguard_completion_backend") as err:
+        settings(make(lockguard_completion_backend="postgressql://app:hunter2@db.internal/billing"))
+    assert "hunter2" not in str(err.value) and "postgressql://app:***@db.internal/billing" in str(err.value)
