@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 import queue
+import select
 import threading
 import weakref
 from collections import deque
@@ -108,6 +109,7 @@ class Channel:
         # Scripts known to be in the server's cache since this connection was made: only those are
         # deferred (a deferred NOSCRIPT would hold the release back until its reply is read).
         self._loaded: set[bytes] = set()
+        self._polled: tuple[Any, select.poll] | None = None  # the socket polled for staleness, and its poller
         self.pid = os.getpid()
         #: Commands sent whose reply is read later (tests and the bench count them).
         self.deferred = 0
@@ -118,17 +120,31 @@ class Channel:
         if conn is None:
             conn = self._conn = self._pool.get_connection()
             self._made.append(conn)
-        elif not self._inflight:
+        elif not self._inflight and self._stale(conn):
             # As the pool does at every checkout: data (or EOF) on an idle connection means the server
             # closed it (a restart, a timeout): reconnect now, before the command goes out on a dead link.
-            try:
-                stale = conn.can_read()
-            except (redis.ConnectionError, redis.TimeoutError, OSError):
-                stale = True
-            if stale:
-                conn.disconnect()  # send_packed_command connects again
-                self._loaded.clear()
+            conn.disconnect()  # send_packed_command connects again
+            self._loaded.clear()
         return conn
+
+    def _stale(self, conn: Any) -> bool:
+        """Whether the idle ``conn`` has anything to read (EOF included): one ``poll``, not redis-py's three calls."""
+        sock = getattr(conn, "_sock", None)
+        if sock is None:
+            return False  # not connected: the next send connects
+        if not hasattr(select, "poll"):  # Windows
+            try:
+                return bool(conn.can_read())
+            except (redis.ConnectionError, redis.TimeoutError, OSError):
+                return True
+        if self._polled is None or self._polled[0] is not sock:
+            poller = select.poll()
+            poller.register(sock, select.POLLIN | select.POLLPRI)
+            self._polled = (sock, poller)
+        try:
+            return bool(self._polled[1].poll(0))
+        except OSError:
+            return True
 
     @property
     def pending(self) -> int:
