@@ -18,12 +18,16 @@ so that read costs no round trip), or by the renewer thread within
 process shutdown (:func:`drain_all`). Its callback then logs and counts what
 the synchronous path would have.
 
-Replies are read strictly in the order their commands were sent, and a
-command that waits for its reply reads every earlier one first. A ``NOSCRIPT``
+Replies are read strictly in the order their commands were sent. A ``NOSCRIPT``
 reply (a restart or ``SCRIPT FLUSH`` between two calls) means that command did
 not run: the script is loaded and that command alone is sent again (a command
-that ran is never sent twice). A connection error fails every command still
-waiting for its reply: their effect is unknown, as for any lost reply. Replies
+that ran is never sent twice: a RELEASE run again would answer "taken" and lose
+the waiter it woke). Only if another client reloaded one script but not the
+other in the microseconds between two sends can a re-sent command run after a
+later one; each is token-checked, so that costs at most a wait (an ACQUIRE that
+met the lease its predecessor was releasing parks, and the re-sent RELEASE wakes
+it). A connection error fails every command still waiting for its reply: their
+effect is unknown, as for any lost reply. Replies
 the renewer thread reads have their callbacks run on a thread of their own
 (``lockguard-replies``), so a callback that publishes (a wake-up) never holds
 up renewal.
@@ -157,11 +161,9 @@ class Channel:
         try:
             with self._lock:
                 conn = self._connection()
-                if self._inflight:
-                    # Earlier deferred replies first (in the socket buffer by now: no round trip), each
-                    # NOSCRIPT among them re-run before this command goes out, so the order holds.
-                    self._read_through(conn, None, done)
-                    conn = self._connection()
+                # Sent before the earlier deferred replies are read: a reply still on its way then costs
+                # no round trip of its own (the next task's ACQUIRE can follow its predecessor's RELEASE
+                # within microseconds).
                 sent = _Sent(script, keys, args, None)
                 self._send(conn, sent, done)
                 reply = self._read_through(conn, sent, done)
