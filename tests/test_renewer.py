@@ -424,3 +424,22 @@ def test_copies_of_forgotten_clients_are_closed_and_unknown_pools_are_not_shared
 
     with pytest.raises(TypeError, match="cannot renew through a Redis with a OtherPool"):
         _own_client(redis.Redis(connection_pool=OtherPool(port=server.port)))
+
+
+def test_own_copies_are_made_beside_the_cli_operator_client(server: RedisServer) -> None:
+    """The CLI's operator client is cached under a three-part key; the isolated loop's copy lookup unpacked
+    two parts and failed every tick of a process that had made one (seen in the full suite)."""
+    from celery import Celery
+
+    from celery_lockguard import _connection as connection
+    from celery_lockguard._config import settings
+
+    app = Celery("own-copies", broker=server.url, set_as_current=False)
+    s = settings(app)
+    try:
+        plain, operator = connection.client(s), connection.operator_client(s)
+        copy, operator_copy = _own_client(plain), _own_client(operator)
+        assert copy is not plain and copy.ping()
+        assert operator_copy is not operator and operator_copy.get_encoder().encoding_errors == "surrogateescape"
+    finally:
+        connection.forget_clients()
