@@ -42,24 +42,14 @@ CLUSTER_MIN_REDIS_PY = (6, 1)
 #: Seconds between two "is the master still where we think?" questions to the sentinels.
 SENTINEL_CHECK_INTERVAL = 1.0
 
-_clients: dict[tuple[Any, ...], Any] = {}
+_clients: dict[tuple[int, Settings, str], Any] = {}  # (pid, settings, kind) -> client
 _lock = threading.Lock()
 _checked_at: dict[int, float] = {}
 
 
 def client(s: Settings) -> Any:
     """The process's client for these settings (recreated after fork)."""
-    key = (os.getpid(), s)
-    c = _clients.get(key)
-    if c is None:
-        with _lock:
-            c = _clients.get(key)
-            if c is None:
-                c = _make_client(s)
-                _clients[key] = c
-    if s.sentinels:
-        follow_failover(c)
-    return c
+    return _cached(s, "")
 
 
 def operator_client(s: Settings) -> Any:
@@ -73,17 +63,42 @@ def operator_client(s: Settings) -> Any:
     released by name. Workers keep the strict client: their keys are rendered
     strict UTF-8 (``_keys``).
     """
-    key = (os.getpid(), s, "operator")
+    return _cached(s, "operator")
+
+
+#: What each kind of cached client adds to the settings' client arguments.
+_KINDS: dict[str, dict[str, Any]] = {"": {}, "operator": {"encoding_errors": "surrogateescape"}}
+
+
+def _cached(s: Settings, kind: str) -> Any:
+    key = (os.getpid(), s, kind)
     c = _clients.get(key)
     if c is None:
         with _lock:
             c = _clients.get(key)
             if c is None:
-                c = _make_client(s, encoding_errors="surrogateescape")
+                c = _make_client(s, **_KINDS[kind])
                 _clients[key] = c
     if s.sentinels:
         follow_failover(c)
     return c
+
+
+def independent_copy(c: Any) -> Any | None:
+    """A new client made as this process's cached client ``c`` was (same settings, same kind), or ``None``.
+
+    For a thread that must not share ``c``'s connections (the renewer's OS thread under gevent/eventlet).
+    """
+    for (pid, s, kind), known in list(_clients.items()):
+        if known is c and pid == os.getpid():
+            return _make_client(s, **_KINDS[kind])
+    return None
+
+
+def cached_ids() -> set[int]:
+    """``id()`` of every client this process has cached: the ones ``client``/``operator_client`` can hand out."""
+    pid = os.getpid()
+    return {id(c) for (p, _, _), c in list(_clients.items()) if p == pid}
 
 
 def follow_failover(c: Any) -> None:

@@ -176,11 +176,9 @@ def _own_client(client: Any) -> Any:
     sharing it would let two OS threads use one green socket, which hangs or
     corrupts replies instead of failing.
     """
-    for key, known in list(connection._clients.items()):
-        # (pid, settings), or (pid, settings, "operator") for the CLI's client that keeps non-UTF-8 bytes
-        if known is client and key[0] == os.getpid():
-            extra = {"encoding_errors": "surrogateescape"} if key[2:] == ("operator",) else {}
-            return connection._make_client(key[1], **extra)
+    copy = connection.independent_copy(client)
+    if copy is not None:
+        return copy
     pool = getattr(client, "connection_pool", None)
     if type(pool) in (redis.ConnectionPool, redis.BlockingConnectionPool):
         assert pool is not None
@@ -510,8 +508,7 @@ class Renewer:
 
     def _prune_own_clients(self, in_use: set[int]) -> None:
         """Close this thread's copies of clients nobody can hand it again (forgotten, e.g. ``forget_clients``)."""
-        pid = os.getpid()
-        known = {id(c) for key, c in list(connection._clients.items()) if key[0] == pid}
+        known = connection.cached_ids()
         for key, (_original, own) in list(self._own_clients.items()):
             if key not in in_use and key not in known:
                 del self._own_clients[key]
