@@ -26,6 +26,7 @@ from . import _cluster as cluster
 from . import _scripts as scripts
 from . import _wire
 from ._keys import claim_name, done_name, fence_name, lock_name, meta, wait_name, waiters_name, watch_name
+from ._process import PerProcess
 from .exceptions import LockLost
 
 HOST = socket.gethostname()
@@ -131,7 +132,7 @@ class Done:
     record: str
 
 
-_rng: tuple[int, random.Random] | None = None
+_rng: PerProcess[random.Random] = PerProcess(lambda: random.Random(secrets.randbits(256)))
 
 
 def new_token() -> str:
@@ -143,12 +144,7 @@ def new_token() -> str:
     (``secrets`` cost ~10 µs of a locked task's CPU here). Reseeded after fork,
     or parent and children would hand out the same sequence.
     """
-    global _rng
-    pid = os.getpid()
-    current = _rng
-    if current is None or current[0] != pid:
-        current = _rng = (pid, random.Random(secrets.randbits(256)))
-    return f"{current[1].getrandbits(128):032x}"
+    return f"{_rng.get().getrandbits(128):032x}"
 
 
 def acquire(

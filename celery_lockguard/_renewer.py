@@ -82,6 +82,7 @@ from . import _lease as lease_ops
 from . import _tracing as tracing
 from ._connection import follow_failover
 from ._lease import Lease
+from ._process import PerProcess
 
 #: After a failed tick, the next try comes this fraction of the renewal interval later (ttl/15)...
 RETRY_FRACTION = 0.2
@@ -620,19 +621,9 @@ def _jitter(interval: float) -> float:
     return interval * random.uniform(0.85, 1.0)
 
 
-_renewer: tuple[int, Renewer] | None = None
-_renewer_lock = threading.Lock()
+_renewer: PerProcess[Renewer] = PerProcess(Renewer)
 
 
 def renewer() -> Renewer:
     """This process's renewer (a new one after fork: threads do not survive it)."""
-    global _renewer
-    pid = os.getpid()
-    current = _renewer
-    if current is None or current[0] != pid:
-        with _renewer_lock:
-            current = _renewer
-            if current is None or current[0] != pid:
-                current = (pid, Renewer())
-                _renewer = current
-    return current[1]
+    return _renewer.get()

@@ -55,6 +55,8 @@ import redis
 from billiard.exceptions import SoftTimeLimitExceeded
 from redis.exceptions import NoScriptError
 
+from ._process import PerProcess
+
 #: Seconds within which the renewer thread reads a deferred reply nobody else read.
 DRAIN_DELAY = 0.02
 
@@ -321,26 +323,22 @@ def _run(done: list[tuple[OnReply, Any]]) -> None:
         raise limit
 
 
-_dispatcher: tuple[int, queue.SimpleQueue[tuple[OnReply, Any]]] | None = None
-_dispatcher_lock = threading.Lock()
+def _start_replies_thread() -> queue.SimpleQueue[tuple[OnReply, Any]]:
+    replies: queue.SimpleQueue[tuple[OnReply, Any]] = queue.SimpleQueue()
+    threading.Thread(target=_serve, args=(replies,), name="lockguard-replies", daemon=True).start()
+    return replies
+
+
+_replies: PerProcess[queue.SimpleQueue[tuple[OnReply, Any]]] = PerProcess(_start_replies_thread)
 
 
 def _dispatch(done: list[tuple[OnReply, Any]]) -> None:
     """Run ``done``'s callbacks on this process's ``lockguard-replies`` thread (started on first use)."""
-    global _dispatcher
     if not done:
         return
-    pid = os.getpid()
-    current = _dispatcher
-    if current is None or current[0] != pid:
-        with _dispatcher_lock:
-            current = _dispatcher
-            if current is None or current[0] != pid:
-                replies: queue.SimpleQueue[tuple[OnReply, Any]] = queue.SimpleQueue()
-                threading.Thread(target=_serve, args=(replies,), name="lockguard-replies", daemon=True).start()
-                current = _dispatcher = (pid, replies)
+    replies = _replies.get()
     for item in done:
-        current[1].put(item)
+        replies.put(item)
 
 
 def _serve(replies: queue.SimpleQueue[tuple[OnReply, Any]]) -> None:
