@@ -21,70 +21,17 @@ from typing import Any
 
 import redis
 
+from celery_lockguard import testing
 from celery_lockguard.testing import RedisServer, free_port, server_binary
 
 from .harness import wait_for
 
-SLOTS = 16384
 #: Connection set-up of any client (the measuring ones included), not a command of the code measured.
 _HANDSHAKE = {"HELLO", "CLIENT", "ECHO", "AUTH", "SELECT", "READONLY"}
 
 
-class LocalCluster:
-    """Three masters, no replicas, slots split evenly; built with CLUSTER ADDSLOTSRANGE and MEET."""
-
-    def __init__(self, masters: int = 3) -> None:
-        # The bus port is chosen too: port + 10000 may be taken, or past 65535.
-        self.bus_ports = [free_port() for _ in range(masters)]
-        self.nodes = [
-            RedisServer(
-                extra=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-port", str(bus)]
-            )
-            for bus in self.bus_ports
-        ]
-
-    @property
-    def url(self) -> str:
-        return self.nodes[0].url
-
-    def start(self) -> LocalCluster:
-        try:
-            for node in self.nodes:
-                node.start()
-            step = SLOTS // len(self.nodes)
-            for i, node in enumerate(self.nodes):
-                c = node.client()
-                c.execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)
-                last = SLOTS - 1 if i == len(self.nodes) - 1 else (i + 1) * step - 1
-                c.execute_command("CLUSTER", "ADDSLOTSRANGE", i * step, last)
-            first = self.nodes[0].client()
-            for node, bus in zip(self.nodes[1:], self.bus_ports[1:], strict=True):
-                first.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port, bus)
-            wait_for(self._ready, 20, interval=0.1, what="the cluster to agree on every slot")
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def _ready(self) -> bool:
-        for node in self.nodes:
-            c = node.client()
-            info = c.execute_command("CLUSTER", "INFO")
-            if isinstance(info, bytes):
-                info = info.decode()
-            if "cluster_state:ok" not in str(info):
-                return False
-            if len(c.execute_command("CLUSTER", "SLOTS")) != len(self.nodes):
-                return False
-        return True
-
-    def client(self, **kwargs: Any) -> Any:
-        from redis.cluster import RedisCluster
-
-        return RedisCluster(host="127.0.0.1", port=self.nodes[0].port, decode_responses=True, **kwargs)
-
-    def node_clients(self) -> list[redis.Redis]:
-        return [n.client() for n in self.nodes]
+class LocalCluster(testing.LocalCluster):
+    """The library's :class:`~celery_lockguard.testing.LocalCluster`, with what the Cluster tests count on it."""
 
     def commands(self) -> dict[str, int]:
         """Calls per command summed over every master since the last :meth:`reset_stats`."""
@@ -140,16 +87,6 @@ class LocalCluster:
     def reset_stats(self) -> None:
         for c in self.node_clients():
             c.config_resetstat()
-
-    def close(self) -> None:
-        for node in self.nodes:
-            node.close()
-
-    def __enter__(self) -> LocalCluster:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class SentinelSet:
