@@ -281,3 +281,30 @@ def test_after_noscript_only_the_commands_that_did_not_run_are_sent_again(c: Any
     ch.drain()
     assert confirm.got == [0]  # loaded and run once
     assert release.got[0][0] == 1  # released (run once), not "taken by another holder" from a second run
+
+
+def test_a_confirm_claim_that_fails_is_logged_whether_waited_for_or_deferred(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """CONFIRM_CLAIM after a publish is not waited for: a refusal read later is still logged, and the message is out."""
+    import logging
+
+    from .tracer import published
+
+    refusal = "return redis.error_reply('NOREPLICAS Not enough good replicas to write.')"
+    refusing = scripts.Script("CONFIRM_CLAIM", refusal)  # a real server's reply, through the real channel
+    monkeypatch.setattr(scripts, "confirm_claim", refusing)
+    app: Celery = make_app("wire-confirm", redis_url, prefix, lockguard_redis_url=redis_url)
+
+    @app.task(base=LockedTask, bind=True, name="w.ud", lock_key="k:{a}", lock_mode="until_done")
+    def t(self: Any, a: int) -> int:
+        return a
+
+    caplog.set_level(logging.WARNING, logger="celery_lockguard")
+    first, second = t.apply_async((1,)), t.apply_async((2,))  # the first runs CONFIRM_CLAIM waited, the second deferred
+    settle()
+    events = [getattr(r, "lockguard", {}) for r in caplog.records]
+    reasons = [e["reason"] for e in events if e.get("event") == "lock.backend_unavailable"]
+    assert len([x for x in reasons if x.startswith("confirm claim:") and "NOREPLICAS" in x]) == 2
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    assert {m.task_id for m in published(r, app)} == {first.id, second.id}
