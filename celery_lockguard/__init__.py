@@ -19,6 +19,7 @@ from ._config import Settings, settings, validate_tasks
 from ._lease import Lease
 from ._task import LockedTask, LockGuard
 from ._version import __version__
+from ._workflow import Workflow, workflow
 from .exceptions import (
     AlreadyQueued,
     BackendUnavailable,
@@ -30,6 +31,7 @@ from .exceptions import (
     LockContended,
     LockGuardError,
     LockLost,
+    LockThrottled,
     StaleFence,
     UnstableText,
 )
@@ -48,11 +50,13 @@ __all__ = [
     "LockGuard",
     "LockGuardError",
     "LockLost",
+    "LockThrottled",
     "LockedTask",
     "PostgresStore",
     "Settings",
     "StaleFence",
     "UnstableText",
+    "Workflow",
     "__version__",
     "acl",
     "advance_fence",
@@ -63,4 +67,5 @@ __all__ = [
     "postgres_store",
     "settings",
     "validate_tasks",
+    "workflow",
 ]

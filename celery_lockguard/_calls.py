@@ -30,8 +30,13 @@ class CallNames:
 
 def render(opts: TaskOptions, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallNames:
     """Bind ``args``/``kwargs`` to the task's signature and render K, S and the digest."""
+    names = opts.positional_names
     try:
-        arguments = keys.bind(opts.signature, args, kwargs)
+        if names is not None and not kwargs and len(args) == len(names):
+            # What Signature.bind gives for these: every parameter by position, in order.
+            arguments = dict(zip(names, args, strict=True))
+        else:
+            arguments = keys.bind(opts.signature, args, kwargs)
     except TypeError as exc:
         raise TypeError(f"task {opts.task_name!r}: arguments do not match its signature: {exc}") from exc
     if opts.idempotency_key is not None:

@@ -11,6 +11,7 @@ Commands only parse, call and print: who holds what is read by
 :mod:`~celery_lockguard._completion_readers`, the metrics by
 :mod:`~celery_lockguard._stats` and served by :mod:`~celery_lockguard._exporter`;
 ``release`` writes fences through :mod:`~celery_lockguard._fence_targets`.
+The lock page (``exporter --page``) is :mod:`~celery_lockguard._page`.
 Every text they print from Redis passes :func:`~celery_lockguard._terminal.printable`
 (task ids and names come from message bodies anyone with broker access
 writes), every URL or DSN :mod:`~celery_lockguard._redact`; output is on
@@ -45,13 +46,16 @@ from . import _fence_targets as fence_targets
 from . import _inventory
 from . import _lease as lease_ops
 from . import _metrics as metrics
+from . import _page as page_server
+from . import _page_state as page_state
 from . import _stats as stats
 from . import _terminal as terminal
 from ._config import Settings, settings
 from ._connection import UNAVAILABLE_ERRORS
+from ._debounce import DebounceRow, read_debounce
 from ._events import emit
-from ._holders import read_leases
-from ._keys import checkpoint_name, done_name, lock_name, parse_lock_name
+from ._holders import HeldLease, entity_use, idle_windows, read_leases
+from ._keys import checkpoint_name, done_name, fence_row, parse_lock_name, parse_slot_lock_name, slot_lock_name
 from ._redact import redact, redact_text
 from ._terminal import duration, plural, printable
 from .exceptions import ConfigurationError, CorruptFence
@@ -98,8 +102,17 @@ def _echo_json(data: Any) -> None:
 
 
 def _entity(key: str, prefix: str) -> str:
-    """Accept the entity key K or its full Redis key ``{prefix}:v1:{K}:lock``."""
+    """Accept the entity key K or its full Redis key ``{prefix}:v1:{K}:lock`` (or a slot's ``...:lock:<i>``)."""
     return parse_lock_name(prefix, key) or key
+
+
+def _slot_of(key: str, prefix: str, slot: int | None) -> int:
+    """The slot a ``release`` names: ``--slot``, else the one in a full slot key, else 0 (K's plain lease)."""
+    parsed = parse_slot_lock_name(prefix, key)
+    named = parsed[1] if parsed is not None else 0
+    if slot is not None and parsed is not None and slot != named:
+        raise CeleryCommandException(f"--slot {slot} contradicts the slot in {printable(repr(key))}", EX_USAGE)
+    return slot if slot is not None else named
 
 
 @click.group(name="lockguard")
@@ -123,17 +136,54 @@ def lockguard(ctx: click.Context, **_: Any) -> None:
 @click.option("--json", "as_json", is_flag=True, cls=CeleryOption, help_group=_OUTPUT, help="Print JSON.")
 @click.pass_context
 def locks(ctx: click.Context, match: str, as_json: bool, **_: Any) -> None:
-    """Every held lease and queue claim: holder, worker, state, fence, held for, TTL left."""
+    """Every held lease and queue claim (holder, worker, state, fence, held for, TTL left), and debounced runs."""
     s = _settings(ctx)
     with _redis(s) as client:
         leases = read_leases(client, s.key_prefix, match)
+        pending = read_debounce(client, s.key_prefix, match)
+        uses = entity_use(client, s.key_prefix, leases)
+        held = {lease.key for lease in leases}
+        windows = idle_windows(client, s.key_prefix, match, held, _inventory.rate_tasks(_app(ctx)))
     if as_json:
-        _echo_json([lease.as_dict() for lease in leases])
+        rows = [lease.as_dict() for lease in leases] + [row.as_dict() for row in pending]
+        _echo_json(rows + [use.as_dict(s.key_prefix) for use in windows])
         return
-    if not leases:
+    if not leases and not pending and not windows:
         click.echo(f"no leases under {s.key_prefix!r} matching {match!r}")
         return
+    if leases:
+        _lease_table(leases)
+    for use in [*uses, *windows]:  # lock_limit / lock_rate entities: slots held N/M, the start window's use
+        click.echo(printable(use.text()))
+    if pending:
+        _debounce_table(pending)
 
+
+def _debounce_table(pending: list[DebounceRow]) -> None:
+    """Debounce records: the pending run of each burst (or the run it ended in) and when it is due."""
+
+    def cell(value: object) -> str:
+        return "-" if value is None else str(value)
+
+    rows = [
+        [
+            row.key,
+            row.task_name,
+            cell(row.pending_task_id),
+            row.state,
+            "-" if row.due_in_ms is None else duration(row.due_in_ms),
+            cell(row.superseded),
+            cell(row.last_run),
+            duration(row.ttl_left_ms),
+        ]
+        for row in pending
+    ]
+    headings = ["DEBOUNCED KEY", "TASK", "PENDING RUN", "STATE", "DUE IN", "SUPERSEDED", "LAST RUN", "TTL LEFT"]
+    click.echo(terminal.table(headings, rows))
+
+
+def _lease_table(leases: list[HeldLease]) -> None:
+    """The leases and queue claims of ``lockguard locks``."""
     rows = []
     for lease in leases:
         bad = lease.malformed
@@ -143,9 +193,9 @@ def locks(ctx: click.Context, match: str, as_json: bool, **_: Any) -> None:
 
         rows.append(
             [
-                lease.key,
+                lease.label,
                 lease.state,
-                cell(lease.task_name, "task_name"),
+                cell(lease.task_name, "task_name") + (f" > {printable(lease.member)}" if lease.member else ""),
                 cell(lease.task_id, "task_id"),
                 lease.worker or f"{cell(lease.host, 'host')}:{cell(lease.pid, 'pid')}",
                 cell(lease.fence, "fence"),
@@ -212,9 +262,23 @@ def _holder_text(holder: dict[str, str]) -> str:
     help_group="Release Options",
     help="The fence table in those databases. Default: lockguard_fence_table (lockguard_fences).",
 )
+@click.option(
+    "--slot",
+    type=click.IntRange(min=0),
+    default=None,
+    cls=CeleryOption,
+    help_group="Release Options",
+    help="The slot of a lock_limit entity to release (as `locks` shows it; default 0, or the one in a full key).",
+)
 @click.pass_context
 def release(
-    ctx: click.Context, key: str, yes: bool, fence_dsns: tuple[str, ...], fence_table: str | None, **_: Any
+    ctx: click.Context,
+    key: str,
+    yes: bool,
+    fence_dsns: tuple[str, ...],
+    fence_table: str | None,
+    slot: int | None = None,
+    **_: Any,
 ) -> None:
     """Force-release the lease on KEY and bump its fence.
 
@@ -231,6 +295,7 @@ def release(
     dsns = tuple(fence_dsns) or s.fence_dsns
     table = fence_table or s.fence_table
     entity = _entity(key, s.key_prefix)
+    slot = _slot_of(key, s.key_prefix, slot)
     if not entity or any(c in entity for c in "{}") or any(c.isspace() for c in entity):
         # A rendered key never holds braces or whitespace (_keys.py escapes them): refuse rather than
         # touch a key no task uses, or keys of one name in two Cluster slots.
@@ -250,7 +315,7 @@ def release(
     where = ", ".join(f"{table} in {redact(d)}" for d in dsns)
     with _redis(s) as client:
         try:
-            holder = client.hgetall(lock_name(s.key_prefix, entity))
+            holder = client.hgetall(slot_lock_name(s.key_prefix, entity, slot))
         except ResponseError as exc:  # WRONGTYPE: a key planted where a lease belongs
             raise CeleryCommandException(
                 f"{entity!r} under prefix {s.key_prefix!r} is not a lease ({printable(exc)}); nothing was released",
@@ -276,7 +341,7 @@ def release(
             raise CeleryCommandException(f"{printable(exc, None)}; nothing was released", code) from None
         try:
             deleted, fence, evicted = lease_ops.force_release(
-                client, s.key_prefix, entity, fence_ttl_ms=int(s.fence_ttl * 1000)
+                client, s.key_prefix, entity, fence_ttl_ms=int(s.fence_ttl * 1000), slot=slot
             )
         except BaseException as exc:
             fence_targets.close(opened)
@@ -288,7 +353,8 @@ def release(
                     EX_FAILURE,
                 ) from None
             raise
-        written, failed = fence_targets.bump_fences(opened, entity, fence, table)
+        # Slot i > 0 fences on its own row (``K#<i>``): the evicted holder of that slot is the one to stop.
+        written, failed = fence_targets.bump_fences(opened, fence_row(entity, slot), fence, table)
         task_name = holder.get("task_name") or "-"
         with _log_to_stderr():
             emit(
@@ -307,10 +373,11 @@ def release(
         except UNAVAILABLE_ERRORS:
             pass  # the release itself went through; only its count is lost
     was = printable(evicted or holder.get("task_id") or "-")
+    named = repr(entity) if not slot else f"{entity!r} slot {slot}"
     if deleted:
-        click.echo(f"released {entity!r} (was {was}); fence is now {fence}")
+        click.echo(f"released {named} (was {was}); fence is now {fence}")
     else:
-        click.echo(f"{entity!r} was already free when released; fence bumped to {fence}")
+        click.echo(f"{named} was already free when released; fence bumped to {fence}")
     if written:
         targets = ", ".join(f"{table} in {d}" for d in written)
         click.echo(f"fence {fence} written to {targets}: the evicted holder's advance_fence there raises StaleFence")
@@ -392,7 +459,7 @@ def stats_(ctx: click.Context, as_json: bool, prometheus: bool, **_: Any) -> Non
     with _redis(s) as client:
         raw = stats.read(client, s.key_prefix, windows=not prometheus)
     if prometheus:
-        click.echo(stats.prometheus(raw), nl=False)
+        click.echo(stats.prometheus(raw, _inventory.key_templates(_app(ctx))), nl=False)
         return
     summary = stats.summarize(raw, _inventory.key_templates(_app(ctx)))
     if as_json:
@@ -433,6 +500,8 @@ def stats_(ctx: click.Context, as_json: bool, prometheus: bool, **_: Any) -> Non
             )
         headers = ["WINDOW", "ACQ/MIN", "ACQ", "CONTENTION", "AVG HOLD MS", "EXPIRED", "FORCED", "SKIPPED"]
         click.echo(terminal.table([*headers, "FROM RECORD", "WAITS"], rows))
+        for worker, now in entry.get("held_now", {}).items():
+            click.echo(f"  held now: {now['held']} on {printable(worker)} (oldest {now['oldest_hold_s']:.1f}s)")
         for reading in entry["readings"]:
             click.echo(f"  * {printable(reading, None)}")
 
@@ -461,14 +530,26 @@ def describe(ctx: click.Context, as_json: bool, **_: Any) -> None:
 
 @lockguard.command(name="doctor", cls=CeleryCommand)
 @click.option("--json", "as_json", is_flag=True, cls=CeleryOption, help_group=_OUTPUT, help="Print JSON.")
+@click.option(
+    "--rabbitmq-consumer-timeout",
+    "consumer_timeout",
+    type=click.FloatRange(min=0.001),
+    metavar="SECONDS",
+    default=None,
+    cls=CeleryOption,
+    help_group="Broker Options",
+    help="RabbitMQ's consumer_timeout in seconds, as the server sets it (default: RabbitMQ's 1800).",
+)
 @click.pass_context
-def doctor_(ctx: click.Context, as_json: bool, **_: Any) -> None:
+def doctor_(ctx: click.Context, as_json: bool, consumer_timeout: float | None, **_: Any) -> None:
     """Check the set-up; exit non-zero with an explanation for each finding.
 
     Exit 0: nothing found; 78: invalid settings or task options; 69: the lock
-    Redis is unreachable; 1: other findings.
+    Redis is unreachable; 1: other findings. RabbitMQ's server-wide
+    ``consumer_timeout`` cannot be read from a client, so it is given here
+    (a queue's ``x-consumer-timeout`` argument in ``task_queues`` wins over it).
     """
-    findings = doctor.run(_app(ctx))
+    findings = doctor.run(_app(ctx), consumer_timeout=consumer_timeout)
     if as_json:
         _echo_json({"ok": not findings, "findings": [f.as_dict() for f in findings]})
     elif not findings:
@@ -601,15 +682,97 @@ def completions_forget(ctx: click.Context, scope: str, yes: bool, **_: Any) -> N
     help_group="Exporter Options",
     help="Connections served at once; more are answered 503 and closed.",
 )
+@click.option(
+    "--page",
+    is_flag=True,
+    cls=CeleryOption,
+    help_group="Page Options",
+    help="Also serve the read-only lock page at http://BIND:PORT/page.",
+)
+@click.option(
+    "--page-interval",
+    default=page_state.DEFAULT_INTERVAL,
+    show_default=True,
+    type=click.FloatRange(min=0.1),
+    cls=CeleryOption,
+    help_group="Page Options",
+    help="Seconds between the page's samples of leases and metrics (the open page updates as often).",
+)
+@click.option(
+    "--doctor-interval",
+    default=page_state.DEFAULT_DOCTOR_INTERVAL,
+    show_default=True,
+    type=click.FloatRange(min=1),
+    cls=CeleryOption,
+    help_group="Page Options",
+    help="Seconds between the page's doctor runs (cached; never run per request).",
+)
+@click.option(
+    "--auth",
+    default=None,
+    envvar=page_server.AUTH_ENV,
+    show_envvar=True,
+    cls=CeleryOption,
+    help_group="Page Options",
+    help="USER:PASSWORD every request (page and /metrics) must send as basic auth. Prefer the environment "
+    "variable: an option shows in the process list.",
+)
+@click.option(
+    "--allow-host",
+    "allow_hosts",
+    multiple=True,
+    metavar="NAME",
+    cls=CeleryOption,
+    help_group="Page Options",
+    help="On a loopback --bind, the page answers to loopback names only (against DNS rebinding); also to NAME "
+    "(repeatable), e.g. the name a local reverse proxy forwards in Host.",
+)
 @click.pass_context
-def exporter(ctx: click.Context, bind: str, port: int, timeout: float, max_connections: int, **_: Any) -> None:
-    """Serve the fleet's metrics for Prometheus at http://BIND:PORT/metrics (until interrupted)."""
+def exporter(
+    ctx: click.Context,
+    bind: str,
+    port: int,
+    timeout: float,
+    max_connections: int,
+    page: bool,
+    page_interval: float,
+    doctor_interval: float,
+    auth: str | None,
+    allow_hosts: tuple[str, ...],
+    **_: Any,
+) -> None:
+    """Serve the fleet's metrics for Prometheus at http://BIND:PORT/metrics (until interrupted).
+
+    With --page, also the read-only lock page at http://BIND:PORT/page: held
+    leases, the busiest entities, the four numbers with sparklines, doctor
+    findings; it updates while open.
+    """
     s = _settings(ctx)
-    server = exporter_server.serve(s, bind, port, timeout=timeout, max_connections=max_connections)
-    click.echo(f"lockguard exporter: http://{bind}:{server.server_address[1]}/metrics (prefix {s.key_prefix!r})")
+    try:
+        credentials = page_server.parse_credentials(auth) if auth else None
+    except ValueError as exc:
+        raise CeleryCommandException(f"--auth / {page_server.AUTH_ENV}: {exc}", EX_USAGE) from None
+    state = page_state.PageState(_app(ctx), s, page_interval, doctor_interval) if page else None
+    hosts = allow_hosts if page_server.loopback_host(bind.lower()) else None  # bound wider: any Host
+    front = page_server.Front(state, credentials, hosts) if (state or credentials) else None
+    try:
+        server = exporter_server.serve(s, bind, port, timeout=timeout, max_connections=max_connections, front=front)
+    except OSError as exc:  # a port in use, an address this host does not have: the operator's input
+        if state is not None:
+            state.close()
+        reason = exc.strerror or str(exc)
+        raise CeleryCommandException(f"cannot listen on {bind} port {port}: {reason}", EX_UNAVAILABLE) from None
+    server.templates = _inventory.key_templates(_app(ctx))  # per-template contention labels
+    base = f"http://{f'[{bind}]' if ':' in bind else bind}:{server.server_address[1]}"
+    click.echo(f"lockguard exporter: {base}/metrics (prefix {s.key_prefix!r})")
+    if state is not None:
+        state.start()
+        click.echo(f"lockguard page: {base}{page_server.BASE}" + (" (basic auth)" if credentials else ""))
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         server.server_close()
+        if state is not None:
+            state.close()

@@ -43,16 +43,34 @@ DEFAULT_TABLE = "lockguard_completions"
 _NO_VALUE = '{"novalue":true}'
 
 
+#: ``json.dumps(value, separators=(",", ":"))`` without building an encoder per call (encoders keep no state).
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+
+
+def _json_text(value: Any) -> str:
+    """``json.dumps(value)``; a ``str`` (the usual case) goes straight to the escaper ``json.dumps`` would call."""
+    return json.encoder.encode_basestring_ascii(value) if isinstance(value, str) else json.dumps(value)
+
+
 def encode_record(task_id: str, result: Any, task_name: str = "", digest: str = "") -> tuple[str, str | None]:
     """The record for a successful body, and why the result was dropped (or ``None``).
 
     ``task_name`` and ``digest`` (the arguments digest) let a later call under the
     same scope tell identical work from an idempotency key reused for other work.
     """
-    work = f',"task":{json.dumps(task_name)},"digest":{json.dumps(digest)}' if task_name else ""
-    head = f'{{"task_id":{json.dumps(task_id)}{work},"result":'
+    work = f',"task":{_json_text(task_name)},"digest":{_json_text(digest)}' if task_name else ""
+    head = f'{{"task_id":{_json_text(task_id)}{work},"result":'
     try:
-        value = json.dumps(result, separators=(",", ":"))
+        # None, str and int as json writes them, without its encoder; anything else through it.
+        kind = type(result)
+        if result is None:
+            value = "null"
+        elif kind is str:
+            value = json.encoder.encode_basestring_ascii(result)
+        elif kind is int:
+            value = int.__repr__(result)
+        else:
+            value = _COMPACT.encode(result)
     except (TypeError, ValueError):
         return head + "null}", "result is not JSON-serializable"
     if len(value.encode()) > MAX_RECORD_BYTES:

@@ -9,6 +9,7 @@ users, as ``CELERY_LOCKGUARD_X``.
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import math
 import re
@@ -80,14 +81,64 @@ class Settings:
     fence_table: str = "lockguard_fences"
     #: Where events are logged: ``"auto"``, ``"logging"`` or ``"structlog"`` (``lockguard_log_backend``).
     log_backend: str = "auto"
+    #: ``lockguard_debounce``: task name -> debounce seconds, for tasks that set no ``lock_debounce``.
+    debounce: dict[str, Any] | None = None
+
+
+def first_url(url: Any) -> str:
+    """The first of a broker URL setting: a list, or a ``;``-separated failover string, names its first."""
+    if isinstance(url, (list, tuple)):
+        url = url[0] if url else ""
+    return str(url or "").split(";")[0].strip()
+
+
+def broker_url(app: Any, read: bool = False) -> str:
+    """The app's broker URL as Celery reads it: ``CELERY_BROKER_URL`` in the environment wins, as it does
+    for the worker (``app.conf.get("broker_url")`` would miss it and see no broker at all).
+
+    ``read``: the URL workers consume from (``broker_read_url``, else the broker's), which is the
+    transport that redelivers an unacknowledged message.
+    """
+    conf = app.conf
+    name = "broker_read_url" if read else "broker_url"
+    try:
+        url = getattr(conf, name)  # Celery's Settings property: the environment, then the settings
+    except AttributeError:  # a bare mapping, not Celery's Settings
+        url = None
+    return first_url(url or conf.get(name) or conf.get("broker_url"))
 
 
 def _broker_redis_url(app: Any) -> str | None:
-    url = app.conf.get("broker_url") or ""
-    if isinstance(url, (list, tuple)):
-        url = url[0] if url else ""
-    url = str(url).split(";")[0].strip()
+    url = broker_url(app)
     return url if url.startswith(REDIS_SCHEMES) else None
+
+
+#: The transports' own ``visibility_timeout`` when ``broker_transport_options`` sets none
+#: (kombu's defaults: Redis and Sentinel one hour, SQS half an hour).
+DEFAULT_VISIBILITY_TIMEOUT = 3600.0
+SQS_VISIBILITY_TIMEOUT = 1800.0
+
+
+def _visibility_timeout(app: Any, transport: Any) -> float:
+    """``broker_transport_options["visibility_timeout"]``, else the transport's own default.
+
+    Lockguard caps its own countdowns at half of it and doctor judges holds
+    against it, so a value kombu could not use either is a ConfigurationError,
+    never a traceback.
+    """
+    if not isinstance(transport, dict):
+        raise ConfigurationError(
+            f"setting broker_transport_options={transport!r} must be a dict (kombu's transport options)"
+        )
+    sqs = broker_url(app, read=True).startswith("sqs://")
+    value = transport.get("visibility_timeout")
+    if "visibility_timeout" not in transport or (sqs and value in (None, "")):  # SQS also reads these as unset
+        return SQS_VISIBILITY_TIMEOUT if sqs else DEFAULT_VISIBILITY_TIMEOUT
+    try:
+        seconds = float(value) if isinstance(value, str) else value
+    except ValueError:
+        seconds = value
+    return _seconds("setting", "broker_transport_options['visibility_timeout']", seconds)
 
 
 def load_settings(app: Any) -> Settings:
@@ -131,7 +182,7 @@ def load_settings(app: Any) -> Settings:
         sentinel_master=setting(app, "sentinel_master", None),
         socket_timeout=_seconds("setting", "lockguard_socket_timeout", setting(app, "socket_timeout", 5.0)),
         max_waits=max_waits,
-        visibility_timeout=float(transport.get("visibility_timeout", 3600)),
+        visibility_timeout=_visibility_timeout(app, transport),
         fence_ttl=_seconds("setting", "lockguard_fence_ttl", setting(app, "fence_ttl", 30 * 86400)),
         shorten_grace=_seconds("setting", "lockguard_shorten_grace", setting(app, "shorten_grace", 2.0)),
         redis_kwargs=_kwargs("lockguard_redis_kwargs", setting(app, "redis_kwargs", None)),
@@ -140,7 +191,17 @@ def load_settings(app: Any) -> Settings:
         fence_dsns=_fence_dsns(setting(app, "fence_dsn", None)),
         fence_table=_identifier("lockguard_fence_table", setting(app, "fence_table", "lockguard_fences")),
         log_backend=_log_backend(setting(app, "log_backend", "auto")),
+        debounce=_debounce_map(setting(app, "debounce", None)),
     )
+
+
+def _debounce_map(value: Any) -> dict[str, Any]:
+    """``lockguard_debounce``: a dict of task name -> seconds (each value is checked with its task)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ConfigurationError(f"setting lockguard_debounce={value!r} must be a dict of task name -> seconds")
+    return dict(value)
 
 
 def check_prefix(prefix: str, where: str) -> str:
@@ -242,6 +303,65 @@ def _seconds(kind: str, name: str, value: Any, task: str | None = None) -> float
     return float(value)
 
 
+#: Most slots ``lock_limit`` may ask for: ACQUIRE reads every slot in its one round trip.
+MAX_LOCK_LIMIT = 256
+#: Seconds per unit of a ``lock_rate`` period.
+RATE_UNITS = {"s": 1, "m": 60, "h": 3600}
+#: Longest ``lock_rate`` window (366 days). ACQUIRE_SLOTS hands the window to Lua and to PEXPIRE: a
+#: window of ~1e17 ms or more reached Redis as "1e+20" ("not an integer"), so every start failed after
+#: its slot was written, the window key kept no TTL, and the countdown came back negative.
+MAX_RATE_WINDOW_S = 366 * 86400
+_RATE = re.compile(r"\s*([0-9]+)\s*/\s*([0-9]*)\s*([smh])\s*\Z")
+
+
+@dataclass(frozen=True)
+class Rate:
+    """A parsed ``lock_rate``: at most ``count`` starts per ``window_ms`` (sliding), per entity."""
+
+    count: int
+    window_ms: int
+    text: str
+
+
+def parse_rate(value: Any, where: str) -> Rate | None:
+    """``"N/s"``, ``"N/m"``, ``"N/h"`` (or ``"N/10s"``: N per ten seconds) -> :class:`Rate`; ``None`` -> ``None``.
+
+    ``where`` names the task and the option for the ``ConfigurationError`` a bad value raises.
+    """
+    if value is None:
+        return None
+    match = _RATE.match(value) if isinstance(value, str) else None
+    count = int(match.group(1)) if match else 0
+    periods = int(match.group(2) or 1) if match else 0
+    window_s = periods * RATE_UNITS[match.group(3)] if match else 0
+    if match is None or count < 1 or periods < 1 or count > 100_000 or window_s > MAX_RATE_WINDOW_S:
+        raise ConfigurationError(
+            f"{where}={value!r} must be 'N/s', 'N/m', 'N/h' or 'N/<k>s|m|h' with 1 <= N <= 100000 "
+            "and a window of at most 366 days (starts per entity per sliding window), e.g. '100/m'"
+        )
+    return Rate(count, window_s * 1000, value.strip())
+
+
+def _limits(task: Any, s: Settings, mode: str) -> tuple[int, Rate | None]:
+    """``lock_limit`` and ``lock_rate`` (each falling back to ``lockguard_lock_limit`` / ``lockguard_lock_rate``)."""
+    name = task.name
+    own_limit = getattr(task, "lock_limit", None)
+    limit = own_limit if own_limit is not None else setting(task.app, "lock_limit", 1)
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_LOCK_LIMIT:
+        option = "option lock_limit" if own_limit is not None else "setting lockguard_lock_limit"
+        raise ConfigurationError(f"task {name!r}: {option}={limit!r} must be an int from 1 to {MAX_LOCK_LIMIT}")
+    own_rate = getattr(task, "lock_rate", None)
+    rate_src = own_rate if own_rate is not None else setting(task.app, "lock_rate", None)
+    option = "option lock_rate" if own_rate is not None else "setting lockguard_lock_rate"
+    rate = parse_rate(rate_src, f"task {name!r}: {option}")
+    if (limit > 1 or rate is not None) and mode != "while_running":
+        raise ConfigurationError(
+            f"task {name!r}: option lock_mode={mode!r} cannot be combined with lock_limit={limit!r} / "
+            f"lock_rate={rate_src!r}: slots and start windows are execution-time only (use 'while_running')"
+        )
+    return limit, rate
+
+
 @dataclass(frozen=True, eq=False)
 class TaskOptions:
     """One task's resolved, validated options."""
@@ -263,6 +383,28 @@ class TaskOptions:
     signature: inspect.Signature
     replicas: int = 0
     idempotency_mismatch: str = "raise"
+    #: ``lock_debounce`` seconds (last publish wins, one run per burst), or ``None``.
+    debounce: float | None = None
+    #: ``lock_limit``: bodies that may hold the entity at once (1: the single lease, unchanged).
+    limit: int = 1
+    #: ``lock_rate``: starts admitted per entity per sliding window, fleet-wide; ``None``: no rate.
+    rate: Rate | None = None
+
+    @functools.cached_property
+    def positional_names(self) -> tuple[str, ...] | None:
+        """The body's parameter names when every one can be passed by position (no ``*args``, ``**kwargs``
+        or keyword-only parameter), else ``None``: a call passing exactly that many positional arguments
+        binds them in this order, defaults unused (``_calls.render`` skips ``Signature.bind`` then)."""
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        params = self.signature.parameters.values()
+        if all(p.kind in positional for p in params):
+            return tuple(p.name for p in params)
+        return None
+
+    @property
+    def slotted(self) -> bool:
+        """Whether ACQUIRE goes through the slot script (``lock_limit`` > 1 or a ``lock_rate``)."""
+        return self.limit > 1 or self.rate is not None
 
     @property
     def ttl_ms(self) -> int:
@@ -320,6 +462,12 @@ def _edit_distance(a: str, b: str) -> int:
     return prev[len(b)]
 
 
+@functools.lru_cache(maxsize=1024)
+def _near_ours(name: str, ours: tuple[str, ...]) -> bool:
+    """Whether ``name`` is within two edits of one of our options (cached: a config reset checks every task again)."""
+    return min(_edit_distance(name, o) for o in ours) <= 2
+
+
 def _set_option_names(task: Any, base: type) -> list[str]:
     """Names set on the task's classes below ``base``: decorator options and subclass attributes.
 
@@ -343,6 +491,11 @@ def _set_option_names(task: Any, base: type) -> list[str]:
     return names
 
 
+#: Names other lock libraries give an option of ours (celery-once, python-redis-lock say ``timeout``):
+#: suggested before spelling similarity, which would offer ``lock_limit`` for ``lock_timeout``.
+_SYNONYMS = {"lock_timeout": "lock_ttl", "lock_expire": "lock_ttl", "lock_expires": "lock_ttl"}
+
+
 def check_option_names(task: Any) -> None:
     """Refuse a misspelled option: ``lock_tll=5`` would silently keep the 30 s TTL.
 
@@ -359,20 +512,23 @@ def check_option_names(task: Any) -> None:
     for cls in type(task).__mro__:
         if not issubclass(cls, LockGuard):  # a task class composed with ours: its names are its options
             known.update(vars(cls))
-    ours = sorted(
-        attr
-        for attr, value in vars(LockGuard).items()
-        if not attr.startswith("_")
-        and not callable(value)
-        and not isinstance(value, (property, staticmethod, classmethod))
+    ours = tuple(
+        sorted(
+            attr
+            for attr, value in vars(LockGuard).items()
+            if not attr.startswith("_")
+            and not callable(value)
+            and not isinstance(value, (property, staticmethod, classmethod))
+        )
     )
     for attr in _set_option_names(task, LockGuard):
         if attr in known:
             continue
         lowered = attr.lower()
-        distance = min(_edit_distance(lowered, o) for o in ours)
-        if lowered.startswith(_OUR_PREFIXES) or distance <= 2:
-            nearest = max(ours, key=lambda o: (difflib.SequenceMatcher(None, lowered, o).ratio(), -len(o)))
+        if lowered.startswith(_OUR_PREFIXES) or _near_ours(lowered, ours):
+            nearest = _SYNONYMS.get(lowered) or max(
+                ours, key=lambda o: (difflib.SequenceMatcher(None, lowered, o).ratio(), -len(o))
+            )
             value = repr(getattr(type(task), attr, None))
             raise ConfigurationError(
                 f"task {task.name!r}: unknown option {attr}={value[:80]}; "
@@ -454,8 +610,27 @@ def resolve_task_options(task: Any) -> TaskOptions:
     replicas = getattr(task, "lock_replicas", 0)
     if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
         raise ConfigurationError(f"task {name!r}: option lock_replicas={replicas!r} must be an int >= 0")
+    debounce = _debounce_option(task, s, lock_key is not None)
+    if debounce is not None and task.lock_mode != "while_running":
+        raise ConfigurationError(
+            f"task {name!r}: option lock_debounce={debounce!r} works with lock_mode='while_running' only "
+            f"(lock_mode={task.lock_mode!r} dedupes queued copies at publish, which debounce replaces)"
+        )
     if not isinstance(task.lock_renew, bool):
         raise ConfigurationError(f"task {name!r}: option lock_renew={task.lock_renew!r} must be True or False")
+    mode = choice("lock_mode", task.lock_mode, LOCK_MODES)
+    on_locked = choice("on_locked", task.on_locked if task.on_locked is not None else s.on_locked, ON_LOCKED)
+    if debounce is not None and on_locked == "raise":
+        raise ConfigurationError(
+            f"task {name!r}: option on_locked='raise' does not combine with lock_debounce={debounce!r}: a publish "
+            "during a run is one more run after it, so its delivery waits for the running body (use 'skip' or 'retry')"
+        )
+    limit, rate = _limits(task, s, mode)
+    if debounce is not None and (limit > 1 or rate is not None):
+        raise ConfigurationError(
+            f"task {name!r}: option lock_debounce={debounce!r} runs one burst's run at a time on the single "
+            "lease; it does not combine with lock_limit or lock_rate"
+        )
     return TaskOptions(
         task_name=name,
         lock_key=lock_key,
@@ -463,9 +638,9 @@ def resolve_task_options(task: Any) -> TaskOptions:
         ttl=ttl,
         renew=task.lock_renew,
         max_hold=max_hold,
-        mode=choice("lock_mode", task.lock_mode, LOCK_MODES),
+        mode=mode,
         queue_lock_ttl=queue_lock_ttl,
-        on_locked=choice("on_locked", task.on_locked if task.on_locked is not None else s.on_locked, ON_LOCKED),
+        on_locked=on_locked,
         on_unavailable=choice(
             "on_unavailable",
             task.on_unavailable if task.on_unavailable is not None else s.on_unavailable,
@@ -482,4 +657,27 @@ def resolve_task_options(task: Any) -> TaskOptions:
             task.idempotency_mismatch if task.idempotency_mismatch is not None else s.idempotency_mismatch,
             ON_KEY_REUSED,
         ),
+        debounce=debounce,
+        limit=limit,
+        rate=rate,
     )
+
+
+def _debounce_option(task: Any, s: Settings, locked: bool) -> float | None:
+    """``lock_debounce`` (else ``lockguard_debounce[task.name]``): seconds > 0, on a task with a ``lock_key``.
+
+    Not on an ``idempotency_key`` alone: the completion scope would then be the entity, and the first
+    burst's record would answer (or refuse, as other arguments) every later burst.
+    """
+    value = getattr(task, "lock_debounce", None)
+    if value is None:
+        value = (s.debounce or {}).get(task.name)
+    if value is None:
+        return None
+    seconds = _seconds("option", "lock_debounce", value, task.name)
+    if not locked:
+        raise ConfigurationError(
+            f"task {task.name!r}: option lock_debounce={value!r} needs a lock_key: debounce replaces the pending "
+            "run of one entity (an idempotency_key alone would make the first burst's record answer every later one)"
+        )
+    return seconds

@@ -13,6 +13,9 @@ task class only carries the answer out:
 * :func:`after_park` and :func:`decide_parked` — park and wake (``_handoff``):
   what PARK's answer makes a waiting delivery do, and what a parked delivery's
   copy (safety or woken) does with the state of its waiter entry.
+* :func:`decide_debounce_publish` and :func:`decide_debounced` — ``lock_debounce``
+  (``_debounce``): what a publish records, and what a delivered message of a
+  burst does with DEBOUNCE_TAKE's answer, before the lease is asked for.
 
 Both read the same duplicate rule (:func:`skips_duplicate`): only identical
 work is ever skipped, only behind a holder presumed alive, never with
@@ -34,7 +37,8 @@ OnUnavailable = Literal["fail_closed", "fail_open"]
 
 #: What ACQUIRE (and the completion check around it) answered for a delivery.
 #: ``late``: the lease came back after its own validity (a reply slower than the TTL).
-Outcome = Literal["acquired", "held", "record", "unavailable", "late", "misconfigured"]
+#: ``throttled``: a slot was free but the entity's start window (``lock_rate``) is full.
+Outcome = Literal["acquired", "held", "record", "unavailable", "late", "misconfigured", "throttled"]
 
 #: What CLAIM answered at publish time.
 ClaimOutcome = Literal["ok", "own", "held", "unavailable", "misconfigured"]
@@ -114,6 +118,9 @@ class Delivery:
     max_waits: int = 100
     #: The runtime can park this delivery: while_running, no queue claim, not eager, not a watch copy.
     can_park: bool = False
+    #: The task debounces (``lock_debounce``): a publish during a run is one more run after it, never a
+    #: duplicate to skip.
+    debounced: bool = False
 
 
 @dataclass(frozen=True)
@@ -133,10 +140,15 @@ def skips_duplicate(on_locked: OnLocked, duplicate: bool, alive: bool) -> bool:
     return on_locked == "skip" and duplicate and alive
 
 
+#: The decision for every delivery whose ACQUIRE took the lease (``outcome="acquired"``), whatever the other
+#: facts: the runtime uses it without building the facts on that path (the one every locked task takes).
+RUN_ACQUIRED = Decision(Action.RUN, "acquired")
+
+
 def decide_delivery(d: Delivery) -> Decision:
     """Decide what a delivered message does (see :class:`Action`)."""
     if d.outcome == "acquired":
-        return Decision(Action.RUN, "acquired")
+        return RUN_ACQUIRED
     if d.outcome == "record":
         if d.watch_copy:
             return Decision(Action.DROP, "original_completed")
@@ -148,6 +160,8 @@ def decide_delivery(d: Delivery) -> Decision:
         if d.on_unavailable == "fail_open":
             return Decision(Action.FAIL_OPEN, reason)
         return _wait(d, reason)
+    if d.outcome == "throttled":
+        return _throttled(d)
     h = d.holder
     if h is None:
         raise ValueError("outcome 'held' needs holder facts")
@@ -169,12 +183,25 @@ def decide_delivery(d: Delivery) -> Decision:
     # A follow-up the holder published of itself (a poll loop) is new work, never a duplicate of its parent.
     if h.parent:
         return _wait(d, "follow_up_waits_for_parent")
-    # until_started: a copy published after the holder started is kept and runs after it, never skipped.
-    if d.mode != "until_started" and skips_duplicate(d.on_locked, h.duplicate, h.alive):
+    # until_started, and debounce: a copy published after the holder started is kept and runs after it.
+    if d.mode != "until_started" and not d.debounced and skips_duplicate(d.on_locked, h.duplicate, h.alive):
         return Decision(Action.SKIP, "identical_work_running")
     if h.duplicate:
         return _wait(d, "duplicate_waits" if h.alive else "duplicate_of_dead_holder")
     return _wait(d, "different_work_on_entity")
+
+
+def _throttled(d: Delivery) -> Decision:
+    """The start window is full (``lock_rate``); no holder was met, so nothing is a duplicate.
+
+    ``raise`` fails visibly (``LockThrottled``); ``skip`` and ``retry`` wait for the window, since
+    ``skip`` drops only identical work, and identical work running would have been met as a holder
+    (ACQUIRE_SLOTS reports it before it looks at the window). A rate wait never parks: no release
+    frees a window, time does, so the back-off countdown is the window's own.
+    """
+    if d.on_locked == "raise":
+        return Decision(Action.RAISE, "rate_limited")
+    return _wait(d, "rate_limited")
 
 
 def _wait(d: Delivery, reason: str) -> Decision:
@@ -320,3 +347,250 @@ def decide_publish(p: Publish) -> PublishDecision:
     if skips_duplicate(p.on_locked, p.duplicate, p.holder_alive):
         return PublishDecision(PublishAction.ANSWER_WITH_HOLDER, "identical_work_queued")
     return PublishDecision(PublishAction.PUBLISH, "holder_not_alive" if p.duplicate else "different_work_on_entity")
+
+
+#: What WORKFLOW_ENTER answered for a member of a workflow (``_workflow``), or the error kind met.
+#: ``started``: a first member took the free lease; ``entered``: the lease was handed to this member;
+#: ``self``: a delivery of this very member runs under it; ``passed``: the workflow is at another member;
+#: ``held``: another holder has the entity; ``lost``: no lease, and this member is not the first;
+#: ``ended``: the workflow already ended (this delivery is a stale copy, e.g. a broker redelivery).
+MemberEntry = Literal["started", "entered", "self", "passed", "ended", "held", "lost", "unavailable", "misconfigured"]
+
+
+class MemberAction(enum.Enum):
+    """What a workflow member's delivery does. The lease it runs under is the workflow's, not its own."""
+
+    #: Run the body under the workflow lease ("holder is my workflow"): renew it, hand it on or release it.
+    RUN = "run"
+    #: Enter again taking over a delivery of this member that died (fresh token, new fence), then run.
+    ADOPT = "adopt"
+    #: Consume the message storing nothing (``Ignore``): a copy of this member runs, or the workflow moved on.
+    DROP = "drop"
+    #: The first member met an identical workflow running: skip the whole workflow (its members answer ``None``).
+    SKIP_WORKFLOW = "skip_workflow"
+    #: Re-deliver this member later with its place in the chain (a self-republish); budget ``max_waits``.
+    WAIT = "wait"
+    #: ``on_locked="raise"`` at the first member: ``LockContended``; the chain stops.
+    RAISE = "raise"
+    #: The wait budget is spent: ``LockContended`` or ``BackendUnavailable``; the chain stops.
+    GIVE_UP = "give_up"
+    #: A later member found the lease gone or held by another: ``LockLost``; the chain stops.
+    LOST = "lost"
+    #: Redis is unavailable and the workflow's policy is ``fail_open``: run this member unlocked.
+    FAIL_OPEN = "fail_open"
+    #: The server refused the script for a reason retrying cannot fix: ``ConfigurationError``.
+    MISCONFIGURED = "misconfigured"
+
+
+@dataclass(frozen=True)
+class Member:
+    """The facts a workflow member's delivery is decided on."""
+
+    entry: MemberEntry
+    #: This member is the workflow's first: it starts the workflow when the lease is free.
+    first: bool
+    on_locked: OnLocked
+    on_unavailable: OnUnavailable
+    #: ``held``: the other holder; ``self``: the running delivery of this member (``own_id``).
+    holder: HolderFacts | None = None
+    waits: int = 0
+    max_waits: int = 100
+
+
+#: How a first member's contention maps onto a member's actions (the rules of :func:`decide_delivery`).
+_CONTENDED = {
+    Action.SKIP: MemberAction.SKIP_WORKFLOW,
+    Action.WAIT: MemberAction.WAIT,
+    Action.PARK: MemberAction.WAIT,
+    Action.RAISE: MemberAction.RAISE,
+    Action.GIVE_UP: MemberAction.GIVE_UP,
+    Action.FAIL_OPEN: MemberAction.FAIL_OPEN,
+    Action.MISCONFIGURED: MemberAction.MISCONFIGURED,
+}
+
+
+def decide_member(m: Member) -> MemberDecision:
+    """Decide what a workflow member's delivery does (see :class:`MemberAction`).
+
+    A member whose workflow holds the entity runs: that is the one new fact a workflow adds. The
+    first member contends like any delivery (identical workflow skipped behind a live holder,
+    different work waits, ``raise`` raises), by :func:`decide_delivery`'s rules; a later member never
+    contends: finding anyone else (or no one) on the entity means the workflow lost its lease
+    (a gap longer than its TTL), and running on would interleave with the work that came between.
+    """
+    if m.entry in ("started", "entered"):
+        return MemberDecision(MemberAction.RUN, "holder_is_my_workflow" if m.entry == "entered" else "workflow_started")
+    if m.entry == "passed":
+        return MemberDecision(MemberAction.DROP, "workflow_moved_on")
+    if m.entry == "ended":
+        return MemberDecision(MemberAction.DROP, "workflow_ended")
+    if m.entry == "self":
+        h = m.holder
+        if h is None:
+            raise ValueError("entry 'self' needs holder facts")
+        if h.dead_here or not h.alive:
+            return MemberDecision(MemberAction.ADOPT, "taking_over_dead_member")
+        return MemberDecision(MemberAction.DROP, "member_already_running")
+    if m.entry == "lost" or (m.entry == "held" and not m.first):
+        return MemberDecision(MemberAction.LOST, "workflow_lease_gone" if m.entry == "lost" else "entity_taken")
+    outcome: Outcome = "held" if m.entry == "held" else "misconfigured" if m.entry == "misconfigured" else "unavailable"
+    d = decide_delivery(
+        Delivery(
+            mode="while_running",
+            on_locked=m.on_locked,
+            on_unavailable=m.on_unavailable,
+            outcome=outcome,
+            holder=m.holder,
+            waits=m.waits,
+            max_waits=m.max_waits,
+        )
+    )
+    return MemberDecision(_CONTENDED[d.action], d.reason)
+
+
+@dataclass(frozen=True)
+class MemberDecision:
+    """What a workflow member does, and the reason carried into the log event."""
+
+    action: MemberAction
+    reason: str
+
+
+# -- debounce ---------------------------------------------------------------------------------------
+
+#: What DEBOUNCE_PUBLISH answered (``None``: not asked yet), or the error kind that stopped it.
+DebounceRecord = Literal["recorded", "unavailable", "misconfigured"]
+
+
+class DebouncePublishAction(enum.Enum):
+    """What ``apply_async`` of a debounced task does."""
+
+    #: Publish as is, no record: a self-republish (retry, replace, a wait) or a canvas member, never debounced.
+    BYPASS = "bypass"
+    #: Ask DEBOUNCE_PUBLISH to make this message the entity's latest pending run, then decide again.
+    RECORD = "record"
+    #: Publish after the debounce delay, carrying the burst in a header; then settle the record.
+    PUBLISH_DEBOUNCED = "publish_debounced"
+    #: Redis is unavailable: publish after the delay without a record (logged). It is never superseded,
+    #: so an outage costs extra runs, never a lost one; at delivery the lease follows ``on_unavailable``.
+    PUBLISH_UNRECORDED = "publish_unrecorded"
+    #: The server refused DEBOUNCE_PUBLISH for a reason retrying cannot fix: ``ConfigurationError``.
+    MISCONFIGURED = "misconfigured"
+
+
+@dataclass(frozen=True)
+class DebouncePublish:
+    """The facts a publish of a debounced task is decided on."""
+
+    #: The message republishes the task that is publishing it (same task id).
+    self_republish: bool = False
+    #: The message belongs to a chain, group or chord (superseding a member would change the canvas' data).
+    in_canvas: bool = False
+    record: DebounceRecord | None = None
+
+
+def decide_debounce_publish(p: DebouncePublish) -> DebouncePublishDecision:
+    """Decide a debounced publish; call first with ``record=None`` (answer: ``BYPASS`` or ``RECORD``)."""
+    if p.self_republish:
+        return DebouncePublishDecision(DebouncePublishAction.BYPASS, "self_republish")
+    if p.in_canvas:
+        return DebouncePublishDecision(DebouncePublishAction.BYPASS, "canvas_member")
+    if p.record is None:
+        return DebouncePublishDecision(DebouncePublishAction.RECORD, "debounce")
+    if p.record == "recorded":
+        return DebouncePublishDecision(DebouncePublishAction.PUBLISH_DEBOUNCED, "recorded")
+    if p.record == "misconfigured":
+        return DebouncePublishDecision(DebouncePublishAction.MISCONFIGURED, "server_refused")
+    return DebouncePublishDecision(DebouncePublishAction.PUBLISH_UNRECORDED, "publish_without_debounce_record")
+
+
+@dataclass(frozen=True)
+class DebouncePublishDecision:
+    """What a debounced publish does, and the reason carried into the log event."""
+
+    action: DebouncePublishAction
+    reason: str
+
+
+#: What DEBOUNCE_TAKE answered for a delivered message of a burst, or the error kind that stopped it.
+TakeAnswer = Literal["take", "taken", "early", "superseded", "await", "missing", "unavailable", "misconfigured"]
+
+
+class DebounceAction(enum.Enum):
+    """What a delivered message of a debounce burst does before it asks for the lease."""
+
+    #: Go on as any delivery (ACQUIRE; a running holder is waited for, never skipped as a duplicate).
+    PROCEED = "proceed"
+    #: A later publish replaced this one: consume it without running; the result names the burst's run.
+    SUPERSEDED = "superseded"
+    #: This is the pending run, but not due yet: wait the rest of the delay (in process when short, else a
+    #: self-republish with the remaining countdown), then ask again.
+    WAIT_UNTIL_DUE = "wait_until_due"
+    #: The publish that replaced this one is still in flight: ask again shortly (it may fail and hand back).
+    AWAIT_PUBLISH = "await_publish"
+    #: Redis is unavailable and the policy is ``fail_open``: go on as any delivery, undebounced (logged).
+    FAIL_OPEN = "fail_open"
+    #: Redis is unavailable and the policy is ``fail_closed``: re-deliver later (``lock_max_waits``).
+    WAIT = "wait"
+    #: The wait budget is spent: fail visibly with ``BackendUnavailable``.
+    GIVE_UP = "give_up"
+    #: The server refused DEBOUNCE_TAKE for a reason retrying cannot fix: ``ConfigurationError``.
+    MISCONFIGURED = "misconfigured"
+
+
+@dataclass(frozen=True)
+class Debounced:
+    """The facts a delivered message of a debounce burst is decided on."""
+
+    answer: TakeAnswer
+    on_unavailable: OnUnavailable
+    waits: int = 0
+    max_waits: int = 100
+
+
+def decide_debounced(d: Debounced) -> tuple[DebounceAction, str]:
+    """Decide what a delivered message of a burst does with DEBOUNCE_TAKE's answer.
+
+    ``missing`` proceeds: without its record a message cannot tell whether it was superseded, and a
+    duplicate run is harmless where a lost one is not (the completion record and fences still hold).
+    """
+    a = d.answer
+    if a == "take":
+        return DebounceAction.PROCEED, "burst_run_due"
+    if a == "taken":
+        return DebounceAction.PROCEED, "burst_run_redelivered"
+    if a == "missing":
+        return DebounceAction.PROCEED, "debounce_record_missing"
+    if a == "superseded":
+        return DebounceAction.SUPERSEDED, "superseded_by_later_publish"
+    if a == "early":
+        return DebounceAction.WAIT_UNTIL_DUE, "not_due"
+    if a == "await":
+        return DebounceAction.AWAIT_PUBLISH, "replacing_publish_in_flight"
+    if a == "misconfigured":
+        return DebounceAction.MISCONFIGURED, "server_refused"
+    if d.on_unavailable == "fail_open":
+        return DebounceAction.FAIL_OPEN, "backend_unavailable"
+    if d.waits >= d.max_waits:
+        return DebounceAction.GIVE_UP, "backend_unavailable"
+    return DebounceAction.WAIT, "backend_unavailable"
+
+
+#: What DEBOUNCE_START answered for a burst's run that holds the lease, or the error kind that stopped it.
+StartAnswer = Literal["run", "superseded", "await", "unavailable", "misconfigured"]
+
+
+def decide_debounce_start(answer: StartAnswer) -> tuple[DebounceAction, str]:
+    """Decide what a burst's run that holds the lease does before its body starts.
+
+    A run taken while a body of the entity still ran waited for the lease: it never started, so a
+    publish since then replaced it (``SUPERSEDED``: release, do not run). Redis failing here runs the
+    body: the lease is held, and a run too many is harmless where a lost one is not.
+    """
+    if answer == "superseded":
+        return DebounceAction.SUPERSEDED, "superseded_while_waiting_for_the_lease"
+    if answer == "await":
+        return DebounceAction.AWAIT_PUBLISH, "replacing_publish_in_flight"
+    if answer == "run":
+        return DebounceAction.PROCEED, "burst_run_starts"
+    return DebounceAction.PROCEED, "debounce_start_unanswered"

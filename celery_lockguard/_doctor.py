@@ -2,22 +2,36 @@
 
 Each check returns findings with a stable ``code`` (for scripts) and a
 message that says what goes wrong and what to change. Checks that need the
-server are skipped when it cannot be reached (that is a finding itself).
+server are skipped when it cannot be reached (that is a finding itself), and
+a command its ACL refuses is a finding too, never a crash or a pass.
+
+This module holds the task, pool and server checks and runs them all; the
+checks of settings that fight the broker's redelivery timers are in
+``_doctor_broker``, those of the beat schedule in ``_doctor_beat``.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from redis.exceptions import NoPermissionError
+
 from . import _connection as connection
+from . import _doctor_beat as beat_checks
+from . import _doctor_broker as broker_checks
+from . import _stats as stats
 from ._config import Settings, settings
 from ._connection import UNAVAILABLE_ERRORS
+from ._findings import VISIBILITY_SCHEMES, Finding, db_of, server_of
+from ._findings import broker_url as _broker_url
+from ._findings import limit as _limit
 from ._redact import redact, redact_text
 from ._terminal import plural
 from .exceptions import ConfigurationError
+
+__all__ = ["Finding", "db_of", "locked_tasks", "pool_of", "run", "server_of"]
 
 #: Keys sampled from the lock database to look for cache traffic.
 SAMPLE_KEYS = 1000
@@ -34,49 +48,6 @@ _CELERY_PATTERNS = (
     "*.celery.pidbox",
     "celery*",
 )
-_REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+socket", "socket")
-
-
-@dataclass
-class Finding:
-    """One problem: a stable code, what is wrong and what to do, and the tasks concerned."""
-
-    code: str
-    message: str
-    tasks: list[str] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"code": self.code, "message": self.message, "tasks": self.tasks}
-
-
-def server_of(url: str | None) -> tuple[str, ...] | None:
-    """Which server a Redis URL names (db and credentials aside), or ``None`` if not a plain Redis URL."""
-    if not url:
-        return None
-    parts = urlsplit(str(url).split(";")[0].strip())
-    if parts.scheme not in _REDIS_SCHEMES:
-        return None
-    if parts.scheme in ("unix", "redis+socket", "socket"):
-        return ("unix", parts.path)
-    host = parts.hostname or "localhost"
-    if host in ("localhost", "::1"):
-        host = "127.0.0.1"
-    return ("tcp", host, str(parts.port or 6379))
-
-
-def db_of(url: str | None) -> int:
-    if not url:
-        return 0
-    parts = urlsplit(str(url).split(";")[0].strip())
-    path = parts.path.strip("/")
-    return int(path) if path.isdigit() else 0
-
-
-def _broker_url(app: Any) -> str:
-    url = app.conf.get("broker_url") or ""
-    if isinstance(url, (list, tuple)):
-        url = url[0] if url else ""
-    return str(url).split(";")[0].strip()
 
 
 def locked_tasks(app: Any) -> list[Any]:
@@ -87,8 +58,13 @@ def locked_tasks(app: Any) -> list[Any]:
     return sorted((t for t in app.tasks.values() if isinstance(t, LockGuard)), key=lambda t: t.name)
 
 
-def run(app: Any) -> list[Finding]:
-    """Every finding for ``app``; an empty list means nothing to report."""
+def run(app: Any, consumer_timeout: float | None = None) -> list[Finding]:
+    """Every finding for ``app``; an empty list means nothing to report.
+
+    ``consumer_timeout`` is RabbitMQ's server setting in seconds, when the
+    operator knows it (``--rabbitmq-consumer-timeout``); else RabbitMQ's
+    default is assumed, and a queue's ``x-consumer-timeout`` overrides both.
+    """
     try:
         s = settings(app)
     except ConfigurationError as exc:
@@ -97,6 +73,8 @@ def run(app: Any) -> list[Finding]:
     tasks = locked_tasks(app)
     findings += _task_findings(app, s, tasks)
     findings += _pool_findings(app, tasks)
+    valid = [t for t in tasks if _resolves(t)]  # a task whose options are invalid is a `configuration` finding
+    findings += broker_checks.findings(app, s, valid, consumer_timeout)
     try:
         # The operator's client: a key that is not UTF-8 (anyone may plant one) must not stop the checks.
         client = connection.operator_client(s)
@@ -112,19 +90,45 @@ def run(app: Any) -> list[Finding]:
                 "While it is down, fail_closed tasks wait and fail_open tasks run with no lock at all.",
             ),
             *findings,
+            *beat_checks.findings(app, s, valid, None, consumer_timeout),
         ]
-    findings += _server_findings(app, s, client)
+    refused: dict[str, str] = {}
+    holds = _holds(client, s, refused)
+    findings += beat_checks.findings(app, s, valid, holds, consumer_timeout)
+    findings += _server_findings(app, s, client, refused)
+    if refused:
+        findings.append(_refused(refused))
     return findings
 
 
+def _resolves(task: Any) -> bool:
+    try:
+        task.lockguard_options  # noqa: B018 - resolving is the check
+    except ConfigurationError:
+        return False
+    return True
+
+
+def _holds(client: Any, s: Settings, refused: dict[str, str]) -> dict[str, tuple[float, str]] | None:
+    """Each task's typical hold from the fleet's flushed metrics; ``None`` when the ACL refuses reading them."""
+    try:
+        return beat_checks.typical_holds(stats.summarize(stats.read(client, s.key_prefix)))
+    except NoPermissionError as exc:
+        refused["hold-time metrics (beat_interval_below_hold fell back on lock_ttl)"] = str(exc)
+        return None
+
+
+def _refused(refused: dict[str, str]) -> Finding:
+    listed = "; ".join(f"{check}: {reason}" for check, reason in refused.items())
+    return Finding(
+        "server_checks_refused",
+        f"the lock Redis refused commands these checks need, for this user: {listed}. Those checks were skipped, "
+        "not passed. Run doctor with the operator's credentials (celery_lockguard.acl.rule(prefix) grants "
+        "SCAN, INFO, CONFIG GET and HGETALL; the workers' rule(prefix, cli=False) does not).",
+    )
+
+
 # -- per-task configuration ------------------------------------------------------------
-
-
-def _limit(task: Any, app: Any, which: str) -> float | None:
-    value = getattr(task, which, None)
-    if value is None:
-        value = app.conf.get(f"task_{which}")
-    return float(value) if value else None
 
 
 def _task_findings(app: Any, s: Settings, tasks: list[Any]) -> list[Finding]:
@@ -133,7 +137,7 @@ def _task_findings(app: Any, s: Settings, tasks: list[Any]) -> list[Finding]:
     broker_server = server_of(broker)
     lock_server = None if s.sentinels else server_of(s.redis_url)
     shares_broker = broker_server is not None and broker_server == lock_server
-    visibility_applies = urlsplit(broker).scheme in (*_REDIS_SCHEMES, "sentinel", "sqs")
+    visibility_applies = urlsplit(broker).scheme in VISIBILITY_SCHEMES
     sharing: list[str] = []
     for task in tasks:
         try:
@@ -292,15 +296,42 @@ def _node_infos(client: Any, section: str) -> dict[str, dict[str, Any]]:
     return {"": dict(info or {})}  # a cluster of one master
 
 
-def _server_findings(app: Any, s: Settings, client: Any) -> list[Finding]:
-    out: list[Finding] = []
-    memories = _node_infos(client, "memory")
-    policies = {node: m.get("maxmemory_policy") for node, m in memories.items()}
+def _policies(client: Any) -> tuple[dict[str, Any], str | None]:
+    """Each master's ``maxmemory-policy``, and why it could not be read (``None``: it was).
+
+    ``INFO memory`` first (every master on Cluster); ``CONFIG GET`` only when
+    INFO lacks the policy. Managed servers and ACL users often refuse one or
+    both: the refusal is reported, never raised.
+    """
+    why: list[str] = []
+    try:
+        policies = {node: m.get("maxmemory_policy") for node, m in _node_infos(client, "memory").items()}
+    except NoPermissionError as exc:
+        policies, why = {"": None}, [f"INFO refused ({exc})"]
     if None in policies.values() and len(policies) == 1:
         try:
             policies = {"": (client.config_get("maxmemory-policy") or {}).get("maxmemory-policy")}
-        except Exception:  # noqa: BLE001 - CONFIG is often disabled on managed Redis
-            pass
+        except NoPermissionError as exc:
+            why.append(f"CONFIG GET refused ({exc})")
+        except Exception as exc:  # noqa: BLE001 - CONFIG is often disabled or renamed on managed Redis
+            why.append(f"CONFIG GET failed ({exc.__class__.__name__}: {exc})")
+    if None in policies.values():
+        return {n: p for n, p in policies.items() if p is not None}, "; ".join(why) or "INFO memory does not report it"
+    return policies, None
+
+
+def _server_findings(app: Any, s: Settings, client: Any, refused: dict[str, str]) -> list[Finding]:
+    out: list[Finding] = []
+    policies, unknown = _policies(client)
+    if unknown is not None:
+        out.append(
+            Finding(
+                "maxmemory_policy_unknown",
+                f"the lock Redis's maxmemory-policy cannot be read: {unknown}. Whether it evicts leases, fences "
+                "and completion records is unknown, not fine: check it with your provider or as an admin "
+                "(CONFIG GET maxmemory-policy), and make it noeviction.",
+            )
+        )
     evicting = {node: p for node, p in policies.items() if p is not None and p != "noeviction"}
     policy = next(iter(evicting.values()), None)
     if policy is not None:
@@ -322,7 +353,14 @@ def _server_findings(app: Any, s: Settings, client: Any) -> list[Finding]:
                 "maxmemory-policy noeviction (writes then fail loudly instead).",
             )
         )
-    evicted = sum(int(st.get("evicted_keys") or 0) for st in _node_infos(client, "stats").values())
+        shared = _shares_broker(app, s)
+        if shared is not None:
+            out.append(_evicting_broker(str(policy), shared, s))
+    try:
+        evicted = sum(int(st.get("evicted_keys") or 0) for st in _node_infos(client, "stats").values())
+    except NoPermissionError as exc:
+        refused["evictions (INFO stats)"] = str(exc)
+        evicted = 0
     if evicted:
         out.append(
             Finding(
@@ -331,8 +369,44 @@ def _server_findings(app: Any, s: Settings, client: Any) -> list[Finding]:
                 "have been among them. Give it more memory, move other traffic off it, and set noeviction.",
             )
         )
-    out += _foreign_traffic(app, s, client)
+    try:
+        out += _foreign_traffic(app, s, client)
+    except NoPermissionError as exc:
+        refused["cache_traffic and shared_server (SCAN, INFO keyspace)"] = str(exc)
     return out
+
+
+def _shares_broker(app: Any, s: Settings) -> str | None:
+    """How the lock Redis is the broker's (``"database"`` or ``"server"``), or ``None``; judged from the URLs."""
+    lock_server = None if s.sentinels else server_of(s.redis_url)
+    broker = _broker_url(app)
+    if lock_server is None or server_of(broker) != lock_server:
+        return None
+    return "database" if db_of(broker) == db_of(s.redis_url) else "server"
+
+
+def _evicting_broker(policy: str, shared: str, s: Settings) -> Finding:
+    where = "the same database" if shared == "database" else "the same server (another database: memory is per server)"
+    if policy.startswith("volatile"):
+        why = (
+            "the broker's queues and its unacked hash carry no TTL and are never evicted, but every lock key "
+            "does: a backlog (a queue that grows while workers are down, a burst of publishes) fills the memory, "
+            "and Redis makes room by evicting exactly the leases, fences and completion records. A second copy "
+            "then runs beside a live holder, and a lost record lets a redelivery run again"
+        )
+    else:
+        why = (
+            "under memory pressure Redis may evict the broker's own keys: a queue (a list of messages: tasks "
+            "that then never run), or the unacked hash that brings a dead worker's acks_late job back; and the "
+            "broker's backlog is what fills the memory that then evicts leases and records"
+        )
+    return Finding(
+        "broker_shares_evicting_redis",
+        f"the lock Redis ({redact(s.redis_url)}) is the broker's, in {where}, and its maxmemory-policy={policy} "
+        f"evicts: {why}. Give the locks their own Redis with maxmemory-policy noeviction (lockguard_redis_url), "
+        "or set noeviction here (publishes and lock writes then fail loudly when memory is full, and "
+        "fail_closed tasks wait).",
+    )
 
 
 def _known_patterns(app: Any, s: Settings) -> list[str]:

@@ -46,9 +46,22 @@ _LEVELS: dict[str, int] = {
     "lock.released": logging.DEBUG,
     "lock.renewed": logging.DEBUG,
     "lock.contended": logging.DEBUG,
+    "lock.admitted": logging.DEBUG,
+    "lock.throttled": logging.DEBUG,
     "lock.retry_scheduled": logging.DEBUG,
     "lock.woken": logging.DEBUG,
     "lock.handoff_dropped": logging.DEBUG,
+    "lock.debounced": logging.DEBUG,
+    "lock.superseded": logging.INFO,
+    "lock.debounce_missing": logging.WARNING,
+    "workflow.started": logging.DEBUG,
+    "workflow.entered": logging.DEBUG,
+    "workflow.handed_over": logging.DEBUG,
+    "workflow.member_dropped": logging.INFO,
+    "workflow.released": logging.INFO,
+    "workflow.taken_over": logging.WARNING,
+    "workflow.released_on_error": logging.WARNING,
+    "workflow.lost": logging.WARNING,
     "lock.skipped_duplicate": logging.INFO,
     "completion.skipped": logging.INFO,
     "completion.result_dropped": logging.INFO,
@@ -108,11 +121,16 @@ def log(
     """Log one event at ``level`` through ``backend`` (default: the one in force here); never raises."""
     try:
         if _use_structlog(backend):
+            method = getattr(_structlog(), _METHODS.get(level, "info"))
+            if _NOP is not None and getattr(method, "__func__", None) is _NOP:
+                # A filtering bound logger below its level: the call would return None and run nothing,
+                # so the fields are not cleaned for it (the per-task debug events, in production).
+                return
             task_name, fields = _clean(task_name, MAX_SHOWN), _clean_fields(fields)
             kwargs = {"task_name": task_name, **fields}
             if exc_info:
                 kwargs["exc_info"] = True
-            getattr(_structlog(), _METHODS.get(level, "info"))(event, **kwargs)
+            method(event, **kwargs)
         elif _stdlib.isEnabledFor(level):
             task_name, fields = _clean(task_name, MAX_SHOWN), _clean_fields(fields)
             _stdlib.log(
@@ -192,11 +210,24 @@ def backend_choice() -> str:
     return getattr(loaded, "log_backend", "auto")
 
 
+def _structlog_nop() -> Any:
+    """structlog's do-nothing level method (``make_filtering_bound_logger`` below its level), or ``None``."""
+    try:
+        from structlog._native import _nop
+    except ImportError:  # pragma: no cover - a structlog without it: every call is made, as before
+        return None
+    return _nop
+
+
+_NOP: Any = None
+
+
 def _structlog() -> Any:
-    global _structlog_logger
+    global _structlog_logger, _NOP
     if _structlog_logger is None:
         import structlog
 
+        _NOP = _structlog_nop()
         _structlog_logger = structlog.get_logger(LOGGER_NAME)
     return _structlog_logger
 

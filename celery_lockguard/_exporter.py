@@ -1,7 +1,9 @@
 """``lockguard exporter``: the fleet's metrics over HTTP for Prometheus, hardened against who connects.
 
-Each scrape of ``/metrics`` reads the flushed totals from Redis and answers
-them as Prometheus text (:func:`celery_lockguard._stats.prometheus`). The
+Each scrape of ``/metrics`` reads the flushed totals and the processes'
+gauges from Redis (one pipeline, plus one ``MGET`` when any process holds a
+lease: never a ``SCAN``) and answers them as Prometheus text
+(:func:`celery_lockguard._stats.prometheus`). The
 server is a thread per connection, bounded every way a client (or a port
 scanner, or a half-open load balancer) can hold it:
 
@@ -18,6 +20,11 @@ scanner, or a half-open load balancer) can hold it:
   it now sleeps 50 ms doubling to 1 s between attempts, and logs once per run
   of failures.
 
+Read-only: GET and HEAD are served, any other method is answered 405. With
+``--page`` the same server (and so every bound above) also serves the lock
+page, and with ``--auth`` asks every request for basic auth
+(:mod:`celery_lockguard._page`).
+
 A scrape that fails answers with a status, never an empty reply: 503 when the
 lock Redis is unreachable, 500 for anything else (a value no worker writes,
 a key of the wrong type); the server keeps serving either way.
@@ -30,13 +37,16 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _connection as connection
 from . import _stats as stats
 from ._config import Settings
 from ._connection import UNAVAILABLE_ERRORS
 from ._events import logger
+
+if TYPE_CHECKING:
+    from ._page import Front
 
 #: Seconds a connection may stay silent before it is closed.
 DEFAULT_TIMEOUT = 10.0
@@ -64,13 +74,42 @@ class MetricsHandler(BaseHTTPRequestHandler):
         super().setup()
         self.connection.settimeout(self.server.handler_timeout)  # a silent client is dropped, not waited for
 
+    def parse_request(self) -> bool:
+        """Read-only: any method but GET and HEAD is answered 405 (with ``Allow``) before it is looked at."""
+        if not super().parse_request():
+            return False
+        if self.command in ("GET", "HEAD"):
+            return True
+        self.send_response(405)
+        self.send_header("Allow", "GET, HEAD")
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", "19")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(b"method not allowed\n")
+        self.close_connection = True
+        return False
+
+    def end_headers(self) -> None:
+        """A HEAD gets the headers GET would send, and no body: what is written after them is dropped."""
+        super().end_headers()
+        if self.command == "HEAD":
+            self.wfile = _Discard(self.wfile)  # type: ignore[assignment]
+
+    def do_HEAD(self) -> None:
+        self.do_GET()
+
     def do_GET(self) -> None:
+        front = self.server.front  # basic auth and the lock page (``_page``), when configured
+        if front is not None and front.answer(self):
+            return
         if self.path.split("?")[0] not in ("/metrics", "/"):
             self.send_error(404)
             return
         try:
             s = self.server.settings
-            body = stats.prometheus(stats.read(connection.operator_client(s), s.key_prefix, windows=False)).encode()
+            raw = stats.read(connection.operator_client(s), s.key_prefix, windows=False)
+            body = stats.prometheus(raw, self.server.templates).encode()
             code = 200
         except UNAVAILABLE_ERRORS as exc:
             body, code = f"lock Redis unreachable: {exc.__class__.__name__}\n".encode(), 503
@@ -87,6 +126,26 @@ class MetricsHandler(BaseHTTPRequestHandler):
         """Quiet: a scrape every few seconds is not worth a line (failures are logged as events)."""
 
 
+class _Discard:
+    """A HEAD's ``wfile`` once its headers are out: writes are dropped, flush and close reach the socket's."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def close(self) -> None:
+        self._stream.close()
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._stream.closed)
+
+
 class MetricsServer(ThreadingHTTPServer):
     """A :class:`ThreadingHTTPServer` with a connection cap, a per-connection deadline and accept backoff."""
 
@@ -99,10 +158,14 @@ class MetricsServer(ThreadingHTTPServer):
         s: Settings,
         timeout: float = DEFAULT_TIMEOUT,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        front: Front | None = None,
     ) -> None:
         if not timeout > 0 or max_connections < 1:
             raise ValueError("the exporter needs a timeout > 0 and max_connections >= 1")
         self.settings = s
+        self.front = front
+        #: Task name -> lock_key template, for the per-template counters (the CLI fills it from the app).
+        self.templates: dict[str, str] = {}
         self.handler_timeout = float(timeout)
         self.max_connections = max_connections
         self._slots = threading.BoundedSemaphore(max_connections)
@@ -110,6 +173,8 @@ class MetricsServer(ThreadingHTTPServer):
         self._open_lock = threading.Lock()
         self._backoff = 0.0
         self._closing = threading.Event()
+        # An IPv6 literal (``--bind ::1``) needs an IPv6 socket; the class default is IPv4.
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, MetricsHandler)
         threading.Thread(target=self._reap, name="lockguard-exporter-reaper", daemon=True).start()
 
@@ -189,6 +254,10 @@ def serve(
     port: int,
     timeout: float = DEFAULT_TIMEOUT,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    front: Front | None = None,
 ) -> MetricsServer:
-    """A server listening on ``bind:port`` (0: any free port), not yet serving: call ``serve_forever``."""
-    return MetricsServer((bind, port), s, timeout, max_connections)
+    """A server listening on ``bind:port`` (0: any free port), not yet serving: call ``serve_forever``.
+
+    ``front`` (:class:`celery_lockguard._page.Front`) adds basic auth and the lock page.
+    """
+    return MetricsServer((bind, port), s, timeout, max_connections, front)

@@ -64,14 +64,23 @@ class Parked:
     pttl_ms: int = 0
 
 
+#: A safety copy comes back up to this much later than the holder's remaining TTL.
+SAFETY_JITTER = 1.25
+
+
 def safety_countdown(pttl_ms: int, s: Settings) -> float:
     """When the safety copy comes back: the holder's remaining TTL, jittered later, below the visibility timeout.
 
     A release wakes the waiter long before; the safety copy only acts when no
     wake came (the releaser died, or the holder is still alive and renewing).
     """
-    countdown = max(pttl_ms / 1000, 0.05) * random.uniform(1.0, 1.25) + 0.05
+    countdown = max(pttl_ms / 1000, 0.05) * random.uniform(1.0, SAFETY_JITTER) + 0.05
     return min(countdown, max(0.05, s.visibility_timeout / 2))
+
+
+def longest_safety_countdown(ttl: float, s: Settings) -> float:
+    """The longest countdown :func:`safety_countdown` gives behind a holder whose lease TTL is ``ttl``."""
+    return min(max(ttl, 0.05) * SAFETY_JITTER + 0.05, max(0.05, s.visibility_timeout / 2))
 
 
 def message_for(task: Any, request: Any, args: Any, kwargs: Any, hdrs: dict[str, Any]) -> str | None:

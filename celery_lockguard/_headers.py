@@ -27,11 +27,24 @@ PARK = "lockguard_park"
 #: Marks the woken copy a releaser published (absent: the safety copy); see ``_decision.decide_parked``.
 WOKEN = "lockguard_woken"
 
-#: Every header lockguard sets; a self-republish carries each one it finds on.
 #: When the delivery first parked (ms, the publisher's clock): a copy parking again keeps its place in the queue.
 PARKED_AT = "lockguard_parked_at"
+#: When the message was first delivered (unix ms, that worker's clock), set on its first wait or park and
+#: carried by every copy after: the lock-wait histogram counts from it to the acquisition, re-queued waits
+#: included. A ``retry()`` is a new attempt and starts again.
+FIRST_DELIVERED = "lockguard_first_delivered"
 
-ALL = (WAITS, WATCH, WATCH_TOKEN, CLAIM, ATTEMPT, PARK, WOKEN, PARKED_AT)
+#: The debounce burst a message belongs to (``_debounce``): a wait copy carries it on and is recognised as
+#: the burst's run; ``retry()`` drops it (a retry is a new attempt, never debounced).
+DEBOUNCE = "lockguard_debounce"
+
+#: Every header lockguard sets; a self-republish carries each one it finds on.
+ALL = (WAITS, WATCH, WATCH_TOKEN, CLAIM, ATTEMPT, PARK, WOKEN, PARKED_AT, FIRST_DELIVERED, DEBOUNCE)
+
+#: The workflow a message is a member of (``_workflow.Spec``: entity key, workflow id, TTLs, policies),
+#: set on every member when ``workflow()`` publishes. Not in :data:`ALL`: a retry keeps it (a new attempt
+#: of the same member), and every self-republish carries it on (``_republish``).
+WORKFLOW = "lockguard_workflow"
 
 
 def read(request: Any, name: str) -> Any:
@@ -46,8 +59,22 @@ def read_int(request: Any, name: str) -> int:
     """A counting header (``WAITS``, ``WATCH``), 0 when absent or unreadable."""
     try:
         return int(read(request, name) or 0)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: a JSON ``Infinity`` (int(inf))
         return 0
+
+
+#: Above any time a header of ours can carry (ms): JSON-exact, and an int64 on AMQP.
+_MAX_MS = 2**53
+
+
+def read_ms(request: Any, name: str) -> int:
+    """A time header (unix ms, ``FIRST_DELIVERED``), 0 when absent, unreadable or not a plausible time.
+
+    Anyone who can publish can set it: a value <= 0 or beyond any clock would put a wait of
+    10^19 ms into the counters, which no ``HINCRBY`` can add, so it reads as absent.
+    """
+    value = read_int(request, name)
+    return value if 0 < value < _MAX_MS else 0
 
 
 def read_str(request: Any, name: str) -> str:

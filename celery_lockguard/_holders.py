@@ -21,16 +21,18 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._keys import lock_name, parse_lock_name
+from ._keys import MAX_KEY, lock_name, parse_lock_name, parse_rate_name, parse_slot_lock_name, rate_name, wait_name
+from ._terminal import plural
 
 #: A counter or a timestamp as the scripts write it: ASCII digits (at most 18, an int64's worth).
 _NUMBER = re.compile(r"[0-9]{1,18}\Z")
 #: Lease hashes read per pipeline round trip.
 BATCH = 200
 #: Lease states the scripts write (docs/reference.md, "Redis keys"): an until_done claim being
-#: published or queued, a running holder, a release's reservation for a woken waiter. A state not
+#: published or queued, a running holder, a release's reservation for a woken waiter, a workflow's lease
+#: handed on and waiting for its next member (``gap``). A state not
 #: listed here is shown as stored and named in ``malformed``: add it here when a script writes a new one.
-STATES = ("publishing", "queued", "running", "handed")
+STATES = ("publishing", "queued", "running", "handed", "gap")
 
 
 def number(value: object) -> int | None:
@@ -56,6 +58,17 @@ class HeldLease:
     ttl_left_ms: int | None
     lease_ttl_ms: int | None
     malformed: tuple[str, ...] = field(default=())
+    #: The slot of a ``lock_limit`` lease (``{K}:lock:<i>``; 0 for K's plain lease hash).
+    slot: int = 0
+    #: ``lock_limit`` / ``lock_rate`` the holder was admitted under (ACQUIRE_SLOTS writes them), else None.
+    limit: int | None = None
+    rate: int | None = None
+    window_ms: int | None = None
+    #: A workflow's lease (``celery_lockguard.workflow``): its id, and the member's task name
+    #: (``task_name`` is then the workflow's name, ``task_id`` the member's; in state ``gap``,
+    #: the member that handed it on).
+    workflow_id: str | None = None
+    member: str | None = None
 
     @classmethod
     def from_hash(cls, prefix: str, redis_key: str, fields: dict[str, str], pttl: Any, now_ms: int) -> HeldLease:
@@ -92,6 +105,12 @@ class HeldLease:
             ttl_left_ms=left,
             lease_ttl_ms=ttl,
             malformed=tuple(bad),
+            slot=_slot(prefix, redis_key),
+            limit=num("limit"),
+            rate=num("rate") or None,
+            window_ms=num("window") or None,
+            workflow_id=fields.get("workflow") or None,
+            member=(fields.get("member") or None) if fields.get("workflow") else None,
         )
 
     @classmethod
@@ -112,11 +131,12 @@ class HeldLease:
             ttl_left_ms=None,
             lease_ttl_ms=None,
             malformed=(why,),
+            slot=_slot(prefix, redis_key),
         )
 
     def as_dict(self) -> dict[str, Any]:
-        """The row of ``lockguard locks --json``."""
-        return {
+        """The row of ``lockguard locks --json`` (``workflow_id`` and ``member`` only for a workflow's lease)."""
+        row: dict[str, Any] = {
             "key": self.key,
             "redis_key": self.redis_key,
             "state": self.state,
@@ -131,7 +151,26 @@ class HeldLease:
             "ttl_left_ms": self.ttl_left_ms,
             "lease_ttl_ms": self.lease_ttl_ms,
             "malformed": list(self.malformed),
+            # lock_limit / lock_rate leases only: a single lease's row stays as it always was.
+            **(
+                {"slot": self.slot, "limit": self.limit, "rate": self.rate, "window_ms": self.window_ms}
+                if self.slot or self.limit is not None or self.rate is not None
+                else {}
+            ),
         }
+        if self.workflow_id is not None:  # a workflow's lease: its id and the member at it
+            row.update(workflow_id=self.workflow_id, member=self.member)
+        return row
+
+    @property
+    def label(self) -> str:
+        """The entity key as the operator reads it: K, or ``K (slot i)`` for a ``lock_limit`` slot i > 0."""
+        return self.key if not self.slot else f"{self.key} (slot {self.slot})"
+
+
+def _slot(prefix: str, redis_key: str) -> int:
+    parsed = parse_slot_lock_name(prefix, redis_key)
+    return parsed[1] if parsed is not None else 0
 
 
 def server_ms(client: Any) -> int:
@@ -148,7 +187,9 @@ def read_leases(client: Any, prefix: str, match: str = "*") -> list[HeldLease]:
     wrong type is one unreadable row, not a failed command. A key released
     between SCAN and HGETALL is left out.
     """
-    names = sorted(client.scan_iter(match=lock_name(prefix, match), count=1000))
+    # ``:lock*`` also finds the slot leases ``{K}:lock:<i>`` of lock_limit tasks; nothing else ends that way.
+    found = client.scan_iter(match=lock_name(prefix, match) + "*", count=1000)
+    names = sorted(n for n in found if parse_slot_lock_name(prefix, n) is not None)
     now_ms = server_ms(client)
     out: list[HeldLease] = []
     for i in range(0, len(names), BATCH):
@@ -164,4 +205,136 @@ def read_leases(client: Any, prefix: str, match: str = "*") -> list[HeldLease]:
                 out.append(HeldLease.unreadable(prefix, name, reason))
             elif fields:
                 out.append(HeldLease.from_hash(prefix, name, fields, pttl, now_ms))
+    return out
+
+
+@dataclass(frozen=True)
+class EntityUse:
+    """A ``lock_limit`` / ``lock_rate`` entity as ``lockguard locks`` sums it up: slots held, window used."""
+
+    key: str
+    held: int
+    limit: int | None
+    rate: int | None
+    window_ms: int | None
+    starts: int | None
+
+    def text(self) -> str:
+        parts = [f"{self.held}/{self.limit if self.limit else '?'} slots held"]
+        if self.rate and self.window_ms:
+            parts.append(
+                f"{self.starts if self.starts is not None else '?'}/{self.rate} starts in the last "
+                f"{self.window_ms / 1000:g}s"
+            )
+        elif self.starts is not None:
+            parts.append(f"{plural(self.starts, 'start')} recorded (no task of this app names its lock_rate)")
+        return f"{self.key}: " + ", ".join(parts)
+
+    def as_dict(self, prefix: str) -> dict[str, Any]:
+        """The row of ``lockguard locks --json`` for a start window no slot holder carries (``state: "window"``)."""
+        return {
+            "key": self.key,
+            "redis_key": rate_name(prefix, self.key),
+            "state": "window",
+            "held": self.held,
+            "limit": self.limit,
+            "rate": self.rate,
+            "window_ms": self.window_ms,
+            "starts": self.starts,
+        }
+
+
+#: A ``lock_rate`` task as :func:`idle_windows` knows it: its key template's pattern, lock_limit, starts, window ms.
+RateTask = tuple["re.Pattern[str]", int, int, int]
+
+
+def idle_windows(client: Any, prefix: str, match: str, skip: set[str], rated: list[RateTask]) -> list[EntityUse]:
+    """``lock_rate`` windows holding starts while no slot of the entity is held (throttled between bodies).
+
+    A slot holder's row carries its rate and window; with none, the entity's key is matched against the
+    app's ``lock_rate`` tasks (``rated``): one match (or several that agree) gives the window, counted with
+    ``ZCOUNT`` by the server's clock; otherwise ``ZCARD`` says how many starts the window still records.
+    One SCAN, then one pipeline.
+    """
+    found = client.scan_iter(match=rate_name(prefix, match), count=1000)
+    entities = sorted({k for k in (parse_rate_name(prefix, n) for n in found) if k is not None and k not in skip})
+    if not entities:
+        return []
+    specs = {}
+    for key in entities:
+        # No worker renders a key past MAX_KEY; a planted longer one is not matched (backtracking grows with length).
+        fits = len(key) <= MAX_KEY
+        known = {(limit, n, window) for pattern, limit, n, window in rated if fits and pattern.fullmatch(key)}
+        specs[key] = known.pop() if len(known) == 1 else None
+    now_ms = server_ms(client)
+    out: list[EntityUse] = []
+    for i in range(0, len(entities), BATCH):
+        chunk = entities[i : i + BATCH]
+        pipe = client.pipeline(transaction=False)
+        for key in chunk:
+            spec = specs[key]
+            if spec is None:
+                pipe.zcard(rate_name(prefix, key))
+            else:
+                pipe.zcount(rate_name(prefix, key), f"({now_ms - spec[2]}", "+inf")
+        for key, count in zip(chunk, pipe.execute(raise_on_error=False), strict=True):
+            if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+                continue  # empty by now, or a key of the wrong type (planted): nothing to show
+            spec = specs[key]
+            limit, rate, window = spec if spec is not None else (None, None, None)
+            out.append(EntityUse(key=key, held=0, limit=limit, rate=rate, window_ms=window, starts=count))
+    return out
+
+
+def entity_use(client: Any, prefix: str, leases: list[HeldLease]) -> list[EntityUse]:
+    """Per entity whose leases carry a limit or a rate: slots held of N, and starts in its window now.
+
+    One pipeline of ``ZCOUNT`` (the window's starts newer than now - window, by the server's clock).
+    """
+    groups: dict[str, list[HeldLease]] = {}
+    for lease in leases:
+        if lease.limit is not None or lease.rate is not None:
+            groups.setdefault(lease.key, []).append(lease)
+    if not groups:
+        return []
+    now_ms = server_ms(client)
+    keys = sorted(groups)
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        first = groups[key][0]
+        pipe.zcount(rate_name(prefix, key), f"({now_ms - (first.window_ms or 0)}", "+inf")
+    counts = pipe.execute(raise_on_error=False)
+    out = []
+    for key, count in zip(keys, counts, strict=True):
+        rows = groups[key]
+        first = rows[0]
+        out.append(
+            EntityUse(
+                key=key,
+                held=len(rows),
+                limit=max((r.limit or 0) for r in rows) or None,
+                rate=first.rate,
+                window_ms=first.window_ms,
+                starts=count if isinstance(count, int) and first.rate else None,
+            )
+        )
+    return out
+
+
+def read_waiting(client: Any, prefix: str, keys: list[str]) -> dict[str, int]:
+    """Deliveries parked behind each entity in ``keys``: the length of its waiter queue (``_handoff``).
+
+    One pipeline of LLEN, every reply read (``raise_on_error=False``): a
+    waiter key of the wrong type (planted) is left out, not a failed read.
+    Entities nobody waits on are left out too.
+    """
+    out: dict[str, int] = {}
+    for i in range(0, len(keys), BATCH):
+        chunk = keys[i : i + BATCH]
+        pipe = client.pipeline(transaction=False)
+        for key in chunk:
+            pipe.llen(wait_name(prefix, key))
+        for key, n in zip(chunk, pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                out[key] = n
     return out

@@ -12,6 +12,7 @@ from typing import Any
 
 from ._config import settings
 from ._doctor import locked_tasks
+from ._holders import RateTask
 from ._redact import redact
 from ._terminal import printable
 from .exceptions import ConfigurationError
@@ -41,6 +42,7 @@ def inventory(app: Any) -> list[dict[str, Any]]:
                 "renew_every": round(o.ttl / 3, 3) if o.renew else None,
                 "max_hold": o.max_hold,
                 "mode": o.mode,
+                "debounce": o.debounce,
                 "queue_lock_ttl": o.queue_lock_ttl if o.mode != "while_running" else None,
                 "on_locked": o.on_locked,
                 "on_unavailable": o.on_unavailable,
@@ -52,6 +54,8 @@ def inventory(app: Any) -> list[dict[str, Any]]:
                 else None,
                 "completion_store": store if o.completion else None,
                 "acks_late": bool(getattr(task, "acks_late", False)),
+                "lock_limit": o.limit,
+                "lock_rate": o.rate.text if o.rate is not None else None,
             }
         )
     return out
@@ -68,6 +72,20 @@ def key_templates(app: Any) -> dict[str, str]:
         source = opts.lock_key or opts.idempotency_key
         if source is not None:
             out[task.name] = source.template
+    return out
+
+
+def rate_tasks(app: Any) -> list[RateTask]:
+    """The app's ``lock_rate`` tasks as ``lockguard locks`` matches an entity's window to them (template tasks only)."""
+    out: list[RateTask] = []
+    for task in locked_tasks(app):
+        try:
+            opts = task.lockguard_options
+        except ConfigurationError:
+            continue
+        pattern = opts.lock_key.pattern() if opts.rate is not None and opts.lock_key is not None else None
+        if pattern is not None and opts.rate is not None:
+            out.append((pattern, opts.limit, opts.rate.count, opts.rate.window_ms))
     return out
 
 
@@ -101,8 +119,15 @@ def markdown(app: Any, rows: list[dict[str, Any]]) -> str:
         )
         ctl = f"{r['completion_ttl']:g}s" if r["completion"] else "-"
         key = f"`{_cell(r['key_template'])}`" if r["key_template"] else "(none: unlocked)"
+        mode = r["mode"]
+        if r.get("lock_limit", 1) > 1:
+            mode += f", {r['lock_limit']} slots"
+        if r.get("lock_rate"):
+            mode += f", {_cell(r['lock_rate'])} starts"
+        if r.get("debounce") is not None:
+            mode += f", debounce {r['debounce']:g}s"
         lines.append(
-            f"| `{_cell(r['task'])}` | {key} | {r['ttl']:g}s | {renew} | {r['max_hold']:g}s | {r['mode']} "
+            f"| `{_cell(r['task'])}` | {key} | {r['ttl']:g}s | {renew} | {r['max_hold']:g}s | {mode} "
             f"| {r['on_locked']} | {r['on_unavailable']} | {scope} | {ctl} |"
         )
     return "\n".join(lines)

@@ -225,8 +225,23 @@ class KeyRenderer:
             parts.append((literal, field))
             previous_field = True
         self._parts = parts
+        self._separators = literal_chars
         self._marker = _marker("".join(literal for literal, _ in parts))
         self._escape = _escaper(literal_chars, MAX_PART, self._marker)
+
+    def pattern(self) -> re.Pattern[str] | None:
+        """A regex every key this template renders fully matches (the reader beside the format); None for a callable.
+
+        A field matches text without the template's separators (rendering escapes them in values), so
+        matching is linear, and a key of another template with the same shape matches too: an
+        operator's view (``lockguard locks``) uses it to name an entity's task, never a lease decision.
+        """
+        if callable(self.source):
+            return None
+        value = f"[^{re.escape(self._separators)}]+" if self._separators else ".+"
+        return re.compile(
+            "".join(re.escape(literal) + ("" if name is None else value) for literal, name in self._parts)
+        )
 
     @property
     def template(self) -> str:
@@ -272,11 +287,20 @@ def bind(signature: inspect.Signature, args: tuple[Any, ...], kwargs: Mapping[st
     return dict(ba.arguments)
 
 
+#: ``json.dumps(..., sort_keys=True, separators=(",", ":"))``, the encoder made once (encoders keep no state).
+_DIGEST_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+_json_str = json.encoder.encode_basestring_ascii
+
+
 def digest(arguments: Mapping[str, Any]) -> str:
     """A short digest of the call's arguments: same task + same digest = duplicate work."""
-    canonical = json.dumps(
-        {k: text(v, strict=False) for k, v in arguments.items()}, sort_keys=True, separators=(",", ":")
-    )
+    texts = {k: text(v, strict=False) for k, v in arguments.items()}
+    if all(type(k) is str for k in texts):
+        # What json.dumps(texts, sort_keys=True, separators=(",", ":")) writes, without building an encoder:
+        # every key and value is a str, written by encode_basestring_ascii, in key order.
+        canonical = "{" + ",".join(f"{_json_str(k)}:{_json_str(v)}" for k, v in sorted(texts.items())) + "}"
+    else:
+        canonical = _DIGEST_JSON.encode(texts)
     return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
@@ -294,11 +318,65 @@ def lock_name(prefix: str, key: str) -> str:
 
 
 def parse_lock_name(prefix: str, name: str) -> str | None:
-    """The entity key K of the lease key ``{prefix}:v1:{K}:lock`` (the inverse of :func:`lock_name`), else None."""
-    head, tail = f"{prefix}:v1:{{", "}:lock"
-    if len(name) > len(head) + len(tail) and name.startswith(head) and name.endswith(tail):
+    """The entity key K of a lease key, slot leases included (the inverse of :func:`slot_lock_name`), else None."""
+    parsed = parse_slot_lock_name(prefix, name)
+    return parsed[0] if parsed is not None else None
+
+
+def slot_lock_name(prefix: str, key: str, slot: int) -> str:
+    """Redis key of slot ``slot`` of entity K's leases (``lock_limit``): slot 0 is :func:`lock_name` itself.
+
+    Every slot keeps the ``{K}`` hash tag, so all N slots, their fences and the start window live in
+    one Cluster slot and one script touches them all. K is escaped (``{``, ``}`` never occur in it),
+    so ``}:lock:<i>`` ends the name unambiguously.
+    """
+    return lock_name(prefix, key) if slot == 0 else f"{prefix}:v1:{{{key}}}:lock:{slot}"
+
+
+def parse_slot_lock_name(prefix: str, name: str) -> tuple[str, int] | None:
+    """``(K, slot)`` of ``{prefix}:v1:{K}:lock`` (slot 0) or ``{prefix}:v1:{K}:lock:<i>``, else None."""
+    head = f"{prefix}:v1:{{"
+    if not name.startswith(head):
+        return None
+    body = name[len(head) :]
+    if body.endswith("}:lock") and len(body) > len("}:lock"):
+        return body[: -len("}:lock")], 0
+    entity, sep, slot = body.rpartition("}:lock:")
+    if sep and entity and slot.isdigit() and slot == str(int(slot)) and int(slot) > 0:
+        return entity, int(slot)
+    return None
+
+
+def slot_fence_name(prefix: str, key: str, slot: int) -> str:
+    """Redis key of slot ``slot``'s fence counter: slot 0 is :func:`fence_name`; each slot fences on its own."""
+    return fence_name(prefix, key) if slot == 0 else f"{prefix}:v1:{{{key}}}:fence:{slot}"
+
+
+def fence_row(key: str, slot: int | None) -> str:
+    """The row ``advance_fence`` keeps for a lease: K for the single lease and slot 0, ``K#<i>`` for slot i."""
+    return key if not slot else f"{key}#{slot}"
+
+
+def rate_name(prefix: str, key: str) -> str:
+    """Redis key of entity K's start window (``lock_rate``): a ZSET token -> start ms, PX = the window."""
+    return f"{prefix}:v1:{{{key}}}:rate"
+
+
+def parse_rate_name(prefix: str, name: str) -> str | None:
+    """The entity key K of a start window's key (the inverse of :func:`rate_name`), else None."""
+    head, tail = f"{prefix}:v1:{{", "}:rate"
+    if name.startswith(head) and name.endswith(tail) and len(name) > len(head) + len(tail):
         return name[len(head) : -len(tail)]
     return None
+
+
+def workflows_ended_name(prefix: str, key: str) -> str:
+    """Redis key of entity K's ended workflows (a sorted set: workflow id -> end time, same slot as its lease).
+
+    A redelivered copy of a member whose workflow already ended (released by its last member, a
+    failure, or a revoke) finds its id here and is dropped, instead of starting the workflow again.
+    """
+    return f"{prefix}:v1:{{{key}}}:wfended"
 
 
 def fence_name(prefix: str, key: str) -> str:
@@ -334,3 +412,37 @@ def done_name(prefix: str, scope: str) -> str:
 def checkpoint_name(prefix: str, scope: str) -> str:
     """Redis key of scope S's checkpoint hash (same slot as its record)."""
     return f"{prefix}:v1:{{{scope}}}:cp"
+
+
+#: What follows the hash tag in a debounce record's name (``{prefix}:v1:{K}:debounce:<task name>``).
+_DEBOUNCE = "}:debounce:"
+#: What follows the task name in the name of a burst's run key.
+_DEBOUNCE_RUN = ":run:"
+
+
+def debounce_name(prefix: str, key: str, task_name: str) -> str:
+    """Redis key of task ``task_name``'s debounce record on entity K (same slot as its lease).
+
+    Per task, not per entity: two task types sharing K (``reindex`` and ``notify``) debounce apart,
+    and neither can supersede the other's pending run.
+    """
+    return f"{prefix}:v1:{{{key}}}:debounce:{meta(task_name)}"
+
+
+def debounce_run_name(prefix: str, key: str, task_name: str, burst: str) -> str:
+    """Redis key naming the run a debounce burst ended in (same slot): read by the burst's late messages."""
+    return f"{debounce_name(prefix, key, task_name)}{_DEBOUNCE_RUN}{meta(burst)}"
+
+
+def parse_debounce_name(prefix: str, name: str) -> tuple[str, str] | None:
+    """``(K, task name)`` of a debounce record's name (the inverse of :func:`debounce_name`), else None.
+
+    A burst's run key (``...:run:<burst>``) is not a record and parses as None.
+    """
+    head = f"{prefix}:v1:{{"
+    if not name.startswith(head) or _DEBOUNCE not in name:
+        return None
+    key, _, task_name = name[len(head) :].partition(_DEBOUNCE)
+    if not key or not task_name or _DEBOUNCE_RUN in task_name:
+        return None
+    return key, task_name

@@ -25,7 +25,20 @@ from redis.exceptions import AskError, MovedError, NoScriptError, ResponseError
 from . import _cluster as cluster
 from . import _scripts as scripts
 from . import _wire
-from ._keys import claim_name, done_name, fence_name, lock_name, meta, wait_name, waiters_name, watch_name
+from ._keys import (
+    claim_name,
+    done_name,
+    fence_name,
+    fence_row,
+    lock_name,
+    meta,
+    rate_name,
+    slot_fence_name,
+    slot_lock_name,
+    wait_name,
+    waiters_name,
+    watch_name,
+)
 from ._process import PerProcess
 from .exceptions import LockLost
 
@@ -41,10 +54,21 @@ class Lease:
     """A held lease: key, token, fence and a locally computed validity."""
 
     def __init__(
-        self, key: str, prefix: str, token: str, fence: int, ttl_ms: int, sent_at: float, task_id: str, task_name: str
+        self,
+        key: str,
+        prefix: str,
+        token: str,
+        fence: int,
+        ttl_ms: int,
+        sent_at: float,
+        task_id: str,
+        task_name: str,
+        slot: int | None = None,
     ) -> None:
         self.key = key
-        self.redis_key = lock_name(prefix, key)
+        #: The slot held (``lock_limit``/``lock_rate`` tasks, 0-based), or ``None`` for the single lease.
+        self.slot = slot
+        self.redis_key = slot_lock_name(prefix, key, slot or 0)
         self.token = token
         self.fence = fence
         self.ttl_ms = ttl_ms
@@ -68,6 +92,11 @@ class Lease:
             self._expired = True
             return True
         return False
+
+    @property
+    def fence_row(self) -> str:
+        """The row :func:`~celery_lockguard.advance_fence` keeps: K, or ``K#<i>`` for slot i > 0 (own fences)."""
+        return fence_row(self.key, self.slot)
 
     @property
     def held(self) -> bool:
@@ -123,6 +152,19 @@ class Holder:
     token: str
     #: The holder's own lease TTL in ms (0 if unknown): judge its liveness by it, not by the contender's.
     ttl_ms: int = 0
+    #: ``lock_limit``/``lock_rate`` tasks: the slot the holder holds and how many of the N slots are taken.
+    slot: int | None = None
+    busy: int = 1
+
+
+@dataclass(frozen=True)
+class Throttled:
+    """A slot was free but the entity's start window is full (``lock_rate``): nothing was acquired."""
+
+    #: Milliseconds until the oldest start in the window leaves it (the earliest a start can be admitted).
+    wait_ms: int
+    #: Starts in the window when asked.
+    starts: int
 
 
 @dataclass(frozen=True)
@@ -165,8 +207,14 @@ def acquire(
     claim_token: str = "",
     replicas: int = 0,
     replicas_timeout_ms: int = 0,
-) -> Lease | Holder | Done:
+    limit: int = 1,
+    rate: tuple[int, int] | None = None,
+) -> Lease | Holder | Done | Throttled:
     """Try to take the lease on ``key``; check ``scope``'s completion record first.
+
+    ``limit`` > 1 or a ``rate`` (starts, window ms) take one of ``limit`` slot leases through
+    ACQUIRE_SLOTS, admitted by the start window in the same round trip (``Throttled`` when it is
+    full); otherwise the single lease through ACQUIRE, exactly as before.
 
     ``claim_token`` frees this message's until_started claim in the same round trip.
     ``replicas`` > 0 sends ``WAIT replicas replicas_timeout_ms`` in the same
@@ -181,7 +229,14 @@ def acquire(
     """
     token = token or new_token()
     lock_key = lock_name(prefix, key)
-    keys = [lock_key, fence_name(prefix, key), claim_name(prefix, key)]
+    slotted = limit > 1 or rate is not None
+    if slotted:
+        keys = [slot_lock_name(prefix, key, i) for i in range(limit)]
+        keys += [slot_fence_name(prefix, key, i) for i in range(limit)]
+        keys.append(rate_name(prefix, key))
+    else:
+        keys = [lock_key, fence_name(prefix, key), claim_name(prefix, key)]
+    script = scripts.acquire_slots if slotted else scripts.acquire
     done_key = done_name(prefix, scope) if scope is not None else None
     split = done_key is not None and cluster.split_done(client, lock_key, done_key)
     if done_key is not None and not split:
@@ -198,34 +253,51 @@ def acquire(
         state,
         fence_ttl_ms,
         replace_token,
-        claim_token,
     ]
+    if slotted:
+        args += [limit, rate[0] if rate else 0, rate[1] if rate else 0]
+    else:
+        args.append(claim_token)
     sent_at = time.monotonic()
     acked: int | None = None
     try:
         if replicas > 0:
-            reply, acked = _acquire_and_wait(client, keys, args, replicas, replicas_timeout_ms)
+            reply, acked = _acquire_and_wait(client, keys, args, replicas, replicas_timeout_ms, script)
         else:
-            reply = scripts.acquire(client, keys, args)
+            reply = script(client, keys, args)
     except ResponseError as exc:
-        corrupt = scripts.corrupt_fence(exc, keys[1])
+        fences = keys[limit : 2 * limit] if slotted else [keys[1]]
+        text = str(exc)
+        named = next((f for f in fences if f" {f} " in text), fences[0])
+        corrupt = scripts.corrupt_fence(exc, named)
         if corrupt is not None:
             raise corrupt from exc
         raise
     kind = reply[0]
+    slot = int(reply[2]) if slotted and kind == "ok" else None
     if split and kind != "done":
+        # A full window is no reason to refuse work that already ran: a record answers a throttled call too.
         assert done_key is not None
         record = client.get(done_key)
         if record is not None:
             if kind == "ok":
-                scripts.release(client, [lock_key], [token, "", 0])
+                scripts.release(client, [slot_lock_name(prefix, key, slot or 0)], [token, "", 0])
+                if rate is not None:  # no body runs on this lease: its start is taken back (as _give_back does)
+                    client.zrem(rate_name(prefix, key), token)
             return Done(record)
     if kind == "ok":
-        lease = Lease(key, prefix, token, int(reply[1]), ttl_ms, sent_at, task_id, task_name)
+        lease = Lease(key, prefix, token, int(reply[1]), ttl_ms, sent_at, task_id, task_name, slot)
         lease.replicas = acked
         return lease
     if kind == "done":
         return Done(reply[1])
+    if kind == "throttled":
+        return Throttled(int(reply[1]), int(reply[2]))
+    return held_reply(reply)
+
+
+def held_reply(reply: Any) -> Holder:
+    """The holder in a script's ``'held'`` reply (ACQUIRE, ACQUIRE_SLOTS and WORKFLOW_ENTER share its layout)."""
     return Holder(
         task_id=reply[1],
         task_name=reply[2],
@@ -237,20 +309,24 @@ def acquire(
         ms_since_renewal=int(reply[8]),
         token=reply[9],
         ttl_ms=int(reply[10]) if len(reply) > 10 else 0,
+        slot=int(reply[11]) if len(reply) > 11 else None,
+        busy=int(reply[12]) if len(reply) > 12 else 1,
     )
 
 
-def _acquire_and_wait(client: Any, keys: list[str], args: list[Any], replicas: int, timeout_ms: int) -> tuple[Any, int]:
-    """ACQUIRE then ``WAIT`` in one pipeline: one connection, one round trip (plus the wait)."""
+def _acquire_and_wait(
+    client: Any, keys: list[str], args: list[Any], replicas: int, timeout_ms: int, script: scripts.Script
+) -> tuple[Any, int]:
+    """ACQUIRE (or ACQUIRE_SLOTS) then ``WAIT`` in one pipeline: one connection, one round trip (plus the wait)."""
     on_cluster = cluster.is_cluster(client)
     for attempt in range(3):
         target = cluster.node_client(client, keys[0]) if on_cluster else client
         pipe = target.pipeline(transaction=False)
-        pipe.evalsha(scripts.acquire.sha, len(keys), *keys, *args)
+        pipe.evalsha(script.sha, len(keys), *keys, *args)
         pipe.execute_command("WAIT", replicas, timeout_ms)
         reply, acked = pipe.execute(raise_on_error=False)
         if isinstance(reply, NoScriptError) and attempt < 2:
-            target.script_load(scripts.acquire.source)
+            target.script_load(script.source)
             continue
         if on_cluster and isinstance(reply, (MovedError, AskError)) and attempt < 2:
             client.nodes_manager.initialize()  # the slot moved: refresh the map, go to its new node
@@ -307,7 +383,7 @@ def release_and_wake(
             recorded = 1 if client.set(done_key, record, nx=True, px=completion_ttl_ms) else 0
             done_key = None
     released, recorded_here, woken = release_token(
-        client, prefix, lease.key, lease.token, record, completion_ttl_ms, reserve_ms, done_key
+        client, prefix, lease.key, lease.token, record, completion_ttl_ms, reserve_ms, done_key, lease.redis_key
     )
     lease.released = True
     return released, recorded_here or recorded, woken
@@ -322,16 +398,27 @@ def release_token(
     completion_ttl_ms: int = 0,
     reserve_ms: int = 0,
     done_key: str | None = None,
+    lease_key: str | None = None,
 ) -> tuple[int, int, Woken | None]:
-    """RELEASE by token (also a woken copy's reservation, from the worker's main process on a revoke)."""
-    keys, args = _release_call(prefix, key, token, record, completion_ttl_ms, reserve_ms, done_key)
+    """RELEASE by token (also a woken copy's reservation, from the worker's main process on a revoke).
+
+    ``lease_key``: the slot lease hash (``Lease.redis_key``) when it is not K's single lease.
+    """
+    keys, args = _release_call(prefix, key, token, record, completion_ttl_ms, reserve_ms, done_key, lease_key)
     return _released(key, scripts.release(client, keys, args))
 
 
 def _release_call(
-    prefix: str, key: str, token: str, record: str, completion_ttl_ms: int, reserve_ms: int, done_key: str | None
+    prefix: str,
+    key: str,
+    token: str,
+    record: str,
+    completion_ttl_ms: int,
+    reserve_ms: int,
+    done_key: str | None,
+    lease_key: str | None = None,
 ) -> tuple[list[str], list[Any]]:
-    keys = [lock_name(prefix, key), wait_name(prefix, key), waiters_name(prefix, key)]
+    keys = [lease_key or lock_name(prefix, key), wait_name(prefix, key), waiters_name(prefix, key)]
     if done_key is not None:
         keys.append(done_key)
     return keys, [token, record, completion_ttl_ms, reserve_ms]
@@ -366,7 +453,9 @@ def release_later(
     ch = _wire.channel(client)
     if ch is None:
         return False
-    keys, args = _release_call(prefix, lease.key, lease.token, record, completion_ttl_ms, reserve_ms, done_key)
+    keys, args = _release_call(
+        prefix, lease.key, lease.token, record, completion_ttl_ms, reserve_ms, done_key, lease.redis_key
+    )
 
     def read(reply: Any) -> None:
         on_reply(reply if isinstance(reply, BaseException) else _released(lease.key, reply))
@@ -389,24 +478,44 @@ def renew(client: Any, leases: list[Lease]) -> list[int]:
 
 
 def shorten(
-    client: Any, prefix: str, key: str, task_id: str, grace_ms: int, host: str = HOST, pid: int | None = None
+    client: Any,
+    prefix: str,
+    key: str,
+    task_id: str,
+    grace_ms: int,
+    host: str = HOST,
+    pid: int | None = None,
+    limit: int = 1,
 ) -> bool:
     """From a process without the token: cut the lease ``task_id`` holds on ``host`` to ``grace_ms``.
 
     ``pid``: the child that ran the task, when the caller knows it; then a
     same-host holder of the same task id in another process (a redelivery that
     took the lease over) is left alone. ``None`` matches any pid.
+    ``limit`` > 1: the main process does not know which slot the child took, so every slot is
+    tried (one SHORTEN each, on this rare path only) until one was the task's.
     """
     args: list[Any] = [meta(task_id), meta(host), grace_ms, "" if pid is None else int(pid)]
-    return bool(scripts.shorten(client, [lock_name(prefix, key)], args))
+    return any(bool(scripts.shorten(client, [slot_lock_name(prefix, key, i)], args)) for i in range(limit))
 
 
-def force_release(client: Any, prefix: str, key: str, fence_ttl_ms: int) -> tuple[bool, int, str]:
-    """Evict any holder of ``key`` and bump its fence; returns (deleted, new fence, evicted task id).
+def unadmit(client: Any, prefix: str, lease: Lease) -> int:
+    """Take back the start ``lease`` was admitted with (``lock_rate``) when no body runs on it.
 
-    Raises :class:`~celery_lockguard.exceptions.CorruptFence` (nothing deleted) when the fence counter is corrupt.
+    A watch copy whose original settled, a record found under the fresh lease, a late reply: the lease
+    is given back unused, and a start counted for it would spend the entity's budget on nothing (a
+    ``"1/h"`` partner budget gone for an hour). ZREM of its token; 1 taken back, 0 not in the window.
     """
-    keys = [lock_name(prefix, key), fence_name(prefix, key)]
+    return int(client.zrem(rate_name(prefix, lease.key), lease.token))
+
+
+def force_release(client: Any, prefix: str, key: str, fence_ttl_ms: int, slot: int = 0) -> tuple[bool, int, str]:
+    """Evict any holder of ``key`` (slot ``slot`` of a ``lock_limit`` entity) and bump its fence.
+
+    Returns (deleted, new fence, evicted task id). Raises
+    :class:`~celery_lockguard.exceptions.CorruptFence` (nothing deleted) when the fence counter is corrupt.
+    """
+    keys = [slot_lock_name(prefix, key, slot), slot_fence_name(prefix, key, slot)]
     try:
         deleted, fence, holder = scripts.force_release(client, keys, [fence_ttl_ms])
     except ResponseError as exc:

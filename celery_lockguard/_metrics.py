@@ -23,28 +23,61 @@ MULTI/EXEC to one node, on Cluster too):
   the events counted in that minute, kept :data:`WINDOW_KEEP` seconds, so
   ``lockguard stats`` can show recent windows.
 
+* ``{prefix}:v1:metrics:{fleet}:proc:<host>:<pid>`` -- what one process
+  holds *now* (JSON: per task and worker, the leases held and the oldest
+  one's acquisition time), rewritten by each of its flushes and expiring
+  :func:`gauge_ttl` seconds after the last, so a killed process drops out by
+  itself; ``{prefix}:v1:metrics:{fleet}:procs`` (a sorted set, score = last
+  flush time) names them, so a reader finds them with one ``ZRANGE`` and one
+  ``MGET`` -- never a ``SCAN``. A process that holds nothing and held
+  nothing at its last flush writes no gauge at all.
+
 A field is ``<task name>|<counter>``: ``<counter>`` is an event name
-(``lock.acquired``) or a hold-time field (``hold.count``, ``hold.sum_ms``,
-``hold.le.<ms>``, non-cumulative buckets). Fields starting with ``@`` are
-bookkeeping (first and last flush time). :func:`parse_count` and
+(``lock.acquired``) or a histogram field ``<family>.count``,
+``<family>.sum_ms``, ``<family>.le.<ms>`` (non-cumulative buckets) for each
+of :data:`HISTOGRAMS`: ``hold`` (acquire to release), ``wait`` (first
+delivery to acquisition, re-queued waits included) and ``renew_lag`` (how
+late a renewal was sent against when it was due). Fields starting with
+``@`` are bookkeeping (first and last flush time). :func:`parse_count` and
 :func:`parse_timestamp` read them back; a value no flush writes (anyone with
 write access to Redis can plant one) reads as None, and the reader skips it.
+
+What is held now comes from a registry of this process's running bodies
+(:func:`lease_held` / :func:`lease_ended`, two dict operations per task), read
+at flush time; renewal lag is taken from the renewer's own tally at flush time
+(:func:`add_collector`), so the renewer thread never takes the metrics lock.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
+import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from . import _events as events  # logs only; _events imports this module for counting
+from . import _otel_metrics as otel
 
 #: Upper bounds (ms) of the hold-time histogram buckets; the last is +inf.
 HOLD_BUCKETS_MS = (10, 50, 100, 500, 1000, 5000, 30000, 60000, 300000)
+#: Upper bounds (ms) of the lock-wait histogram: from first delivery to acquisition, re-queued waits included.
+WAIT_BUCKETS_MS = (5, 25, 100, 500, 1000, 5000, 15000, 60000, 300000, 1800000)
+#: Upper bounds (ms) of the renewal-lag histogram: how late a renewal was sent against when it was due.
+RENEW_LAG_BUCKETS_MS = (1, 5, 10, 50, 100, 500, 1000, 5000)
+#: The largest observation a histogram takes (a year, ms): its sum stays an int64 for 10^8 of them.
+MAX_OBSERVATION_MS = 365 * 86400 * 1000.0
+#: Histogram family -> its bucket bounds (ms). The family is the field prefix (``wait.le.100``).
+HISTOGRAMS: dict[str, tuple[int, ...]] = {
+    "hold": HOLD_BUCKETS_MS,
+    "wait": WAIT_BUCKETS_MS,
+    "renew_lag": RENEW_LAG_BUCKETS_MS,
+}
 
 #: Seconds a per-minute bucket is kept in Redis (the longest window ``stats`` shows is an hour).
 WINDOW_KEEP = 2 * 3600
@@ -55,11 +88,45 @@ DEFAULT_FLUSH_INTERVAL = 10.0
 #: The hash tag every metrics key carries: one slot, so one flush is one transaction.
 TAG = "{fleet}"
 
-_BUCKET_NAMES = [str(b) for b in HOLD_BUCKETS_MS] + ["+Inf"]
+
+def bucket_names(family: str) -> list[str]:
+    """The ``le`` names of a histogram family's buckets, as its fields spell them (``"100"``, ..., ``"+Inf"``)."""
+    return list(_FIELD_NAMES[family])
+
+
+#: Per family, the ``le`` names of its buckets (made once: observing is on every task's path).
+_FIELD_NAMES = {family: (*(str(b) for b in bounds), "+Inf") for family, bounds in HISTOGRAMS.items()}
+
+
+#: Per family, its field names in a flush: ``<family>.count``, ``<family>.sum_ms`` and one per bucket
+#: (``<family>.le.<name>``), made once: observing is on every task's path.
+_FIELDS = {
+    family: (f"{family}.count", f"{family}.sum_ms", tuple(f"{family}.le.{name}" for name in names))
+    for family, names in _FIELD_NAMES.items()
+}
+
+
+def bucket_of(bounds: tuple[int, ...], ms: float) -> int:
+    """The index of the bucket ``ms`` falls in (``len(bounds)``: the +Inf one). Pure: any thread may call it."""
+    for i, bound in enumerate(bounds):
+        if ms <= bound:
+            return i
+    return len(bounds)
+
+
+#: What a family's field names start with, to tell histogram fields from event counters.
+HISTOGRAM_FIELD_PREFIXES = tuple(f"{family}." for family in HISTOGRAMS)
 
 _lock = threading.Lock()
 _counts: Counter[tuple[str, str]] = Counter()
-_hold: dict[str, list[float]] = {}
+#: (task, family) -> [count, sum_ms, bucket 0, ..., +Inf bucket], since the process started.
+_hists: dict[tuple[str, str], list[float]] = {}
+#: Leases of this process's running bodies: id(lease) -> (lease, worker, acquired at in unix seconds).
+_held: dict[int, tuple[Any, str, float]] = {}
+#: Whether the last gauge this process flushed named any lease (then an empty one must replace it).
+_gauge_written = False
+#: Called at each flush, before the batch is taken: they add what other threads tallied (renewal lag).
+_collectors: list[Callable[[], None]] = []
 #: Not yet flushed: (unix minute, task, field) -> amount.
 _pending: Counter[tuple[int, str, str]] = Counter()
 
@@ -103,6 +170,30 @@ def minute_key(prefix: str, minute: int) -> str:
     return f"{prefix}:v1:metrics:{TAG}:min:{minute}"
 
 
+def procs_key(prefix: str) -> str:
+    """Redis key of the sorted set naming the processes whose gauges may still be alive."""
+    return f"{prefix}:v1:metrics:{TAG}:procs"
+
+
+def proc_key(prefix: str, proc: str) -> str:
+    """Redis key of one process's gauges (``proc`` is ``<host>:<pid>``)."""
+    return f"{prefix}:v1:metrics:{TAG}:proc:{proc}"
+
+
+def process_id() -> str:
+    """This process as the gauges name it: ``<host>:<pid>``."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def gauge_ttl(interval: float) -> float:
+    """Seconds a process's gauges outlive its last flush: three intervals, at least 30 s.
+
+    Long enough that a late flush never blanks a live process, short enough
+    that a SIGKILLed one stops counting its leases soon after they expire.
+    """
+    return max(3 * interval, 30.0)
+
+
 # -- counting (hot path: no I/O) -----------------------------------------------
 
 
@@ -112,24 +203,124 @@ def count(task_name: str, name: str, n: int = 1) -> None:
     with _lock:
         _counts[(task_name, name)] += n
         _pending[(minute, task_name, name)] += n
+    otel.add(task_name, name, n)
     if not _started and _target is not None:
         _start_flusher()
+
+
+def observe(task_name: str, family: str, ms: float) -> None:
+    """Record one observation of histogram ``family`` (:data:`HISTOGRAMS`) for ``task_name``.
+
+    Bounded to [0, :data:`MAX_OBSERVATION_MS`]: one value past int64 would make every later
+    flush's ``HINCRBY`` fail, and a failed flush's transaction still applies its other commands.
+    """
+    if math.isnan(ms):
+        return  # no bucket holds it; nothing measures one
+    ms = min(max(ms, 0.0), MAX_OBSERVATION_MS)
+    # merge() of new_row(family, ms), without building the row: one count, one sum, one bucket.
+    bounds = HISTOGRAMS[family]
+    i = bucket_of(bounds, ms)
+    count_field, sum_field, bucket_fields = _FIELDS[family]
+    minute = int(time.time() // 60)
+    with _lock:
+        mine = _hists.get((task_name, family))
+        if mine is None:
+            mine = _hists[(task_name, family)] = [0.0] * (len(bounds) + 3)
+        mine[0] += 1
+        mine[1] += ms
+        mine[2 + i] += 1
+        _pending[(minute, task_name, count_field)] += 1
+        _pending[(minute, task_name, sum_field)] += round(ms)
+        _pending[(minute, task_name, bucket_fields[i])] += 1
+    if not _started and _target is not None:
+        _start_flusher()
+    otel.record(task_name, family, ms)
 
 
 def observe_hold(task_name: str, hold_ms: float) -> None:
     """Record one lease's hold time (count, sum, histogram)."""
+    observe(task_name, "hold", hold_ms)
+
+
+def observe_wait(task_name: str, wait_ms: float) -> None:
+    """Record one acquisition's wait: from the message's first delivery to this acquisition (never negative)."""
+    observe(task_name, "wait", max(0.0, wait_ms))
+
+
+def new_row(family: str, ms: float | None = None) -> list[float]:
+    """An empty tally row of ``family`` ([count, sum_ms, buckets...]), or one holding the observation ``ms``."""
+    bounds = HISTOGRAMS[family]
+    row = [0.0] * (len(bounds) + 3)
+    if ms is not None:
+        add_to_row(row, bounds, ms)
+    return row
+
+
+def add_to_row(row: list[float], bounds: tuple[int, ...], ms: float) -> None:
+    """Add one observation to a tally row; lock-free (the caller guards the row). The renewer keeps its own."""
+    row[0] += 1
+    row[1] += ms
+    row[2 + bucket_of(bounds, ms)] += 1
+
+
+def merge(task_name: str, family: str, row: list[float]) -> None:
+    """Add a tally row (one observation, or many another thread collected) to the counts and the next flush."""
+    if not row[0]:
+        return
     minute = int(time.time() // 60)
-    bucket = next((i for i, bound in enumerate(HOLD_BUCKETS_MS) if hold_ms <= bound), len(HOLD_BUCKETS_MS))
+    count_field, sum_field, bucket_fields = _FIELDS[family]
     with _lock:
-        row = _hold.setdefault(task_name, [0.0, 0.0] + [0.0] * (len(HOLD_BUCKETS_MS) + 1))
-        row[0] += 1
-        row[1] += hold_ms
-        row[2 + bucket] += 1
-        _pending[(minute, task_name, "hold.count")] += 1
-        _pending[(minute, task_name, "hold.sum_ms")] += round(hold_ms)
-        _pending[(minute, task_name, f"hold.le.{_BUCKET_NAMES[bucket]}")] += 1
+        mine = _hists.setdefault((task_name, family), [0.0] * len(row))
+        for i, x in enumerate(row):
+            mine[i] += x
+        _pending[(minute, task_name, count_field)] += int(row[0])
+        _pending[(minute, task_name, sum_field)] += round(row[1])
+        for field, n in zip(bucket_fields, row[2:], strict=True):
+            if n:
+                _pending[(minute, task_name, field)] += int(n)
     if not _started and _target is not None:
         _start_flusher()
+
+
+def lease_held(lease: Any, worker: str) -> None:
+    """A body starts under ``lease`` on ``worker``: it counts as held until :func:`lease_ended`."""
+    acquired_at = time.time() - (time.monotonic() - lease.acquired_at)  # the lease keeps monotonic time
+    with _lock:
+        _held[id(lease)] = (lease, worker, acquired_at)
+
+
+def lease_ended(lease: Any) -> None:
+    """The body under ``lease`` ended (released, lost or handed over): no longer held here."""
+    with _lock:
+        _held.pop(id(lease), None)
+
+
+def held_now(now: float | None = None) -> list[dict[str, Any]]:
+    """Per (task, worker): the leases this process holds now and the oldest one's acquisition (unix seconds).
+
+    A lease already lost (expired, taken, cut off at ``lock_max_hold``) or released before its body
+    ended (``retry(throw=False)`` frees it, or hands it to the retry as its claim) is not held, though
+    its body runs on.
+    """
+    rows: dict[tuple[str, str], list[float]] = {}
+    with _lock:
+        entries = list(_held.values())
+    for lease, worker, acquired_at in entries:
+        if not lease.held:
+            continue
+        row = rows.setdefault((lease.task_name, worker), [0, acquired_at])
+        row[0] += 1
+        row[1] = min(row[1], acquired_at)
+    return [
+        {"task": task, "worker": worker, "held": int(n), "oldest_acquired_at": round(oldest, 3)}
+        for (task, worker), (n, oldest) in sorted(rows.items())
+    ]
+
+
+def add_collector(collect: Callable[[], None]) -> None:
+    """Run ``collect`` at every flush, before the batch is taken: it hands what it tallied to :func:`merge`."""
+    if collect not in _collectors:
+        _collectors.append(collect)
 
 
 def snapshot() -> dict[str, dict[str, Any]]:
@@ -138,11 +329,11 @@ def snapshot() -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
         for (task, name), n in _counts.items():
             out.setdefault(task, {})[name] = n
-        for task, row in _hold.items():
-            out.setdefault(task, {})["hold"] = {
+        for (task, family), row in _hists.items():
+            out.setdefault(task, {})[family] = {
                 "count": int(row[0]),
                 "sum_ms": row[1],
-                "buckets": dict(zip(_BUCKET_NAMES, [int(x) for x in row[2:]], strict=True)),
+                "buckets": dict(zip(bucket_names(family), [int(x) for x in row[2:]], strict=True)),
             }
         return out
 
@@ -154,28 +345,49 @@ def pending() -> int:
 
 
 def clear() -> None:
-    """Drop every counter, flushed or not (tests)."""
+    """Drop every counter, flushed or not, and forget what is held (tests)."""
+    global _gauge_written
     with _lock:
         _counts.clear()
-        _hold.clear()
+        _hists.clear()
         _pending.clear()
+        _held.clear()
+        _gauge_written = False
 
 
 # -- flushing ------------------------------------------------------------------
 
 
-def flush(client: Any, prefix: str) -> int:
+def _collect() -> None:
+    for collect in list(_collectors):
+        try:
+            collect()
+        except Exception as exc:  # noqa: BLE001 - a collector's bug costs its own numbers, never the flush
+            events.logger.warning("metrics.collect_failed", reason=f"{exc.__class__.__name__}: {exc}")
+
+
+def flush(client: Any, prefix: str, interval: float = DEFAULT_FLUSH_INTERVAL, final: bool = False) -> int:
     """Write what was counted since the last flush in one MULTI/EXEC; returns the cells written.
+
+    The same transaction rewrites this process's gauge (what it holds now),
+    living :func:`gauge_ttl` of ``interval``; ``final`` (the process exits)
+    deletes it instead. A process that holds nothing, held nothing at its last
+    flush and counted nothing sends nothing.
 
     On failure the counts are put back, to go with the next flush. (A flush
     whose reply is lost after Redis applied it is then counted twice: the
     price of never losing a flush to a blip.)
     """
+    global _gauge_written
     with _flush_lock:
+        _collect()
+        now = time.time()
+        held = [] if final else held_now(now)
         with _lock:
             batch = _pending.copy()
             _pending.clear()
-        if not batch:
+            gauge = bool(held) or _gauge_written
+        if not batch and not gauge:
             return 0
         totals: Counter[str] = Counter()
         minutes: dict[int, Counter[str]] = {}
@@ -183,7 +395,6 @@ def flush(client: Any, prefix: str) -> int:
             field = f"{task}|{name}"
             totals[field] += n
             minutes.setdefault(minute, Counter())[field] += n
-        now = time.time()
         try:
             pipe = client.pipeline(transaction=True)
             tkey = total_key(prefix)
@@ -194,14 +405,35 @@ def flush(client: Any, prefix: str) -> int:
                 for field, n in fields.items():
                     pipe.hincrby(mkey, field, n)
                 pipe.expire(mkey, WINDOW_KEEP)
-            pipe.hsetnx(tkey, "@first_flush_at", f"{now:.3f}")
-            pipe.hset(tkey, "@last_flush_at", f"{now:.3f}")
+            if batch:
+                pipe.hsetnx(tkey, "@first_flush_at", f"{now:.3f}")
+                pipe.hset(tkey, "@last_flush_at", f"{now:.3f}")
+            if gauge:
+                _write_gauge(pipe, prefix, held, now, interval)
             pipe.execute()
         except BaseException:
             with _lock:
                 _pending.update(batch)
             raise
-        return len(batch)
+        _gauge_written = bool(held)
+        return len(batch) + (1 if gauge else 0)
+
+
+def _write_gauge(pipe: Any, prefix: str, held: list[dict[str, Any]], now: float, interval: float) -> None:
+    """This process's gauge, in the flush's transaction: rewritten while it holds leases, deleted when not."""
+    proc = process_id()
+    index = procs_key(prefix)
+    if held:
+        ttl = gauge_ttl(interval)
+        blob = json.dumps({"at": round(now, 3), "ttl": ttl, "held": held}, separators=(",", ":"))
+        pipe.set(proc_key(prefix, proc), blob, px=int(ttl * 1000))
+        pipe.zadd(index, {proc: now})
+        # The index forgets processes long gone (their gauge keys expired on their own).
+        pipe.zremrangebyscore(index, "-inf", now - WINDOW_KEEP)
+        pipe.expire(index, WINDOW_KEEP)
+    else:
+        pipe.delete(proc_key(prefix, proc))
+        pipe.zrem(index, proc)
 
 
 def flush_interval(app: Any) -> float:
@@ -238,17 +470,20 @@ def unbind() -> None:
     _started = False
 
 
-def flush_bound() -> int:
-    """Flush to the bound target; logs and returns 0 when the lock Redis is unreachable."""
+def flush_bound(final: bool = False) -> int:
+    """Flush to the bound target; logs and returns 0 when the lock Redis is unreachable.
+
+    ``final``: the process is exiting, so its gauge is deleted rather than rewritten.
+    """
     target = _target
     if target is None:
         return 0
     from . import _connection as connection
     from ._errors import classify
 
-    s = target[0]
+    s, interval = target
     try:
-        return flush(connection.client(s), s.key_prefix)
+        return flush(connection.client(s), s.key_prefix, interval, final=final)
     except Exception as exc:  # noqa: BLE001 - metrics never fail a worker; the counts wait for the next flush
         # Every kind, a bug included (logged as "unexpected"): a flush runs on a timer thread and at
         # process exit, where an exception would only be lost or break shutdown.
@@ -277,12 +512,14 @@ def _run(stop: threading.Event, interval: float) -> None:
 
 def _after_fork_in_child() -> None:
     """A forked child is a new process: its counts start at zero and it has no timer thread yet."""
-    global _lock, _flush_lock, _started, _stop
+    global _lock, _flush_lock, _started, _stop, _gauge_written
     _lock = threading.Lock()
     _flush_lock = threading.Lock()
     _counts.clear()
-    _hold.clear()
+    _hists.clear()
     _pending.clear()
+    _held.clear()  # the parent's bodies are the parent's
+    _gauge_written = False
     _started = False
     _stop = threading.Event()
 
@@ -307,7 +544,7 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
 
 
 def _on_shutdown(**_: Any) -> None:
-    flush_bound()
+    flush_bound(final=True)
 
 
 def connect_signals() -> None:

@@ -32,3 +32,8 @@ class PerProcess(Generic[T]):
                 if current is None or current[0] != pid:
                     current = self._current = (pid, self._make())
         return current[1]
+
+    def peek(self) -> T | None:
+        """This process's object if one was made here, else ``None`` (makes nothing)."""
+        current = self._current
+        return current[1] if current is not None and current[0] == os.getpid() else None

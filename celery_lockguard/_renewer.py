@@ -48,6 +48,13 @@ threads never wakes its waiter):
   per failed tick, ``lock.renewer_error``) are coalesced into one event each,
   counted in full and logged once with ``occurrences=<n>``.
 
+Renewal lag -- how late each renewal was sent against when it was due (a
+lease renewed early, with a batch, is 0 late; a failed tick's retries keep
+counting from the original due time) -- is tallied per task under the
+renewer's own mutex, in buckets, so it stays bounded however long nobody
+flushes; the metrics flush takes the tally (:func:`_collect_lags`). The
+renewer thread never touches the metrics lock, which under gevent is green.
+
 Wherever it runs, the loop reports an event the way the task that tracked the
 lease would have: through the ``lockguard_log_backend`` read at ``track()``
 (the thread has no current app to read it from) and onto that task's span
@@ -79,7 +86,10 @@ from . import _connection as connection
 from . import _errors as errors
 from . import _events as events
 from . import _lease as lease_ops
+from . import _metrics as metrics
+from . import _otel_metrics as otel
 from . import _tracing as tracing
+from . import _wire
 from ._connection import follow_failover
 from ._lease import Lease
 from ._process import PerProcess
@@ -101,6 +111,7 @@ class _Entry:
     due: float
     backend: str  # lockguard_log_backend where the lease was tracked
     span: Any  # the tracking task's recording span, or None
+    expected: float = 0.0  # when the next renewal was due after the last success: lag counts from here
 
 
 @dataclass
@@ -295,6 +306,10 @@ class Renewer:
         self._wakeup.acquire()
         self._thread: threading.Thread | _OSThread | None = None
         self._wake_at = math.inf  # when the thread will next look at its leases (0: it is ticking now)
+        # Seconds an idle thread sleeps before it looks again (inf: until woken): the shortest 0.85 interval
+        # of the leases tracked since it last went idle (see _pass).
+        self._idle_for = math.inf
+        self._idling = False  # in that bounded idle sleep: a lease tracked meanwhile wakes it if due before it
         self._runtime = runtime
         # Isolated: events for the greenlets. Each lease adds at most one to _events (its lost or
         # max-hold), the rest coalesce in _coalesced, so neither needs a bound that would drop one.
@@ -307,6 +322,14 @@ class Renewer:
         self._drains: dict[int, Any] = {}  # channels with deferred replies to read (_wire.drain_soon)
         self._drain_at = math.inf  # when the loop reads them, if their owners have not by then
         self.ticks = 0
+        #: Renewal lag per task since the last flush took it: [count, sum_ms, buckets...] (guarded by _mutex).
+        self._lags: dict[str, list[float]] = {}
+
+    def take_lags(self) -> dict[str, list[float]]:
+        """The renewal-lag tally since the last call, per task; the renewer starts a new one."""
+        with self._mutex:
+            lags, self._lags = self._lags, {}
+        return lags
 
     def track(self, lease: Lease, client: Any, max_hold: float) -> None:
         """Start renewing ``lease`` every ttl/3 until ``max_hold`` seconds after acquisition."""
@@ -323,6 +346,7 @@ class Renewer:
             backend,
             tracing.current_span(),
         )
+        entry.expected = entry.due
         if self.isolated:
             # Lease methods the loop calls take this guard; a green lock must not be shared with an OS thread.
             lease._guard = self._allocate_lock()
@@ -330,11 +354,13 @@ class Renewer:
                 self._drain = _make_drain(self._runtime, self.flush_events)
         with self._mutex:
             self._entries[id(lease)] = entry
+            self._idle_for = min(self._idle_for, interval * _JITTER_LOW)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = self._start()
-            elif min(entry.due, entry.deadline) < self._wake_at - 0.2 * interval:
+            elif entry.deadline < self._wake_at or entry.due < self._wake_at - (0 if self._idling else 0.2 * interval):
                 # Wake the thread only if it would otherwise renew this lease late by more than a fifth of
-                # its interval: a wake-up per task costs more CPU than the whole tracking otherwise does.
+                # its interval (a wake-up per task costs more CPU than the whole tracking otherwise does);
+                # never late for lock_max_hold, nor at all while idle (its wake-up only bounds the sleep).
                 self._notify()
         self.flush_events()
 
@@ -344,9 +370,7 @@ class Renewer:
         One wake-up per delay at most, however many releases go out meanwhile: a drain already due
         takes every channel handed in before it runs.
         """
-        from ._wire import DRAIN_DELAY
-
-        at = time.monotonic() + DRAIN_DELAY
+        at = time.monotonic() + _wire.DRAIN_DELAY
         with self._mutex:
             self._drains[id(channel)] = channel
             if at >= self._drain_at:
@@ -474,8 +498,21 @@ class Renewer:
         cut: list[tuple[_Entry, str]] = []
         with self._mutex:
             while not self._entries and not self._drains:
-                self._wake_at = math.inf
-                self._wait(None)
+                idle, self._idle_for = self._idle_for, math.inf
+                if idle < math.inf:
+                    # Leases were tracked since the thread last looked: more will follow. Sleep no longer
+                    # than the earliest renewal any of them could be due after its track (0.85 of its
+                    # interval), so a lease tracked meanwhile is due after this wake-up and track() need
+                    # not wake the thread for it (a wake-up per task cost more CPU than the tracking).
+                    self._wake_at = time.monotonic() + idle
+                    self._idling = True
+                    try:
+                        self._wait(idle)
+                    finally:
+                        self._idling = False
+                else:
+                    self._wake_at = math.inf
+                    self._wait(None)
             now = time.monotonic()
             renew_at = min(
                 (min(e.due, e.deadline, e.lease.valid_until) for e in self._entries.values()), default=math.inf
@@ -576,7 +613,8 @@ class Renewer:
                     continue  # released (or cut off) while the reply was in flight
                 if results is not None:
                     if results[i] == 1 and e.lease.renewed(sent_at):
-                        e.due = now + _jitter(e.interval)
+                        self._tally_lag(e.lease.task_name, max(0.0, sent_at - e.expected) * 1000)
+                        e.due = e.expected = now + _jitter(e.interval)
                         continue
                     # token gone; or renewed too late: the validity had passed, and lost is final
                     reason = "token_gone" if results[i] != 1 else "expired"
@@ -592,6 +630,13 @@ class Renewer:
             self._report(_Event("lock.renewed", None, fields, entries[0].backend))
         for e, reason in lost:
             self._report_lost(e, reason)
+
+    def _tally_lag(self, task_name: str, lag_ms: float) -> None:
+        """Count one renewal's lag (with the mutex held: a few additions, no I/O, no other lock)."""
+        row = self._lags.get(task_name)
+        if row is None:
+            row = self._lags[task_name] = metrics.new_row("renew_lag")
+        metrics.add_to_row(row, metrics.RENEW_LAG_BUCKETS_MS, lag_ms)
 
     def _report_lost(self, e: _Entry, reason: str) -> None:
         lease = e.lease
@@ -617,8 +662,12 @@ def _retry_delay(interval: float) -> float:
     return max(MIN_RETRY, _jitter(interval) * RETRY_FRACTION)
 
 
+#: The earliest a renewal is due, as a fraction of its interval after the track or the last renewal.
+_JITTER_LOW = 0.85
+
+
 def _jitter(interval: float) -> float:
-    return interval * random.uniform(0.85, 1.0)
+    return interval * random.uniform(_JITTER_LOW, 1.0)
 
 
 _renewer: PerProcess[Renewer] = PerProcess(Renewer)
@@ -627,3 +676,15 @@ _renewer: PerProcess[Renewer] = PerProcess(Renewer)
 def renewer() -> Renewer:
     """This process's renewer (a new one after fork: threads do not survive it)."""
     return _renewer.get()
+
+
+def _collect_lags() -> None:
+    """At a metrics flush: hand this process's renewal-lag tally over (nothing when no renewer was made here)."""
+    current = _renewer.peek()
+    if current is not None:
+        for task_name, row in current.take_lags().items():
+            metrics.merge(task_name, "renew_lag", row)
+            otel.record_row(task_name, "renew_lag", row)
+
+
+metrics.add_collector(_collect_lags)

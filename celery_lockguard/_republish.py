@@ -26,28 +26,55 @@ def max_countdown(s: Settings) -> float:
     return max(0.05, s.visibility_timeout / 2)
 
 
+#: Longest step of a wait (seconds), and of a watch copy before its jitter.
+MAX_WAIT_STEP = MAX_WATCH_STEP = 60.0
+#: A watch copy comes back up to this much later than its step.
+WATCH_JITTER = 1.25
+
+
 def wait_countdown(waits: int, holder_ttl: float | None) -> float:
     """Seconds to wait: exponential in the number of waits, capped by the holder's TTL, jittered.
 
     Jitter spreads waiters over [50%, 100%] of the step, so a released key does
     not set off a retry storm.
     """
-    step = min(0.25 * (2 ** min(waits, 10)), 60.0)
+    step = min(0.25 * (2 ** min(waits, 10)), MAX_WAIT_STEP)
     if holder_ttl is not None:
         step = min(step, max(holder_ttl, 0.05))
     return max(0.05, step * random.uniform(0.5, 1.0))
 
 
+def throttle_countdown(wait_ms: int) -> float:
+    """Seconds a rate-limited start waits: until the window's oldest start leaves it, then a little jitter.
+
+    Never earlier than the window allows (an early try would only be throttled again); the jitter
+    (up to 10 % of the wait plus 50 ms, always added) spreads the waiters of one entity so they do
+    not all ask in the same millisecond.
+    """
+    base = max(wait_ms, 1) / 1000
+    return base + random.uniform(0.0, base * 0.1 + 0.05)
+
+
 def watch_countdown(watches: int, ttl: float, s: Settings) -> float:
     """Seconds before a watch copy looks again: at least the lease TTL, growing, below the visibility timeout."""
-    countdown = min(60.0, max(ttl, 0.5 * 2**watches)) * random.uniform(1.0, 1.25)
+    countdown = min(MAX_WATCH_STEP, max(ttl, 0.5 * 2**watches)) * random.uniform(1.0, WATCH_JITTER)
     return min(countdown, max_countdown(s))
+
+
+def longest_wait_countdown(s: Settings) -> float:
+    """The longest countdown :func:`wait_countdown` gives (after many waits, with ``max_countdown`` applied)."""
+    return min(MAX_WAIT_STEP, max_countdown(s))
+
+
+def longest_watch_countdown(s: Settings) -> float:
+    """The longest countdown :func:`watch_countdown` gives."""
+    return min(MAX_WATCH_STEP * WATCH_JITTER, max_countdown(s))
 
 
 def _ours(request: Any) -> dict[str, Any]:
     """Lockguard's headers on this request: a worker's request carries them as attributes, not in ``headers``."""
     out = {**(request.headers or {})}
-    for name in headers.ALL:
+    for name in (*headers.ALL, headers.WORKFLOW):
         value = headers.read(request, name)
         if value is not None:
             out[name] = value
@@ -59,13 +86,18 @@ def without_ours(request: Any) -> dict[str, Any]:
     return {k: v for k, v in (request.headers or {}).items() if k not in headers.ALL}
 
 
-def wait_headers(request: Any, attempt_token: str | None, claim_token: str | None = None) -> dict[str, Any]:
+def wait_headers(
+    request: Any, attempt_token: str | None, claim_token: str | None = None, first_delivered_ms: int = 0
+) -> dict[str, Any]:
     """Headers of a wait: one more wait spent, the claim handed over, the orphan-lease token if any.
 
     ``claim_token`` replaces the delivery's claim (a claim handed back after ACQUIRE consumed
-    it; ``""``: none could be). A wait of a watch copy stays a watch copy.
+    it; ``""``: none could be). A wait of a watch copy stays a watch copy. The first delivery's
+    time is kept from the message, else ``first_delivered_ms`` (this delivery's start) is set.
     """
     out = {**_ours(request), headers.WAITS: headers.read_int(request, headers.WAITS) + 1}
+    if first_delivered_ms and not headers.read_ms(request, headers.FIRST_DELIVERED):
+        out[headers.FIRST_DELIVERED] = first_delivered_ms
     if claim_token:
         out[headers.CLAIM] = claim_token
     elif claim_token == "":
@@ -89,6 +121,10 @@ def publish(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], countdown:
     """Publish this request again (same task id, same retries count) after ``countdown``; returns the signature."""
     req = task.request
     sig = task.signature_from_request(req, args, kwargs, countdown=countdown, retries=req.retries, headers=hdrs)
+    # A workflow member hands the workflow's lease to its own next copy before that copy can be delivered.
+    from ._workflow import before_self_republish
+
+    before_self_republish(task)
     sig.apply_async()
     return sig
 

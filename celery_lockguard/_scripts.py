@@ -117,6 +117,123 @@ return {'ok', fence}
 """
 )
 
+ACQUIRE_SLOTS = (
+    """
+-- ACQUIRE_SLOTS: take one of N slot leases on entity K (lock_limit), admitted by K's sliding start
+-- window (lock_rate), after the completion check. One round trip, whatever N. Used only by tasks with
+-- lock_limit > 1 or a lock_rate; the single lease (N = 1, no rate) stays on ACQUIRE, byte for byte.
+-- Slot i is a lease hash of its own (as ACQUIRE writes it, plus 'slot', 'limit', 'rate', 'window': what
+-- `lockguard locks` reads to show slots held N/M and the window's use) with a fence counter of
+-- its own; slot 0 is K's plain lease hash and fence, so N = 1 with a rate keeps the same keys.
+-- KEYS[1..N]      slot lease hashes    {prefix}:v1:{K}:lock, {prefix}:v1:{K}:lock:<i> (i = 1..N-1)
+-- KEYS[N+1..2N]   slot fence counters  {prefix}:v1:{K}:fence, {prefix}:v1:{K}:fence:<i>
+-- KEYS[2N+1]      start window         {prefix}:v1:{K}:rate (ZSET token -> start ms; only with ARGV[13] > 0)
+-- KEYS[2N+2]      completion record    {prefix}:v1:{S}:done (absent when completion is off or stored elsewhere)
+-- ARGV[1..10] as ACQUIRE (token, ttl_ms, task_id, task_name, digest, host, pid, worker, state, fence_ttl_ms)
+-- ARGV[11] replace_token: take over the slot that still carries this token ('' = never)
+-- ARGV[12] N, the slots (>= 1)   ARGV[13] starts admitted per window (0 = no rate)   ARGV[14] window ms
+-- Returns:
+--   {'done', record}         a completion record exists: nothing acquired
+--   {'ok', fence, slot}      acquired slot (0-based); re-sent with the same token: the same slot, renewed
+--   {'held', task_id, task_name, digest, host, pid, state, pttl_ms, ms_since_renewal, token, ttl_ms, slot, busy}
+--                            as ACQUIRE's 'held', for the holder met: a slot carrying this task id or identical
+--                            work (task name and digest), which wins over a free slot (the duplicate rule reads
+--                            it), else, all N slots being taken, the one that frees first; busy = slots taken
+--   {'throttled', wait_ms, starts}  a slot is free but ARGV[13] starts fell in the last ARGV[14] ms: nothing
+--                            written but the window's trim; wait_ms until its oldest start leaves the window
+-- The window holds at most ARGV[13] members (one per admitted start, added only below the bound), trimmed
+-- to the window on every call, PX = the window: memory per entity is bounded by the rate.
+-- Slots past N (a deploy lowered N while the old N's bodies hold them) are read for the duplicate rule only:
+-- their names are built here from KEYS[1] and KEYS[N+1] (same {K} tag); 'held' may then name slot >= N.
+-- Errors (nothing written): 'LOCKGUARD_CORRUPT_FENCE <fence key> <value>' as ACQUIRE, for the slot taken
+"""
+    + _NOW
+    + _NEXT_FENCE
+    + """
+local n = tonumber(ARGV[12])
+local rate_key = KEYS[2 * n + 1]
+local done_key = KEYS[2 * n + 2]
+if done_key then
+  local rec = redis.call('GET', done_key)
+  if rec then return {'done', rec} end
+end
+local cur, free, replace, conflict, soonest, soonest_pttl, busy = {}, nil, nil, nil, nil, nil, 0
+for i = 1, n do
+  local h = redis.call('HMGET', KEYS[i], 'token', 'task_id', 'task_name', 'digest', 'host', 'pid',
+                       'state', 'renewed_at', 'fence', 'ttl')
+  cur[i] = h
+  if h[1] then
+    if h[1] == ARGV[1] then
+      redis.call('PEXPIRE', KEYS[i], ARGV[2])
+      return {'ok', h[9], i - 1}
+    end
+    busy = busy + 1
+    if ARGV[11] ~= '' and h[1] == ARGV[11] then replace = i end
+    if not conflict and (h[2] == ARGV[3] or (h[3] == ARGV[4] and h[4] == ARGV[5])) then conflict = i end
+    local pttl = redis.call('PTTL', KEYS[i])
+    if not soonest or pttl < soonest_pttl then soonest, soonest_pttl = i, pttl end
+  elseif not free then
+    free = i
+  end
+end
+-- Slots past N: a deploy lowered lock_limit while a body of the old N still holds slot i >= N. They are
+-- read for the duplicate rule only (a redelivery or identical work held there must not run again in a
+-- slot below N). Slot i is taken only while every slot below it is, so its fence counter
+-- {K}:fence:<i> (kept fence_ttl, far beyond any lease) marks how far to look: the first absent one
+-- ends the scan, one EXISTS when N never changed. Names built here keep the {K} tag: same Cluster slot.
+local slot_key = {}
+local i = n
+while not conflict and i < 256 and redis.call('EXISTS', KEYS[n + 1] .. ':' .. i) == 1 do
+  local key = KEYS[1] .. ':' .. i
+  local h = redis.call('HMGET', key, 'token', 'task_id', 'task_name', 'digest', 'host', 'pid',
+                       'state', 'renewed_at', 'fence', 'ttl')
+  if h[1] and ARGV[11] ~= '' and h[1] == ARGV[11] then
+    redis.call('DEL', key)  -- our own orphan or dead holder there, to take over: it goes, we take a slot below N
+  elseif h[1] and (h[2] == ARGV[3] or (h[3] == ARGV[4] and h[4] == ARGV[5])) then
+    cur[i + 1], slot_key[i + 1], conflict = h, key, i + 1
+  end
+  i = i + 1
+end
+local function held(i)
+  local h = cur[i]
+  local age = now_ms - (tonumber(h[8]) or now_ms)
+  return {'held', h[2] or '', h[3] or '', h[4] or '', h[5] or '', h[6] or '', h[7] or '',
+          redis.call('PTTL', slot_key[i] or KEYS[i]), age, h[1], tonumber(h[10]) or 0, i - 1, busy}
+end
+local slot = replace
+if not slot then
+  if conflict then return held(conflict) end
+  if not free then return held(soonest) end
+  slot = free
+end
+local rate = tonumber(ARGV[13]) or 0
+local window = tonumber(ARGV[14]) or 0
+if rate > 0 then
+  redis.call('ZREMRANGEBYSCORE', rate_key, '-inf', now_ms - window)
+  local starts = redis.call('ZCARD', rate_key)
+  if starts >= rate then
+    local oldest = redis.call('ZRANGE', rate_key, 0, 0, 'WITHSCORES')
+    return {'throttled', math.max(1, tonumber(oldest[2]) + window - now_ms), starts}
+  end
+end
+local fence_key = KEYS[n + slot]
+local bad = corrupt_fence(fence_key)
+if bad then return redis.error_reply(bad) end
+local fence = next_fence(fence_key, ARGV[10], now_us)
+if cur[slot][1] then redis.call('DEL', KEYS[slot]) end  -- replacing: drop the old holder's fields
+redis.call('HSET', KEYS[slot], 'token', ARGV[1], 'task_id', ARGV[3], 'task_name', ARGV[4],
+           'digest', ARGV[5], 'host', ARGV[6], 'pid', ARGV[7], 'worker', ARGV[8], 'state', ARGV[9],
+           'acquired_at', now_ms, 'renewed_at', now_ms, 'ttl', ARGV[2], 'fence', fence, 'slot', slot - 1,
+           'limit', n, 'rate', rate, 'window', window)
+redis.call('PEXPIRE', KEYS[slot], ARGV[2])
+if rate > 0 then
+  redis.call('ZADD', rate_key, now_ms, ARGV[1])
+  redis.call('PEXPIRE', rate_key, window)
+end
+return {'ok', fence, slot - 1}
+"""
+)
+
 RELEASE = (
     """
 -- RELEASE: delete the lease only if it still carries our token, and record completion
@@ -461,6 +578,346 @@ redis.call('HSET', KEYS[1], 's:' .. ARGV[1], 'woken')
 return 1
 """
 
+WORKFLOW_ENTER = (
+    """
+-- WORKFLOW_ENTER: a member of a workflow (celery_lockguard.workflow) enters the workflow's lease on
+-- entity K: the first member takes it when it is free; a later member takes it over from the member
+-- that handed it on (state 'gap', field next = this member's slot). One round trip per member.
+-- KEYS[1] lease hash {prefix}:v1:{K}:lock   KEYS[2] fence counter {prefix}:v1:{K}:fence
+-- KEYS[3] ended workflows {prefix}:v1:{K}:wfended (sorted set of workflow ids, WORKFLOW_END)
+-- ARGV[1] workflow id  ARGV[2] member task id  ARGV[3] member task name
+-- ARGV[4] token: the token of a fresh lease (a first member starting, or a take-over)
+-- ARGV[5] ttl_ms  ARGV[6] workflow name  ARGV[7] workflow digest
+-- ARGV[8] host  ARGV[9] pid  ARGV[10] worker nodename  ARGV[11] fence_ttl_ms
+-- ARGV[12] '1' when this member is the workflow's first (it may start the workflow), else ''
+-- ARGV[13] '1' to take over a 'running' entry of this very member (its earlier delivery died):
+--          fresh token ARGV[4] and a new fence, so a paused earlier delivery can neither renew nor
+--          write past the fence; else ''
+-- ARGV[14] this member's slot in the workflow ('#<index>', the same for its retries and redeliveries)
+-- ARGV[15] a slot that admits this member too ('' none): a chord's callback enters when the lease waits
+--          for (or still runs) its header's slot, since Celery runs it only after every header member
+-- ARGV[16] '1' for a member running in parallel with others of its slot (a chord's header): it joins
+--          the running lease (field par = its slot, active = members of the slot running) instead of
+--          waiting for it; else ''
+-- Returns:
+--   {'started', token, fence, 0}         the lease was free; this first member took it (fresh fence)
+--   {'entered', token, fence, held_ms}   handed to this member (or taken over by it); held_ms: since
+--                                        the workflow took the lease (server time)
+--   {'self', token, fence, held_ms, host, pid, ms_since_renewal, ttl}  a delivery of this member runs
+--                                        under the lease already (nothing written)
+--   {'passed', state, task_id, next}     the workflow holds the lease but is at another member
+--   {'held', task_id, task_name, digest, host, pid, state, pttl_ms, ms_since_renewal, token, ttl_ms}
+--                                        another holder (as ACQUIRE answers)
+--   {'lost'}                             no lease, and this member is not the first
+--   {'ended'}                            the lease is not this workflow's, and the workflow ended
+--                                        (KEYS[3]): a stale copy of a member, nothing written
+-- Errors (nothing written): 'LOCKGUARD_CORRUPT_FENCE <fence key> <value>' (see ACQUIRE)
+"""
+    + _NOW
+    + _NEXT_FENCE
+    + """
+local cur = redis.call('HMGET', KEYS[1], 'token', 'task_id', 'task_name', 'digest', 'host', 'pid',
+                       'state', 'renewed_at', 'fence', 'ttl', 'workflow', 'next', 'acquired_at', 'par')
+local parallel = ARGV[16] == '1'
+local function enter(token, fence, joining)
+  redis.call('HSET', KEYS[1], 'token', token, 'task_id', ARGV[2], 'member', ARGV[3], 'host', ARGV[8],
+             'pid', ARGV[9], 'worker', ARGV[10], 'state', 'running', 'renewed_at', now_ms, 'ttl', ARGV[5],
+             'fence', fence, 'next', '')
+  if parallel then
+    if not joining then redis.call('HSET', KEYS[1], 'active', 0) end
+    redis.call('HSET', KEYS[1], 'par', ARGV[14])
+    redis.call('HINCRBY', KEYS[1], 'active', 1)
+  else
+    redis.call('HSET', KEYS[1], 'par', '', 'active', 0)
+  end
+  redis.call('PEXPIRE', KEYS[1], ARGV[5])
+  return {'entered', token, fence, now_ms - (tonumber(cur[13]) or now_ms)}
+end
+if cur[1] and cur[11] == ARGV[1] then
+  local admitted = cur[12] == ARGV[14] or (ARGV[15] ~= '' and cur[12] == ARGV[15])
+  if cur[7] == 'gap' and admitted then return enter(cur[1], cur[9], false) end
+  if parallel and cur[7] == 'running' and cur[14] == ARGV[14] then return enter(cur[1], cur[9], true) end
+  -- a chord's callback runs only once every header member ended: it may enter past a member that died
+  if ARGV[15] ~= '' and cur[7] == 'running' and cur[14] == ARGV[15] then return enter(cur[1], cur[9], false) end
+  if not parallel and cur[7] == 'running' and cur[2] == ARGV[2] then
+    if ARGV[13] ~= '1' then
+      return {'self', cur[1], cur[9], now_ms - (tonumber(cur[13]) or now_ms), cur[5] or '', cur[6] or '',
+              now_ms - (tonumber(cur[8]) or now_ms), tonumber(cur[10]) or 0}
+    end
+    local bad = corrupt_fence(KEYS[2])
+    if bad then return redis.error_reply(bad) end
+    return enter(ARGV[4], next_fence(KEYS[2], ARGV[11], now_us), false)
+  end
+  return {'passed', cur[7] or '', cur[2] or '', cur[12] or ''}
+end
+if redis.call('ZSCORE', KEYS[3], ARGV[1]) then return {'ended'} end
+if cur[1] then
+  return {'held', cur[2] or '', cur[3] or '', cur[4] or '', cur[5] or '', cur[6] or '', cur[7] or '',
+          redis.call('PTTL', KEYS[1]), now_ms - (tonumber(cur[8]) or now_ms), cur[1], tonumber(cur[10]) or 0}
+end
+if ARGV[12] ~= '1' then return {'lost'} end
+local bad = corrupt_fence(KEYS[2])
+if bad then return redis.error_reply(bad) end
+local fence = next_fence(KEYS[2], ARGV[11], now_us)
+local par, active = '', 0
+if parallel then par, active = ARGV[14], 1 end
+redis.call('HSET', KEYS[1], 'token', ARGV[4], 'task_id', ARGV[2], 'task_name', ARGV[6], 'digest', ARGV[7],
+           'host', ARGV[8], 'pid', ARGV[9], 'worker', ARGV[10], 'state', 'running', 'acquired_at', now_ms,
+           'renewed_at', now_ms, 'ttl', ARGV[5], 'fence', fence, 'workflow', ARGV[1], 'member', ARGV[3],
+           'next', '', 'par', par, 'active', active)
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+return {'started', ARGV[4], fence, 0}
+"""
+)
+
+WORKFLOW_PASS = """
+-- WORKFLOW_PASS: a workflow member that ended hands the lease on to the member that runs next (the
+-- chain's next step, or its own retry): state 'gap', next = that member's slot, for the gap TTL
+-- (the next member's renewer takes over when it enters). Token-checked: a lease that is no longer
+-- ours is left alone.
+-- KEYS[1] lease hash
+-- ARGV[1] token  ARGV[2] the next member's slot ('#<index>')  ARGV[3] gap ttl_ms
+-- Returns 1 handed on; 0 the token is gone (the workflow lost its lease; nothing written)
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'gap', 'next', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+WORKFLOW_LEAVE = """
+-- WORKFLOW_LEAVE: a member running in parallel with others of its slot (a chord's header) ended well,
+-- or retries: one fewer running; the last one to leave hands the lease on to the slot itself for the
+-- gap TTL (a retry or a member still queued enters it, and so does the chord's callback).
+-- KEYS[1] lease hash
+-- ARGV[1] token  ARGV[2] the member's slot ('#<index>')  ARGV[3] gap ttl_ms
+-- Returns the members of the slot still running (>= 0); -1 the token is gone (nothing written)
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return -1 end
+local active = redis.call('HINCRBY', KEYS[1], 'active', -1)
+if active <= 0 then
+  redis.call('HSET', KEYS[1], 'state', 'gap', 'next', ARGV[2], 'active', 0)
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return 0
+end
+return active
+"""
+
+WORKFLOW_END = (
+    """
+-- WORKFLOW_END: a workflow ended (its last member released, a member failed, a member was revoked):
+-- remember its id for a while, so that a redelivered copy of one of its members (a broker
+-- redelivery after a lost ack) is dropped by WORKFLOW_ENTER instead of starting the workflow again.
+-- Called before the lease is released, so no copy can find the lease free and the id unknown.
+-- KEYS[1] ended workflows {prefix}:v1:{K}:wfended (sorted set: workflow id -> end time, ms)
+-- ARGV[1] workflow id  ARGV[2] window_ms: how long ids are remembered (older ones are trimmed)
+-- Returns 1
+"""
+    + _NOW
+    + """
+redis.call('ZADD', KEYS[1], now_ms, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms - tonumber(ARGV[2]))
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+)
+
+WORKFLOW_ABORT = """
+-- WORKFLOW_ABORT: from the worker's main process, which has no token: end the workflow lease a
+-- member of workflow W holds or is waiting for, when that member will not go on (revoked while
+-- queued, terminated while running).
+-- KEYS[1] lease hash
+-- ARGV[1] workflow id  ARGV[2] member task id
+-- ARGV[3] grace_ms for a running member (its child may not be dead yet: cut to the grace, never
+--         lengthened); a member the lease waits for in the gap (next = ARGV[4]) frees it at once
+-- ARGV[4] the member's slot ('#<index>')
+-- Returns 1 shortened or freed; 0 the lease is not W's at that member (nothing written)
+local cur = redis.call('HMGET', KEYS[1], 'workflow', 'state', 'task_id', 'next')
+if cur[1] ~= ARGV[1] then return 0 end
+if cur[2] == 'gap' and cur[4] == ARGV[4] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+if cur[2] == 'running' and cur[3] == ARGV[2] then
+  local pttl = redis.call('PTTL', KEYS[1])
+  if pttl < 0 or pttl > tonumber(ARGV[3]) then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
+  return 1
+end
+return 0
+"""
+
+
+# -- debounce (``lock_debounce``; see celery_lockguard._debounce) ------------------------------------
+
+DEBOUNCE_PUBLISH = (
+    """
+-- DEBOUNCE_PUBLISH: record a publish of debounced work as the entity's latest pending run (last wins).
+-- KEYS[1] debounce record  {prefix}:v1:{K}:debounce:<task name>   (hash)
+-- ARGV[1] task_id  ARGV[2] args digest  ARGV[3] delay_ms (the message's countdown)
+-- ARGV[4] ttl_ms (delay + queue_lock_ttl: as long as any message of the burst may still arrive)
+-- The record becomes {task_id, digest, due_ms = now + delay, state 'publishing', at_ms = now, burst};
+-- the run it replaces (if one was pending) is kept as prev_* so a failed publish can put it back
+-- (DEBOUNCE_SETTLE). The record's TTL is extended, never shortened.
+-- Returns {burst, replaced_task_id}
+--   burst: the burst this message belongs to (the first pending message's task id; a publish with
+--          nothing pending starts a new burst named after itself)
+--   replaced_task_id: the pending run this publish supersedes ('' when none was pending)
+"""
+    + _NOW
+    + """
+local cur = redis.call('HMGET', KEYS[1], 'task_id', 'state', 'due_ms', 'digest', 'burst')
+local burst, replaced = ARGV[1], ''
+if cur[1] and cur[1] ~= '' and cur[1] ~= ARGV[1] then
+  burst, replaced = cur[5] or ARGV[1], cur[1]
+  redis.call('HSET', KEYS[1], 'prev_id', cur[1], 'prev_state', cur[2] or 'queued', 'prev_due', cur[3] or '0',
+             'prev_digest', cur[4] or '')
+  redis.call('HINCRBY', KEYS[1], 'superseded', 1)
+elseif cur[1] == ARGV[1] then
+  burst = cur[5] or ARGV[1]
+else
+  redis.call('HDEL', KEYS[1], 'prev_id', 'prev_state', 'prev_due', 'prev_digest')
+  redis.call('HSET', KEYS[1], 'superseded', 0)
+end
+redis.call('HSET', KEYS[1], 'task_id', ARGV[1], 'digest', ARGV[2], 'due_ms', now_ms + tonumber(ARGV[3]),
+           'state', 'publishing', 'at_ms', now_ms, 'burst', burst)
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[4]) then redis.call('PEXPIRE', KEYS[1], ARGV[4]) end
+return {burst, replaced}
+"""
+)
+
+DEBOUNCE_SETTLE = """
+-- DEBOUNCE_SETTLE: the publisher of a debounced message says how its publish ended.
+-- KEYS[1] debounce record  {prefix}:v1:{K}:debounce:<task name>
+-- ARGV[1] task_id  ARGV[2] 'published' | 'failed'
+-- published: a 'publishing' record of this task id becomes 'queued' (the runs it replaced may now
+--            consume themselves as superseded); as prev_* it is marked queued too
+-- failed:    the record of this task id puts back the run it replaced (prev_*), or clears the pending
+--            run when it replaced none; a later publish that replaced this one forgets it as prev_*
+--            (its own failure then clears, and the burst's older messages run: never lost)
+-- Returns 1 written; 0 the record does not name this task id (taken, replaced, expired: nothing written)
+local cur = redis.call('HMGET', KEYS[1], 'task_id', 'state', 'prev_id', 'prev_state', 'prev_due', 'prev_digest')
+if ARGV[2] == 'published' then
+  if cur[1] == ARGV[1] then
+    if cur[2] == 'publishing' then redis.call('HSET', KEYS[1], 'state', 'queued') end
+    return 1
+  end
+  if cur[3] == ARGV[1] then
+    redis.call('HSET', KEYS[1], 'prev_state', 'queued')
+    return 1
+  end
+  return 0
+end
+if cur[1] == ARGV[1] then
+  if cur[3] and cur[3] ~= '' then
+    redis.call('HSET', KEYS[1], 'task_id', cur[3], 'state', cur[4] or 'queued', 'due_ms', cur[5] or '0',
+               'digest', cur[6] or '')
+    redis.call('HINCRBY', KEYS[1], 'superseded', -1)
+  else
+    redis.call('HSET', KEYS[1], 'task_id', '', 'state', '')
+  end
+  redis.call('HDEL', KEYS[1], 'prev_id', 'prev_state', 'prev_due', 'prev_digest')
+  return 1
+end
+if cur[3] == ARGV[1] then
+  redis.call('HDEL', KEYS[1], 'prev_id', 'prev_state', 'prev_due', 'prev_digest')
+  return 1
+end
+return 0
+"""
+
+DEBOUNCE_TAKE = (
+    """
+-- DEBOUNCE_TAKE: a delivered debounced message asks whether it is its burst's run. One round trip.
+-- KEYS[1] debounce record     {prefix}:v1:{K}:debounce:<task name>
+-- KEYS[2] the burst's run     {prefix}:v1:{K}:debounce:<task name>:run:<burst>   (string: a task id)
+-- ARGV[1] task_id  ARGV[2] burst (message header)  ARGV[3] grace_ms (a publish still 'publishing' that
+--         long is taken as published)  ARGV[4] ttl_ms of the run key
+-- Returns
+--   {'take', ''}           this message is the burst's pending run and it is due: it becomes the burst's
+--                          run (KEYS[2] = task_id, PX ARGV[4]); the record no longer names a pending run,
+--                          so a publish from now on starts a new burst (one more run, after this one)
+--   {'taken', ''}          KEYS[2] already names this task id: a redelivery or wait copy of the burst's run
+--   {'early', ms}          this message is the pending run, due in ms (redelivered early, clock skew)
+--   {'superseded', id}     a later publish replaced it; id is the burst's run (pending or taken)
+--   {'await', id}          the publish that replaced it is still in flight (state 'publishing', younger
+--                          than the grace): ask again shortly, it may fail and put this message back
+--   {'missing', ''}        neither the record of its burst nor its run exists (expired, evicted, lost in a
+--                          restart): the message runs, so no run is ever lost
+"""
+    + _NOW
+    + """
+local run = redis.call('GET', KEYS[2])
+if run == ARGV[1] then return {'taken', ''} end
+local cur = redis.call('HMGET', KEYS[1], 'task_id', 'due_ms', 'state', 'at_ms', 'burst')
+if cur[5] == ARGV[2] and cur[1] and cur[1] ~= '' then
+  if cur[1] == ARGV[1] then
+    local due = tonumber(cur[2]) or 0
+    if now_ms < due then return {'early', tostring(due - now_ms)} end
+    redis.call('HSET', KEYS[1], 'task_id', '', 'state', 'taken', 'last_run', ARGV[1], 'last_run_at', now_ms)
+    redis.call('HDEL', KEYS[1], 'prev_id', 'prev_state', 'prev_due', 'prev_digest')
+    redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[4])
+    if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[4]) then redis.call('PEXPIRE', KEYS[1], ARGV[4]) end
+    return {'take', ''}
+  end
+  if cur[3] == 'publishing' and now_ms - (tonumber(cur[4]) or 0) < tonumber(ARGV[3]) then
+    return {'await', cur[1]}
+  end
+  return {'superseded', cur[1]}
+end
+if run then return {'superseded', run} end
+return {'missing', ''}
+"""
+)
+
+
+DEBOUNCE_KEEP = """
+-- DEBOUNCE_KEEP: a burst's run is retried (retry() keeps its burst): keep the burst's keys at least as long as
+-- the retry may take to come back, so DEBOUNCE_START can still tell whether a later run started since.
+-- KEYS[1] debounce record  {prefix}:v1:{K}:debounce:<task name>
+-- KEYS[2] the burst's run  {prefix}:v1:{K}:debounce:<task name>:run:<burst>
+-- ARGV[1] task_id (the retried run)  ARGV[2] ttl_ms (the retry's delay plus queue_lock_ttl)
+-- Both TTLs are extended to ARGV[2], never shortened.
+-- Returns 1 kept; 0 the run key does not name this task id (expired, or not this burst's run: nothing written)
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
+local ttl = tonumber(ARGV[2])
+if redis.call('PTTL', KEYS[2]) < ttl then redis.call('PEXPIRE', KEYS[2], ttl) end
+local rec = redis.call('PTTL', KEYS[1])
+if rec ~= -2 and rec < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
+return 1
+"""
+
+
+DEBOUNCE_START = (
+    """
+-- DEBOUNCE_START: a burst's run holds the lease and is about to start its body: is it still the latest?
+-- A taken run may wait for the lease (a body of the entity still running); until its body starts it is
+-- still pending work, so a publish since it was taken replaces it (last publish wins), and so does a
+-- later burst's run taken meanwhile (it carries newer arguments).
+-- KEYS[1] debounce record  {prefix}:v1:{K}:debounce:<task name>
+-- KEYS[2] the burst's run  {prefix}:v1:{K}:debounce:<task name>:run:<burst>   (the message's header)
+-- ARGV[1] task_id  ARGV[2] grace_ms (a publish still 'publishing' that long is taken as published)
+-- Returns
+--   {'run', ''}          start the body; the record marks it started. Also when this message is not its
+--                        burst's taken run (ran without its record, fail_open) or the record is gone
+--   {'superseded', id}   a publish since this run was taken is pending, or a later burst's run was taken:
+--                        id replaces it (release, do not run)
+--   {'await', id}        that publish is still in flight (it may fail and leave nothing pending): ask again
+"""
+    + _NOW
+    + """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {'run', ''} end
+local cur = redis.call('HMGET', KEYS[1], 'task_id', 'state', 'at_ms', 'last_run', 'started')
+if not cur[4] or cur[5] == ARGV[1] then return {'run', ''} end
+if cur[1] and cur[1] ~= '' and cur[1] ~= ARGV[1] then
+  if cur[2] == 'publishing' and now_ms - (tonumber(cur[3]) or 0) < tonumber(ARGV[2]) then
+    return {'await', cur[1]}
+  end
+  return {'superseded', cur[1]}
+end
+if cur[4] ~= ARGV[1] then return {'superseded', cur[4]} end
+redis.call('HSET', KEYS[1], 'started', ARGV[1])
+return {'run', ''}
+"""
+)
+
 
 class Script:
     """A named Lua script run by raw EVALSHA, reloaded on NOSCRIPT.
@@ -521,6 +978,7 @@ def corrupt_fence(exc: BaseException, fence_key: str | None = None) -> CorruptFe
 
 
 acquire = Script("ACQUIRE", ACQUIRE)
+acquire_slots = Script("ACQUIRE_SLOTS", ACQUIRE_SLOTS)
 release = Script("RELEASE", RELEASE)
 renew = Script("RENEW", RENEW)
 shorten = Script("SHORTEN", SHORTEN)
@@ -533,3 +991,13 @@ watch_arm = Script("WATCH_ARM", WATCH_ARM)
 park = Script("PARK", PARK)
 check_parked = Script("CHECK_PARKED", CHECK_PARKED)
 confirm_wake = Script("CONFIRM_WAKE", CONFIRM_WAKE)
+debounce_publish = Script("DEBOUNCE_PUBLISH", DEBOUNCE_PUBLISH)
+debounce_settle = Script("DEBOUNCE_SETTLE", DEBOUNCE_SETTLE)
+debounce_take = Script("DEBOUNCE_TAKE", DEBOUNCE_TAKE)
+debounce_start = Script("DEBOUNCE_START", DEBOUNCE_START)
+debounce_keep = Script("DEBOUNCE_KEEP", DEBOUNCE_KEEP)
+workflow_enter = Script("WORKFLOW_ENTER", WORKFLOW_ENTER)
+workflow_pass = Script("WORKFLOW_PASS", WORKFLOW_PASS)
+workflow_leave = Script("WORKFLOW_LEAVE", WORKFLOW_LEAVE)
+workflow_end = Script("WORKFLOW_END", WORKFLOW_END)
+workflow_abort = Script("WORKFLOW_ABORT", WORKFLOW_ABORT)

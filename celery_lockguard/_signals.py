@@ -5,6 +5,11 @@ but never saw the lease token. It identifies the holder by task id and host
 and shortens the lease to a short grace instead of deleting it: billiard
 reports a hard timeout before the child is surely dead, so deleting could let
 a successor overlap a body still running.
+
+A hard time limit reports only the task id, args and kwargs (``task_failure``),
+not the request whose headers name a workflow; so the main process remembers
+each workflow member's request from ``task_received``, weakly (an entry lives
+exactly as long as Celery keeps the request), to end the workflow there too.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import weakref
 from typing import Any
 
 from celery import signals
@@ -22,6 +28,8 @@ from . import _metrics as metrics
 _installed = False
 _lock = threading.Lock()
 EX_CONFIG = getattr(os, "EX_CONFIG", 78)
+#: Main process: the requests of workflow members received and not yet dropped by Celery, by task id.
+_members: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
 def install(app: Any = None) -> None:
@@ -43,6 +51,7 @@ def install(app: Any = None) -> None:
         signals.worker_init.connect(_validate_at_worker_init, weak=False, dispatch_uid="lockguard.worker_init")
         signals.task_failure.connect(_on_failure, weak=False, dispatch_uid="lockguard.task_failure")
         signals.task_revoked.connect(_on_revoked, weak=False, dispatch_uid="lockguard.task_revoked")
+        signals.task_received.connect(_on_received, weak=False, dispatch_uid="lockguard.task_received")
         # Before the metrics flush (receivers run in the order they connected): the release replies still
         # unread carry hold times and lock.released counts, and a woken waiter to publish.
         for shutdown in (signals.worker_process_shutdown, signals.worker_shutdown):
@@ -110,7 +119,23 @@ def _on_failure(
     **_: Any,
 ) -> None:
     if isinstance(exception, TimeLimitExceeded) and task_id:
+        # Popped: Celery sends task_failure twice for one hard limit (its timeout handler, then the pool's
+        # error callback), and the workflow ends once.
+        request = _members.pop(task_id, None)
+        if request is not None:  # a workflow member: its hard limit ends the workflow, as a terminate-revoke does
+            _workflow_member_aborted(sender, request, True, "hard_time_limit")
         shorten_from_main(sender, task_id, args or (), kwargs or {}, "hard_time_limit")
+
+
+def _on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
+    """Main process: remember a workflow member's request, so its hard time limit can find the workflow."""
+    from . import _headers as headers
+
+    if request is None:
+        return
+    found = getattr(request, "request_dict", None) or {}
+    if headers.read(request, headers.WORKFLOW) is not None or found.get(headers.WORKFLOW) is not None:
+        _members[str(request.id)] = request
 
 
 def _on_revoked(
@@ -118,12 +143,30 @@ def _on_revoked(
 ) -> None:
     if request is None:
         return
+    if _workflow_member_aborted(sender, request, terminated):
+        return
     args, kwargs = request.args or (), request.kwargs or {}
     if terminated:  # the request knows its child: a same-id holder in another process is left alone
         shorten_from_main(sender, request.id, args, kwargs, "terminated", getattr(request, "worker_pid", None))
     else:  # discarded before it ran: its queue claim will never be adopted, its reservation never used
         free_claim_from_main(sender, request.id, args, kwargs, "expired" if expired else "revoked")
         free_reservation_from_main(sender, request, args, kwargs)
+
+
+def _workflow_member_aborted(task: Any, request: Any, terminated: bool, reason: str | None = None) -> bool:
+    """A revoked (or hard-limited) member of a workflow ends the workflow's lease (``_workflow.abort_from_main``).
+
+    Never raises.
+    """
+    from ._task import LockGuard
+    from ._workflow import abort_from_main
+
+    if not isinstance(task, LockGuard):
+        return False
+    try:
+        return abort_from_main(task, request, terminated, reason)
+    except Exception:  # noqa: BLE001 - the main process never fails on our account; the lease expires by its TTL
+        return False
 
 
 def free_reservation_from_main(task: Any, request: Any, args: Any, kwargs: Any) -> bool:
@@ -196,7 +239,8 @@ def shorten_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason: s
     try:
         key = task._names(opts, task_id, tuple(args), dict(kwargs)).key
         grace_ms = int(s.shorten_grace * 1000)
-        shortened = lease_ops.shorten(connection.client(s), s.key_prefix, key, task_id, grace_ms, pid=pid)
+        client = connection.client(s)
+        shortened = lease_ops.shorten(client, s.key_prefix, key, task_id, grace_ms, pid=pid, limit=opts.limit)
     except Exception as exc:  # BUSY, NOREPLICAS, NOPERM... arrive as ResponseError: classify, log, never fail
         kind = classify(exc)
         if kind is None:

@@ -24,21 +24,32 @@ thresholds are below, so an operator can check why one fired.
 Every field is parsed on its own (:func:`celery_lockguard._metrics.parse_count`):
 a value no flush writes (``nan``, ``inf``, ``1e400``, text) is skipped and
 named under ``malformed``, and everything else is summed as usual.
+
+What is held *now* comes from the processes' gauges (``_metrics`` module
+docstring): one ``ZRANGE`` names them and one ``MGET`` reads them, in a second
+round trip only when any exist -- never a ``SCAN``, whatever the number of
+leases. A gauge that does not parse, or is older than the TTL it states, is
+skipped.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from collections import Counter
 from typing import Any
 
 from ._metrics import (
-    _BUCKET_NAMES,
-    HOLD_BUCKETS_MS,
+    HISTOGRAM_FIELD_PREFIXES,
+    HISTOGRAMS,
     OPERATOR_RELEASE,
+    bucket_names,
     minute_key,
     parse_count,
     parse_timestamp,
+    proc_key,
+    procs_key,
     total_key,
 )
 from ._terminal import plural, printable
@@ -61,16 +72,67 @@ _WAIT_EVENTS = ("lock.retry_scheduled",)
 
 
 def read(client: Any, prefix: str, now: float | None = None, windows: bool = True) -> dict[str, Any]:
-    """Totals and (unless ``windows=False``, enough for Prometheus) the last hour's minute buckets: one pipeline."""
+    """Totals, the processes' gauges and (unless ``windows=False``, enough for Prometheus) the last hour's minutes.
+
+    One pipeline, and one ``MGET`` after it when any process has a live gauge.
+    """
     now = time.time() if now is None else now
     this_minute = int(now // 60)
     minutes = list(range(this_minute - max(WINDOWS), this_minute + 1)) if windows else []
     pipe = client.pipeline(transaction=False)
     pipe.hgetall(total_key(prefix))
+    pipe.zrange(procs_key(prefix), 0, -1)
     for m in minutes:
         pipe.hgetall(minute_key(prefix, m))
     replies = pipe.execute()
-    return {"now": now, "total": replies[0] or {}, "minutes": dict(zip(minutes, replies[1:], strict=True))}
+    procs = [p for p in (replies[1] or []) if isinstance(p, str)]
+    blobs = client.mget([proc_key(prefix, p) for p in procs]) if procs else []
+    return {
+        "now": now,
+        "total": replies[0] or {},
+        "minutes": dict(zip(minutes, replies[2:], strict=True)),
+        "gauges": parse_gauges(blobs, now),
+    }
+
+
+#: The most leases one process gauge row may count; a larger value is malformed and skipped.
+MAX_HELD = 2**31
+
+
+def parse_gauges(blobs: list[Any], now: float) -> list[dict[str, Any]]:
+    """The held-now rows of every live process gauge; a blob that does not parse or is stale is skipped."""
+    rows: list[dict[str, Any]] = []
+    for blob in blobs:
+        if not isinstance(blob, str):
+            continue  # expired between ZRANGE and MGET, or never written
+        try:
+            gauge = json.loads(blob)
+            at, ttl, held = float(gauge["at"]), float(gauge["ttl"]), gauge["held"]
+        except (ValueError, TypeError, KeyError):
+            continue
+        if not (math.isfinite(at) and math.isfinite(ttl)) or at + ttl < now or not isinstance(held, list):
+            continue
+        for row in held:
+            try:
+                task, worker = str(row["task"]), str(row["worker"])
+                n, oldest = row["held"], float(row["oldest_acquired_at"])
+            except (ValueError, TypeError, KeyError, OverflowError):
+                continue
+            # A count no process could hold (inf, a 400-digit int) would fail every reader or the scrape itself.
+            if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= MAX_HELD and math.isfinite(oldest):
+                rows.append({"task": task, "worker": worker, "held": n, "oldest_acquired_at": oldest})
+    return rows
+
+
+def held_now(raw: dict[str, Any]) -> dict[tuple[str, str], tuple[int, float]]:
+    """Per (task, worker): leases held now over its processes, and the oldest one's age in seconds."""
+    out: dict[tuple[str, str], tuple[int, float]] = {}
+    for row in raw.get("gauges", []):
+        key = (row["task"], row["worker"])
+        age = max(0.0, raw["now"] - row["oldest_acquired_at"])
+        n, oldest = out.get(key, (0, 0.0))
+        out[key] = (n + row["held"], max(oldest, age))
+    return out
 
 
 #: Malformed field names kept in a summary (the count of all of them is kept too).
@@ -120,10 +182,17 @@ def numbers(counts: Counter[str], seconds: float | None) -> dict[str, Any]:
         "expired_rate": _ratio(expired, ended),
         "force_released": forced,
         "skipped_duplicates": counts["lock.skipped_duplicate"],
+        "superseded": counts["lock.superseded"],
         "from_record": counts["completion.skipped"],
+        # lock_limit / lock_rate: starts admitted to a slot, and starts a full start window turned back.
+        "admitted": counts["lock.admitted"],
+        "throttled": counts["lock.throttled"],
+        "throttle_rate": _ratio(counts["lock.throttled"], counts["lock.admitted"] + counts["lock.throttled"]),
         "waits": sum(counts[e] for e in _WAIT_EVENTS),
         "wait_rate_per_min": per_min(sum(counts[e] for e in _WAIT_EVENTS)),
-        "events": {k: v for k, v in sorted(counts.items()) if not k.startswith("hold.")},
+        "avg_wait_ms": _ratio(counts["wait.sum_ms"], counts["wait.count"]),
+        "avg_renew_lag_ms": _ratio(counts["renew_lag.sum_ms"], counts["renew_lag.count"]),
+        "events": {k: v for k, v in sorted(counts.items()) if not k.startswith(HISTOGRAM_FIELD_PREFIXES)},
     }
 
 
@@ -154,6 +223,9 @@ def summarize(raw: dict[str, Any], templates: dict[str, str] | None = None) -> d
         if templates and task in templates:
             entry["key_template"] = templates[task]
         tasks[task] = entry
+    for (task, worker), (n, age) in sorted(held_now(raw).items()):
+        if task in tasks:  # a gauge is flushed with the acquisitions it counts: its task has totals
+            tasks[task].setdefault("held_now", {})[worker] = {"held": n, "oldest_hold_s": round(age, 1)}
     return {
         "generated_at": now,
         "first_flush_at": first,
@@ -219,6 +291,16 @@ def readings(w: dict[str, dict[str, Any]]) -> list[str]:
                 else " (no lease expired: none were behind a stuck lock)"
             )
         )
+    if total["superseded"]:
+        out.append(
+            f"{plural(total['superseded'], 'debounced message')} superseded by a later publish for the same entity "
+            "(lock_debounce): consumed without running, each result names the run that replaced it"
+        )
+    if ev.get("lock.debounce_missing"):
+        out.append(
+            f"{plural(ev['lock.debounce_missing'], 'debounced message')} ran without its debounce record (expired, "
+            "evicted or lost in a restart): each ran rather than risk losing the burst's run; check maxmemory-policy"
+        )
     if ev.get("lock.wait_budget_exhausted"):
         out.append(
             f"{plural(ev['lock.wait_budget_exhausted'], 'call')} gave up waiting (lock_max_waits spent): raise "
@@ -234,6 +316,14 @@ def readings(w: dict[str, dict[str, Any]]) -> list[str]:
         n, by_hand = ev["lock.force_released"], total["force_released"]
         detail = f"{by_hand} by an operator, not counted as expired" if by_hand else "at a hard time limit or a revoke"
         out.append(f"{plural(n, 'lease')} {'was' if n == 1 else 'were'} force-released ({detail})")
+    if total["throttled"]:
+        share = total["throttle_rate"]
+        out.append(
+            f"{plural(total['throttled'], 'start')} throttled by lock_rate"
+            + (f" ({share:.0%} of starts asked for)" if share is not None else "")
+            + ": the entity's start window was full; each waited for the window (lock_max_waits), or raised "
+            "LockThrottled under on_locked='raise'"
+        )
     if total["from_record"]:
         out.append(
             f"{plural(total['from_record'], 'call')} answered from the completion record: the work had already run"
@@ -249,38 +339,97 @@ def _label(value: str) -> str:
     return printable(value, None).replace("\\", "\\\\").replace('"', '\\"')
 
 
-def prometheus(raw: dict[str, Any]) -> str:
-    """The fleet's totals in Prometheus text format 0.0.4 (counters and a hold-time histogram)."""
-    total = raw["total"]
-    per_task = _split(total)
-    lines = [
-        "# HELP lockguard_events_total Lock events per task, summed over every worker that flushed.",
-        "# TYPE lockguard_events_total counter",
-    ]
+#: The histograms as Prometheus names them (seconds, per Prometheus conventions) and what each measures.
+PROMETHEUS_HISTOGRAMS = {
+    "hold": ("lockguard_hold_seconds", "Time between acquiring and releasing a lease."),
+    "wait": (
+        "lockguard_wait_seconds",
+        "Lock wait: from a message's first delivery to its acquisition, waits spent re-queued included.",
+    ),
+    "renew_lag": (
+        "lockguard_renewal_lag_seconds",
+        "How late each renewal was sent against when it was due (0: on time or early).",
+    ),
+}
+#: Label value of a task whose lock_key template the exporter's app does not know.
+UNKNOWN_TEMPLATE = "unknown"
+
+
+def _family(lines: list[str], name: str, kind: str, help_text: str) -> None:
+    lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+
+
+def _histogram(lines: list[str], per_task: dict[str, Counter[str]], family: str) -> None:
+    name, help_text = PROMETHEUS_HISTOGRAMS[family]
+    _family(lines, name, "histogram", help_text)
     for task, counts in sorted(per_task.items()):
-        for name, n in sorted(counts.items()):
-            if not name.startswith("hold."):
-                lines.append(f'lockguard_events_total{{task="{_label(task)}",event="{_label(name)}"}} {n}')
-    lines += [
-        "# HELP lockguard_hold_seconds Time between acquiring and releasing a lease.",
-        "# TYPE lockguard_hold_seconds histogram",
-    ]
-    for task, counts in sorted(per_task.items()):
-        if not counts["hold.count"]:
+        if not counts[f"{family}.count"]:
             continue
         t = _label(task)
         cumulative = 0
-        for bound, name in zip([*HOLD_BUCKETS_MS, None], _BUCKET_NAMES, strict=True):
-            cumulative += counts[f"hold.le.{name}"]
+        for bound, le_name in zip([*HISTOGRAMS[family], None], bucket_names(family), strict=True):
+            cumulative += counts[f"{family}.le.{le_name}"]
             le = "+Inf" if bound is None else repr(bound / 1000)
-            lines.append(f'lockguard_hold_seconds_bucket{{task="{t}",le="{le}"}} {cumulative}')
-        lines.append(f'lockguard_hold_seconds_sum{{task="{t}"}} {counts["hold.sum_ms"] / 1000}')
-        lines.append(f'lockguard_hold_seconds_count{{task="{t}"}} {counts["hold.count"]}')
+            lines.append(f'{name}_bucket{{task="{t}",le="{le}"}} {cumulative}')
+        lines.append(f'{name}_sum{{task="{t}"}} {counts[f"{family}.sum_ms"] / 1000}')
+        lines.append(f'{name}_count{{task="{t}"}} {counts[f"{family}.count"]}')
+
+
+def prometheus(raw: dict[str, Any], templates: dict[str, str] | None = None) -> str:
+    """The fleet's metrics in Prometheus text format 0.0.4, named and typed as ``prometheus_client`` would.
+
+    Counters (events per task; acquisitions and contended attempts per
+    ``lock_key`` *template* -- ``templates`` maps task names to them, bounded
+    by the code, never the rendered keys), histograms (hold, wait, renewal
+    lag per task) and gauges (leases held now and the oldest hold's age per
+    task and worker, from the processes' gauges).
+    """
+    total = raw["total"]
+    per_task = _split(total)
+    lines: list[str] = []
+    _family(lines, "lockguard_events_total", "counter", "Lock events per task, summed over every worker that flushed.")
+    for task, counts in sorted(per_task.items()):
+        for name, n in sorted(counts.items()):
+            if not name.startswith(HISTOGRAM_FIELD_PREFIXES):
+                lines.append(f'lockguard_events_total{{task="{_label(task)}",event="{_label(name)}"}} {n}')
+    for family in PROMETHEUS_HISTOGRAMS:
+        _histogram(lines, per_task, family)
+    by_template: dict[str, Counter[str]] = {}
+    for task, counts in per_task.items():
+        template = (templates or {}).get(task, UNKNOWN_TEMPLATE)
+        row = by_template.setdefault(template, Counter())
+        row["acquired"] += counts["lock.acquired"]
+        row["contended"] += counts["lock.contended"]
+    for outcome in ("acquired", "contended"):
+        name = f"lockguard_template_{outcome}_total"
+        what = "Leases acquired" if outcome == "acquired" else "Attempts that found the entity held"
+        _family(lines, name, "counter", f"{what}, per lock_key template (not the rendered key: bounded labels).")
+        for template, row in sorted(by_template.items()):
+            if row["acquired"] or row["contended"]:
+                lines.append(f'{name}{{template="{_label(template)}"}} {row[outcome]}')
+    held = held_now(raw)
+    _family(lines, "lockguard_leases_held", "gauge", "Leases held now by running bodies, per task and worker.")
+    for (task, worker), (n, _age) in sorted(held.items()):
+        lines.append(f'lockguard_leases_held{{task="{_label(task)}",worker="{_label(worker)}"}} {n}')
+    _family(lines, "lockguard_oldest_hold_seconds", "gauge", "Age of the oldest lease held now, per task and worker.")
+    for (task, worker), (_n, age) in sorted(held.items()):
+        labels = f'task="{_label(task)}",worker="{_label(worker)}"'
+        lines.append(f"lockguard_oldest_hold_seconds{{{labels}}} {round(age, 3)}")
     last = parse_timestamp(total.get("@last_flush_at"))
     if last is not None:
-        lines += [
-            "# HELP lockguard_metrics_last_flush_timestamp_seconds When a worker last flushed its counts.",
-            "# TYPE lockguard_metrics_last_flush_timestamp_seconds gauge",
-            f"lockguard_metrics_last_flush_timestamp_seconds {last}",
-        ]
+        name = "lockguard_metrics_last_flush_timestamp_seconds"
+        _family(lines, name, "gauge", "When a worker last flushed its counts.")
+        lines.append(f"lockguard_metrics_last_flush_timestamp_seconds {last}")
     return "\n".join(lines) + "\n"
+
+
+#: Every metric family the exporter writes (the dashboard and the rules may name only these).
+EXPORTED_METRICS = (
+    "lockguard_events_total",
+    *(name for name, _ in PROMETHEUS_HISTOGRAMS.values()),
+    "lockguard_template_acquired_total",
+    "lockguard_template_contended_total",
+    "lockguard_leases_held",
+    "lockguard_oldest_hold_seconds",
+    "lockguard_metrics_last_flush_timestamp_seconds",
+)

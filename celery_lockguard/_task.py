@@ -31,20 +31,24 @@ from . import _calls as calls
 from . import _claims as claims
 from . import _completion as completion
 from . import _connection as connection
+from . import _debounce as debounce
 from . import _errors as errors
 from . import _events as events
 from . import _handoff as handoff
 from . import _headers as headers
 from . import _keys as keys
 from . import _lease as lease_ops
+from . import _metrics as metrics
 from . import _republish as republish
 from . import _signals as signals
 from . import _tracing as tracing
+from . import _workflow as workflow
 from ._calls import CallNames
 from ._completion import PostgresStore, RedisStore, Store, StoreGuard
 from ._config import Settings, TaskOptions, resolve_task_options, settings
 from ._decision import (
     FREES_CLAIM,
+    RUN_ACQUIRED,
     Action,
     Decision,
     Delivery,
@@ -59,10 +63,16 @@ from ._decision import (
     decide_publish,
 )
 from ._events import emit
-from ._lease import Done, Holder, Lease
-from ._metrics import observe_hold
+from ._lease import Done, Holder, Lease, Throttled
 from ._renewer import renewer
-from .exceptions import AlreadyQueued, BackendUnavailable, ConfigurationError, IdempotencyKeyReused, LockContended
+from .exceptions import (
+    AlreadyQueued,
+    BackendUnavailable,
+    ConfigurationError,
+    IdempotencyKeyReused,
+    LockContended,
+    LockThrottled,
+)
 
 #: Tries to record a checkpoint whose step has run, before the store error is final.
 CHECKPOINT_WRITE_ATTEMPTS = 4
@@ -73,7 +83,7 @@ _CHECKPOINTS = "_lockguard_checkpoints"
 #: Set on the request of a delivery lockguard has entered: a call of the task inside its own body is direct.
 _ENTERED = "_lockguard_entered"
 #: Fields a direct call must not inherit from the caller's request.
-_PRIVATE = {_LEASE: None, _CALL: None, _CHECKPOINTS: None}
+_PRIVATE = {_LEASE: None, _CALL: None, _CHECKPOINTS: None, workflow.WORKFLOW_LEASE: None}
 _REQUEST_STATE = (*_PRIVATE, _ENTERED)
 #: Set by a direct call just before ``Task.__call__`` pushes the body's request; that push (and only that
 #: one) drops the caller's lease, names and checkpoints. A context variable: thread and gevent pools are safe.
@@ -119,6 +129,15 @@ class LockGuard(Task):
     idempotency_mismatch: str | None = None
     #: Replicas that must acknowledge an acquisition (``WAIT``); 0 = do not wait.
     lock_replicas: int = 0
+    #: Seconds > 0: a publish replaces the entity's pending run, which runs that long after the last
+    #: publish of the burst, with its arguments (docs/debounce.md); default ``lockguard_debounce[name]``.
+    lock_debounce: float | None = None
+    #: Bodies that may hold one entity at once, each on its own slot lease (docs/limits.md); default
+    #: ``lockguard_lock_limit`` (1: the single lease).
+    lock_limit: int | None = None
+    #: Starts per entity per sliding window, fleet-wide: ``"100/m"``, ``"5/s"``, ``"N/h"`` (docs/limits.md);
+    #: default ``lockguard_lock_rate`` (none).
+    lock_rate: str | None = None
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -173,6 +192,15 @@ class LockGuard(Task):
     def lock(self) -> Lease | None:
         """The current request's lease, or ``None`` (no lock, fail-open, direct call)."""
         return getattr(self.request, _LEASE, None)
+
+    @property
+    def workflow_lock(self) -> Lease | None:
+        """The workflow's lease while this task runs as a member of one (``celery_lockguard.workflow``), else ``None``.
+
+        ``self.lock`` is the same lease, unless the member locks an entity of its own: then
+        ``self.lock`` is that lease and this one is the workflow's.
+        """
+        return getattr(self.request, workflow.WORKFLOW_LEASE, None)
 
     @property
     def completion_scope(self) -> str | None:
@@ -283,7 +311,13 @@ class LockGuard(Task):
 
     def _store(self, s: Settings) -> Store:
         if s.completion_backend == "redis":
-            return RedisStore(connection.client(s), s.key_prefix)
+            client = connection.client(s)
+            # Made once per client and prefix (twice per task otherwise); a new client (after fork, or other
+            # settings) makes a new one. RedisStore keeps nothing else.
+            store = self.__dict__.get("_lockguard_store")
+            if type(store) is not RedisStore or store.client is not client or store.prefix != s.key_prefix:
+                store = self.__dict__["_lockguard_store"] = RedisStore(client, s.key_prefix)
+            return store
         return completion.postgres_store(s.completion_backend, s.completion_table, namespace=s.key_prefix)
 
     def _completion_ttl_ms(self, call: CallNames) -> int:
@@ -300,10 +334,22 @@ class LockGuard(Task):
             return self._call_direct(args, kwargs)
         s = settings(self.app)
         opts = self.lockguard_options
+        member = workflow.member_of(req, self.name) if s.enabled else None
+        if member is not None:  # a member of a workflow: the workflow's lease first (_workflow)
+            setattr(req, _ENTERED, True)
+            return workflow.deliver(self, s, opts, member, args, kwargs)
         if not s.enabled or not opts.locked:
             return super().__call__(*args, **kwargs)
         setattr(req, _ENTERED, True)
+        if opts.debounce is not None:
+            answered, result = debounce.arrive(self, s, opts, args, kwargs)
+            if answered:
+                return result
         return self._deliver(s, opts, args, kwargs)
+
+    def _body(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run the body through the other task classes' ``__call__`` (a workflow member under its lease)."""
+        return super().__call__(*args, **kwargs)
 
     def _call_direct(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run the body unlocked, through the other task classes' ``__call__`` like a plain task's call."""
@@ -316,6 +362,8 @@ class LockGuard(Task):
     def _deliver(self, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Acquire, decide, carry out; loop only to adopt a claim or to wait in-process."""
         req = self.request
+        # The lock wait counts from the message's first delivery (carried by its waits), else from now.
+        first_ms = headers.read_ms(req, headers.FIRST_DELIVERED) or int(time.time() * 1000)
         call = calls.render(opts, req.id, args, kwargs)
         client = connection.client(s)
         store = self._store(s) if opts.completion else None
@@ -341,11 +389,14 @@ class LockGuard(Task):
         reserved = park_token  # a reservation RELEASE may have made for us: freed on every exit that does not run
         if park_token:
             replace_token = park_token
+        # Slot and rate waiters back off with a countdown instead (docs/limits.md): a release of one of N slots
+        # hands over nothing to wake for, and a start window is freed by time, not by a release.
         can_park = opts.mode == "while_running" and not claim_token and not watch_copy and not req.is_eager
+        can_park = can_park and not opts.slotted
         free_retries = 0
         while True:
             token = lease_ops.new_token()
-            got: Lease | Holder | Done | None = None
+            got: Lease | Holder | Done | Throttled | None = None
             failure: BaseException | None = None
             outcome: Outcome
             try:
@@ -363,18 +414,25 @@ class LockGuard(Task):
             else:
                 outcome, got, failure = self._outcome(s, opts, call, store, got, watch_copy)
             holder = got if isinstance(got, Holder) else None
-            decision = decide_delivery(
-                Delivery(
-                    mode=opts.mode,  # type: ignore[arg-type]
-                    on_locked=opts.on_locked,  # type: ignore[arg-type]
-                    on_unavailable=opts.on_unavailable,  # type: ignore[arg-type]
-                    outcome=outcome,
-                    holder=self._facts(call, holder) if holder is not None else None,
-                    # A watch copy answers from the record when its original never stored a state.
-                    watch_copy=watch_copy and not (outcome == "record" and not self._original_settled()),
-                    waits=headers.read_int(req, headers.WAITS),
-                    max_waits=opts.max_waits,
-                    can_park=can_park,
+            throttled = got if isinstance(got, Throttled) else None
+            # "acquired" is decided by its outcome alone (decide_delivery's first rule): no facts to gather.
+            decision = (
+                RUN_ACQUIRED
+                if outcome == "acquired"
+                else decide_delivery(
+                    Delivery(
+                        mode=opts.mode,  # type: ignore[arg-type]
+                        on_locked=opts.on_locked,  # type: ignore[arg-type]
+                        on_unavailable=opts.on_unavailable,  # type: ignore[arg-type]
+                        outcome=outcome,
+                        holder=self._facts(call, holder) if holder is not None else None,
+                        # A watch copy answers from the record when its original never stored a state.
+                        watch_copy=watch_copy and not (outcome == "record" and not self._original_settled()),
+                        waits=headers.read_int(req, headers.WAITS),
+                        max_waits=opts.max_waits,
+                        can_park=can_park,
+                        debounced=opts.debounce is not None,
+                    )
                 )
             )
             action = decision.action
@@ -388,6 +446,8 @@ class LockGuard(Task):
                         policy=opts.on_unavailable,
                         reason=f"completion store: {_describe(failure)}",
                     )
+                if not watch_copy:  # a watch copy's wait is its original's run, not contention
+                    metrics.observe_wait(self.name, time.time() * 1000 - first_ms)
                 return self._run_locked(s, opts, call, client, got, args, kwargs)
             if action is Action.ADOPT:
                 assert holder is not None
@@ -406,11 +466,11 @@ class LockGuard(Task):
                 if action is Action.WAIT and claim_token:
                     handed = self._hand_back(s, opts, call, got)
                 else:
-                    self._release(s, opts, got)
-            self._met(opts, call, decision, holder, failure)
+                    self._give_back(s, opts, got)
+            self._met(opts, call, decision, holder, failure, throttled)
             if action is Action.PARK:
                 assert holder is not None
-                parked = self._park(s, opts, call, client, decision, holder, free_retries)
+                parked = self._park(s, opts, call, client, decision, holder, free_retries, first_ms)
                 if parked == "acquire_again":
                     free_retries += 1
                     continue
@@ -428,14 +488,14 @@ class LockGuard(Task):
                 handoff.abandon(self.app, s, call.key, reserved, self.name, req.id)
             if action is Action.WAIT:
                 attempt = token if outcome == "unavailable" and got is None else None
-                sig = self._wait(s, opts, call, decision, holder, attempt, handed)
+                sig = self._wait(s, opts, call, decision, holder, attempt, handed, first_ms, throttled=throttled)
                 if sig is None:
                     continue  # waited in this process: eager, or the publish failed
                 if watch_copy:
                     # A watch copy shares its original's task id: RETRY stored now would overwrite the
                     # original's SUCCESS for good if the wait then finds the record and drops itself.
                     raise Ignore()
-                raise Retry(exc=self._contention_error(call, holder, failure), when=None, sig=sig)
+                raise Retry(exc=self._contention_error(call, holder, failure, throttled), when=None, sig=sig)
             if watch_copy and action in (Action.RAISE, Action.GIVE_UP) and self._original_settled():
                 raise Ignore()  # the original ended; a failure stored now would overwrite its state
             return self._finish(s, opts, call, decision, got, holder, failure, claim_token, args, kwargs)
@@ -446,7 +506,7 @@ class LockGuard(Task):
         opts: TaskOptions,
         call: CallNames,
         decision: Decision,
-        got: Lease | Holder | Done | None,
+        got: Lease | Holder | Done | Throttled | None,
         holder: Holder | None,
         failure: BaseException | None,
         claim_token: str,
@@ -455,6 +515,7 @@ class LockGuard(Task):
     ) -> Any:
         """The exits that consume the message without running under a lease (the claim is already freed)."""
         action, fields = decision.action, self._fields(call)
+        throttled = got if isinstance(got, Throttled) else None
         if action is Action.ANSWER:
             record = got.record if isinstance(got, Done) else ""
             return self._completed(call, record)
@@ -486,8 +547,8 @@ class LockGuard(Task):
             self._watch(s, opts, call)
             raise Ignore()
         if action is Action.RAISE:
-            assert holder is not None
-            raise self._contention_error(call, holder, None)
+            assert holder is not None or throttled is not None
+            raise self._contention_error(call, holder, None, throttled)
         if action is Action.GIVE_UP:
             emit(
                 "lock.wait_budget_exhausted",
@@ -497,7 +558,7 @@ class LockGuard(Task):
                 waits=headers.read_int(self.request, headers.WAITS),
                 policy=opts.on_locked,
             )
-            raise self._contention_error(call, holder, failure)
+            raise self._contention_error(call, holder, failure, throttled)
         if action is Action.MISCONFIGURED:
             assert failure is not None
             raise errors.configuration_error(failure, self.name, "ACQUIRE") from failure
@@ -514,7 +575,7 @@ class LockGuard(Task):
         replace_token: str,
         store: Store | None,
         claim_token: str = "",
-    ) -> Lease | Holder | Done:
+    ) -> Lease | Holder | Done | Throttled:
         req = self.request
         return lease_ops.acquire(
             client,
@@ -533,6 +594,8 @@ class LockGuard(Task):
             replicas=opts.replicas,
             # WAIT must answer well inside the socket timeout, or a slow replica reads as an outage.
             replicas_timeout_ms=max(1, min(opts.replicas_timeout_ms, int(s.socket_timeout * 500))),
+            limit=opts.limit,
+            rate=(opts.rate.count, opts.rate.window_ms) if opts.rate is not None else None,
         )
 
     def _outcome(
@@ -541,9 +604,9 @@ class LockGuard(Task):
         opts: TaskOptions,
         call: CallNames,
         store: Store | None,
-        got: Lease | Holder | Done,
+        got: Lease | Holder | Done | Throttled,
         watch_copy: bool = False,
-    ) -> tuple[Outcome, Lease | Holder | Done, BaseException | None]:
+    ) -> tuple[Outcome, Lease | Holder | Done | Throttled, BaseException | None]:
         """Name what ACQUIRE answered; with the PostgreSQL store, read the record under the fresh lease.
 
         The record is read *after* taking the lease: a finisher records before it releases, so
@@ -552,12 +615,14 @@ class LockGuard(Task):
         was revoked): only an original that died mid-body is taken over.
         """
         if watch_copy and isinstance(got, Lease) and not got.lost and self._original_settled():
-            self._release(s, opts, got)
+            self._give_back(s, opts, got)
             return "record", Done(""), None
         if isinstance(got, Done):
             return "record", got, None
         if isinstance(got, Holder):
             return "held", got, None
+        if isinstance(got, Throttled):
+            return "throttled", got, None
         if got.lost:  # the reply came back after the lease's validity: never run on it
             return "late", got, None
         if store is not None and not store.in_scripts:
@@ -571,7 +636,7 @@ class LockGuard(Task):
                     return "acquired", got, exc  # run under the lease, unchecked (logged as fail_open)
                 return "unavailable", got, exc
             if record is not None:
-                self._release(s, opts, got)  # recorded by a finisher: give the fresh lease straight back
+                self._give_back(s, opts, got)  # recorded by a finisher: give the fresh lease straight back
                 return "record", Done(record), None
             if got.lost:
                 # The store answered after the lease's validity (it is not renewed while the record is read):
@@ -586,12 +651,26 @@ class LockGuard(Task):
         decision: Decision,
         holder: Holder | None,
         failure: BaseException | None,
+        throttled: Throttled | None = None,
     ) -> None:
-        """Say what the delivery met before it skips, waits, gives up or raises: another holder, or an outage."""
+        """Say what the delivery met before it skips, waits, gives up or raises: another holder, a full
+        start window (``lock.throttled``), or an outage."""
         if decision.action not in (Action.SKIP, Action.WAIT, Action.PARK, Action.GIVE_UP, Action.RAISE):
             return
         fields = self._fields(call)
-        if holder is None:
+        if throttled is not None:
+            rate = opts.rate.text if opts.rate is not None else None
+            emit(
+                "lock.throttled",
+                self.name,
+                **fields,
+                policy=opts.on_locked,
+                reason=decision.reason,
+                rate=rate,
+                starts=throttled.starts,
+                retry_after_ms=throttled.wait_ms,
+            )
+        elif holder is None:
             reason = _describe(failure) if failure is not None else decision.reason
             emit("lock.backend_unavailable", self.name, **fields, policy=opts.on_unavailable, reason=reason)
         elif holder.task_id != keys.meta(self.request.id):
@@ -651,8 +730,11 @@ class LockGuard(Task):
         return {"lock_key": call.key, "task_id": self.request.id}
 
     def _contention_error(
-        self, call: CallNames, holder: Holder | None, failure: BaseException | None
+        self, call: CallNames, holder: Holder | None, failure: BaseException | None, throttled: Throttled | None = None
     ) -> LockContended | BackendUnavailable:
+        if throttled is not None:
+            rate = self.lockguard_options.rate
+            return LockThrottled(call.key, throttled.wait_ms, rate.text if rate is not None else None)
         if holder is not None:
             return LockContended(call.key, holder.task_id, holder.pttl_ms)
         reason = _describe(failure) if failure is not None else "acquire_slower_than_ttl"
@@ -670,6 +752,18 @@ class LockGuard(Task):
     ) -> Any:
         req = self.request
         emit("lock.acquired", self.name, lock_key=call.key, task_id=req.id, fence=lease.fence)
+        if opts.slotted:
+            rate = opts.rate.text if opts.rate is not None else None
+            emit(
+                "lock.admitted",
+                self.name,
+                lock_key=call.key,
+                task_id=req.id,
+                fence=lease.fence,
+                slot=lease.slot,
+                limit=opts.limit,
+                rate=rate,
+            )
         if lease.replicas is not None and lease.replicas < opts.replicas:
             # WAIT timed out: a failover now could lose this lease (fences and records still hold).
             emit(
@@ -684,16 +778,44 @@ class LockGuard(Task):
         setattr(req, _LEASE, lease)
         setattr(req, _CALL, call)
         setattr(req, _CHECKPOINTS, set())
+        metrics.lease_held(lease, req.hostname or lease_ops.HOST)  # the held-now gauge: no Redis here
         if opts.renew:
             renewer().track(lease, client, opts.max_hold)
         done: CallNames | None = None
         result = None
         try:
+            if opts.debounce is not None:
+                replaced = debounce.start(self, s, opts, client, call.key)
+                if replaced is not None:  # taken while waiting for the lease, then replaced: release unrun
+                    return replaced
             result = super().__call__(*args, **kwargs)
             done = call
             return result
         finally:
+            metrics.lease_ended(lease)
             self._release(s, opts, lease, done, result, later=not req.is_eager)
+
+    def _give_back(self, s: Settings, opts: TaskOptions, lease: Lease) -> None:
+        """Release a lease no body ran on; with ``lock_rate``, take back the start it was counted as.
+
+        A failure to take it back leaves the start counted (the safe side: the window under-admits
+        until it passes) and says so.
+        """
+        self._release(s, opts, lease)
+        if opts.rate is None:
+            return
+        try:
+            lease_ops.unadmit(connection.client(s), s.key_prefix, lease)
+        except Exception as exc:  # the start stays counted; the delivery's exit is unchanged
+            if errors.classify(exc) is None:
+                raise
+            emit(
+                "lock.backend_unavailable",
+                self.name,
+                lock_key=lease.key,
+                task_id=lease.task_id,
+                reason=f"start not taken back from the window: {_describe(exc)}",
+            )
 
     def _release(
         self,
@@ -725,15 +847,19 @@ class LockGuard(Task):
                 scope = done.scope
         report = _ReleaseReport(self.app, s, self.name, lease, scope)
         client = connection.client(s)
-        reserve_ms = int(handoff.RESERVATION_TTL * 1000)
+        # A slot lease wakes nobody: slot and rate waiters back off instead of parking (docs/limits.md).
+        reserve_ms = int(handoff.RESERVATION_TTL * 1000) if lease.slot is None else 0
         try:
             if later and lease_ops.release_later(
                 client, lease, s.key_prefix, report, scope, record, ttl_ms, reserve_ms
             ):
                 # The task's span ends before the reply is read (its lock.released then goes to the logs and
-                # metrics only): say on the span that the release went out.
-                fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence}
-                tracing.span_event("lock.release_sent", self.name, {**fields, "hold_ms": round(report.hold_ms)})
+                # metrics only): say on the span that the release went out. report.span is the span current
+                # here (captured just above, or None when none records): no fields built for no span.
+                if report.span is not None:
+                    fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence}
+                    fields["hold_ms"] = round(report.hold_ms)
+                    tracing.span_event("lock.release_sent", self.name, fields, report.span)
                 return
             reply: tuple[int, int, lease_ops.Woken | None] | BaseException
             reply = lease_ops.release_and_wake(client, lease, s.key_prefix, scope, record, ttl_ms, reserve_ms)
@@ -882,6 +1008,8 @@ class LockGuard(Task):
         holder: Holder | None,
         attempt_token: str | None,
         claim_token: str | None = None,
+        first_ms: int = 0,
+        throttled: Throttled | None = None,
     ) -> Any:
         """Re-deliver this call later, without spending ``max_retries``; the budget is ``lock_max_waits``.
 
@@ -892,10 +1020,13 @@ class LockGuard(Task):
         req = self.request
         waits = headers.read_int(req, headers.WAITS)
         holder_ttl = holder.pttl_ms / 1000 if holder is not None else None
-        countdown = min(republish.wait_countdown(waits, holder_ttl), republish.max_countdown(s))
+        if throttled is not None:  # the window says when a start is admitted: wait for that, not a guess
+            countdown = min(republish.throttle_countdown(throttled.wait_ms), republish.max_countdown(s))
+        else:
+            countdown = min(republish.wait_countdown(waits, holder_ttl), republish.max_countdown(s))
         fields = {**self._fields(call), "reason": decision.reason, "waits": waits}
         emit("lock.retry_scheduled", self.name, **fields, countdown=round(countdown, 3), policy=opts.on_locked)
-        hdrs = republish.wait_headers(req, attempt_token, claim_token)
+        hdrs = republish.wait_headers(req, attempt_token, claim_token, first_ms)
         if not req.is_eager:
             try:
                 return republish.publish(self, req.args or (), req.kwargs or {}, countdown, hdrs)
@@ -916,6 +1047,7 @@ class LockGuard(Task):
         decision: Decision,
         holder: Holder,
         free_retries: int,
+        first_ms: int = 0,
     ) -> Any:
         """Park behind ``holder`` and publish the one safety copy; see :mod:`celery_lockguard._handoff`.
 
@@ -929,7 +1061,7 @@ class LockGuard(Task):
         # A copy of a delivery that parked before keeps its place in the queue (not the tail).
         first = headers.read_int(req, headers.PARKED_AT) or None
         hdrs = {
-            **republish.wait_headers(req, None),
+            **republish.wait_headers(req, None, first_delivered_ms=first_ms),
             headers.PARK: park_token,
             headers.PARKED_AT: first or int(time.time() * 1000),
         }
@@ -1046,6 +1178,8 @@ class LockGuard(Task):
         """
         opts = self.lockguard_options
         s = settings(self.app)
+        if opts.debounce is not None and s.enabled and not self.app.conf.task_always_eager:
+            return debounce.publish(self, s, opts, args, kwargs, task_id, link, options, super().apply_async)
         if opts.mode == "while_running" or not s.enabled or not opts.locked or self.app.conf.task_always_eager:
             return super().apply_async(args, kwargs, task_id, link=link, **options)
         publisher = claims.publishing_task_id()
@@ -1055,6 +1189,10 @@ class LockGuard(Task):
             return super().apply_async(args, kwargs, task_id, link=link, **options)
         task_id = task_id or uuid()
         call = calls.render(opts, task_id, tuple(args or ()), dict(kwargs or {}))
+        if workflow.claims_own_entity(options, call.key):
+            # A member on its workflow's entity runs under the workflow lease: a claim of its own there would
+            # be a second holder of that entity (waited on forever, or left for queue_lock_ttl).
+            return super().apply_async(args, kwargs, task_id, link=link, **options)
         token = lease_ops.new_token()
         ckey = claims.claim_keys(s.key_prefix, call.key, opts.mode)
         ttl_ms = claims.claim_ttl_ms(opts.queue_lock_ttl, options.get("countdown"), options.get("eta"))
@@ -1144,6 +1282,11 @@ class LockGuard(Task):
         The replacement inherits the task id: found holding the lease, it would
         look like a redelivery of a running original and be dropped.
         """
+        if self.workflow_lock is not None:
+            raise ConfigurationError(
+                f"task {self.name!r}: replace() inside a workflow is not supported (the replacement would run "
+                "outside the workflow lease)"
+            )
         lease = self.lock
         if lease is not None and not lease.released:
             self._release(settings(self.app), self.lockguard_options, lease)
@@ -1172,6 +1315,13 @@ class LockGuard(Task):
         # A retry is a new attempt: it must not inherit this delivery's waits, orphan token, watch marker or
         # claim (Celery copies the request's headers into the retry message).
         options["headers"] = {**republish.without_ours(req), **(options.get("headers") or {})}
+        burst = headers.read_str(req, headers.DEBOUNCE) if opts.debounce is not None else ""
+        if burst:  # a retried run stays its burst's: superseded if a later run of the entity has started by then
+            options["headers"][headers.DEBOUNCE] = burst
+            delay = countdown if countdown is not None or eta is not None else self.default_retry_delay
+            debounce.keep_for_retry(self, s, opts, burst, delay, eta)
+        # A member's retry keeps its place in the workflow and gets its lease (or, failed open, runs unlocked).
+        workflow.on_retry(self, options)
         if lease is not None and not lease.released:
             limit = self.max_retries if max_retries is None else max_retries
             exhausted = limit is not None and req.retries + 1 > limit
@@ -1383,7 +1533,7 @@ class _ReleaseReport:
                 )
             return
         released, _recorded, woken = reply
-        observe_hold(self.task_name, self.hold_ms)
+        metrics.observe_hold(self.task_name, self.hold_ms)
         if released == 1:
             # Still ours in Redis, yet past its validity here (e.g. a renewal delayed in flight): the body
             # was told it was lost, so say so once even though the key survived.

@@ -85,11 +85,36 @@ def _encode(value: Any) -> bytes:
 
 def pack_evalsha(sha: bytes, keys: list[str], args: list[Any]) -> bytes:
     """``EVALSHA sha numkeys keys... args...`` as RESP bytes."""
-    items = [_encode(x) for x in (*keys, *args)]
+    # The usual call: ASCII text and ints only, whose byte length is their length: formatted as text
+    # and encoded once. Anything else (non-ASCII text, bytes, a type to refuse) takes the general path.
+    parts = []
+    for value in (*keys, *args):
+        kind = type(value)
+        if kind is str and value.isascii():
+            parts.append(f"${len(value)}\r\n{value}\r\n")
+        elif kind is int:
+            text = str(value)
+            parts.append(f"${len(text)}\r\n{text}\r\n")
+        else:
+            return _pack_any(sha, keys, args)
     numkeys = b"%d" % len(keys)
-    out = [b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%s\r\n" % (len(items) + 3, sha, len(numkeys), numkeys)]
-    for item in items:
-        out.append(b"$%d\r\n%s\r\n" % (len(item), item))
+    head = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%s\r\n" % (len(parts) + 3, sha, len(numkeys), numkeys)
+    return head + "".join(parts).encode()
+
+
+def _pack_any(sha: bytes, keys: list[str], args: list[Any]) -> bytes:
+    """:func:`pack_evalsha` for any values: each encoded on its own (refusing what cannot be sent exactly)."""
+    numkeys = b"%d" % len(keys)
+    out = [
+        b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%s\r\n" % (len(keys) + len(args) + 3, sha, len(numkeys), numkeys)
+    ]
+    append = out.append
+    for value in (*keys, *args):
+        # str and int (every value a lease script takes) inline; anything else through _encode, which refuses
+        # what it cannot send exactly (bool, float, None) before a byte goes out.
+        kind = type(value)
+        item = value.encode() if kind is str else b"%d" % value if kind is int else _encode(value)
+        append(b"$%d\r\n%s\r\n" % (len(item), item))
     return b"".join(out)
 
 
@@ -119,7 +144,7 @@ class Channel:
         self.pid = os.getpid()
         #: Commands sent whose reply is read later (tests and the bench count them).
         self.deferred = 0
-        weakref.finalize(self, _give_back, self._pool, self._made)
+        weakref.finalize(self, _give_back, self._pool, self._made, self._lock, self._inflight)
 
     def _connection(self) -> Any:
         conn = self._conn
@@ -212,10 +237,17 @@ class Channel:
             if self._inflight and self._conn is not None:
                 self._read_through(self._conn, None, done)
         finally:
-            self._lock.release()
             # On the renewer thread the callbacks go to a thread of their own: a wake-up publish to a
-            # stalled broker must never hold up the renewal ticks of every lease in the process.
-            (_run if block else _dispatch)(done)
+            # stalled broker must never hold up the renewal ticks of every lease in the process. They are
+            # handed over (counted as pending) before the lock goes, so a drain_all that takes the lock next
+            # waits for them.
+            try:
+                if not block:
+                    _dispatch(done)
+            finally:
+                self._lock.release()
+            if block:
+                _run(done)
         return len(done)
 
     # -- with the lock held --------------------------------------------------
@@ -323,37 +355,82 @@ def _run(done: list[tuple[OnReply, Any]]) -> None:
         raise limit
 
 
-def _start_replies_thread() -> queue.SimpleQueue[tuple[OnReply, Any]]:
-    replies: queue.SimpleQueue[tuple[OnReply, Any]] = queue.SimpleQueue()
-    threading.Thread(target=_serve, args=(replies,), name="lockguard-replies", daemon=True).start()
-    return replies
+class _Replies:
+    """This process's ``lockguard-replies`` thread and what it has yet to run.
+
+    ``wait_idle`` lets :func:`drain_all` return only once the callbacks the renewer handed over ran too: a test's
+    ``settle()`` and the worker's shutdown read their events, metrics and wake-up publishes right after it.
+    """
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[tuple[OnReply, Any]] = queue.SimpleQueue()
+        self.pending = 0
+        self.idle = threading.Condition()
+        self.thread = threading.Thread(target=self.serve, name="lockguard-replies", daemon=True)
+        self.thread.start()
+
+    def put(self, done: list[tuple[OnReply, Any]]) -> None:
+        with self.idle:
+            self.pending += len(done)
+        for item in done:
+            self.queue.put(item)
+
+    def serve(self) -> None:
+        while True:
+            item = self.queue.get()
+            try:
+                _run([item])
+            except BaseException:  # noqa: BLE001 - a callback raising a time limit here must not end the thread
+                pass
+            finally:
+                with self.idle:
+                    self.pending -= 1
+                    if not self.pending:
+                        self.idle.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until every handed-over callback ran (not on the replies thread itself); whether they all did."""
+        if threading.current_thread() is self.thread:
+            return not self.pending
+        with self.idle:
+            return self.idle.wait_for(lambda: not self.pending, timeout)
 
 
-_replies: PerProcess[queue.SimpleQueue[tuple[OnReply, Any]]] = PerProcess(_start_replies_thread)
+_replies: PerProcess[_Replies] = PerProcess(_Replies)
+
+#: How long :func:`drain_all` waits for callbacks already on the replies thread (a wake-up publish to a slow broker).
+IDLE_WAIT = 5.0
 
 
 def _dispatch(done: list[tuple[OnReply, Any]]) -> None:
     """Run ``done``'s callbacks on this process's ``lockguard-replies`` thread (started on first use)."""
-    if not done:
-        return
-    replies = _replies.get()
-    for item in done:
-        replies.put(item)
+    if done:
+        _replies.get().put(done)
 
 
-def _serve(replies: queue.SimpleQueue[tuple[OnReply, Any]]) -> None:
-    while True:
-        _run([replies.get()])
+def _give_back(pool: Any, holder: list[Any], lock: Any, inflight: deque[Any]) -> None:
+    """A channel's thread ended: close its connection (replies may be unread) and return it to the pool.
+
+    Under the channel's lock (waited for a moment): at interpreter exit the renewer thread may be reading a
+    deferred reply; closing the socket under it made that read fail and report a release and a completion
+    record as failed although the server had them. The replies nobody will read are forgotten first.
+    """
+    got = lock.acquire(True, 1.0)
+    try:
+        inflight.clear()
+        for conn in holder:
+            try:
+                conn.disconnect()
+                pool.release(conn)
+            except Exception:  # noqa: BLE001 - best effort at thread or interpreter exit
+                pass
+    finally:
+        if got:
+            lock.release()
 
 
-def _give_back(pool: Any, holder: list[Any]) -> None:
-    """A channel's thread ended: close its connection (replies may be unread) and return it to the pool."""
-    for conn in holder:
-        try:
-            conn.disconnect()
-            pool.release(conn)
-        except Exception:  # noqa: BLE001 - best effort at thread or interpreter exit
-            pass
+class _Channels(dict[int, Channel]):
+    """A thread's channels by client id (a class of its own so a client's finalizer can refer to it weakly)."""
 
 
 _local = threading.local()
@@ -376,32 +453,64 @@ def usable(client: Any) -> bool:
 def channel(client: Any) -> Channel | None:
     """This thread's channel for ``client``, or ``None`` where redis-py's own path must serve it."""
     pid = os.getpid()
-    mine: dict[int, Channel] | None = getattr(_local, "channels", None)
+    mine: _Channels | None = getattr(_local, "channels", None)
     if mine is None or getattr(_local, "pid", None) != pid:
-        mine = _local.channels = {}
+        mine = _local.channels = _Channels()
         _local.pid = pid
     found = mine.get(id(client))
-    if found is not None and found._pool is client.connection_pool:
+    # ``id`` is reused once a client is collected, by any client kind: a Cluster client has no ``connection_pool``.
+    if found is not None and found._pool is getattr(client, "connection_pool", None):
         return found
     if not usable(client):
         return None
     made = Channel(client)
     mine[id(client)] = made
+    # A client dropped (an app's settings reset, a test's own client) takes its channel along: kept in this
+    # thread's map, every dead channel stayed in memory and in each drain_all's walk until the thread ended.
+    # Weakly: a thread that ends first must still free its channel (and connection), and then the watch goes.
+    watch = weakref.finalize(client, _forget, weakref.ref(mine), id(client), weakref.ref(made))
+    weakref.finalize(made, watch.detach)
     with _all_lock:
         _all.add(made)
     return made
 
 
+def _forget(mine_ref: weakref.ref[_Channels], key: int, made_ref: weakref.ref[Channel]) -> None:
+    """A channel's client was collected: its thread no longer keeps the channel (nor ``drain_all`` walks it).
+
+    The client closed its pool's connections as it went (``Redis.__del__``), so replies still in flight on the
+    channel are lost with it, as at thread exit (:func:`_give_back`).
+    """
+    mine, made = mine_ref(), made_ref()
+    if mine is not None and made is not None and mine.get(key) is made:
+        del mine[key]
+
+
 def drain_soon(ch: Channel) -> None:
     """Have the renewer thread read ``ch``'s deferred replies within :data:`DRAIN_DELAY` if nobody else does."""
-    from ._renewer import renewer
+    global _renewer_module
+    if _renewer_module is None:  # imported here once: _renewer imports this module
+        from . import _renewer as module
 
-    renewer().drain_soon(ch)
+        _renewer_module = module
+    _renewer_module.renewer().drain_soon(ch)
+
+
+_renewer_module: Any = None
 
 
 def drain_all() -> int:
-    """Read every deferred reply of this process (worker process shutdown); how many were read."""
+    """Read every deferred reply of this process and run its callback (worker process shutdown, ``settle()``).
+
+    Returns how many replies this call read. Replies the renewer thread read first had their callbacks handed to
+    the replies thread: those are waited for too (up to :data:`IDLE_WAIT`), so their events, metrics and wake-up
+    publishes have happened when this returns.
+    """
     pid = os.getpid()
     with _all_lock:
         mine = [ch for ch in _all if ch.pid == pid]
-    return sum(ch.drain() for ch in mine)
+    read = sum(ch.drain() for ch in mine)
+    replies = _replies.peek()
+    if replies is not None:
+        replies.wait_idle(IDLE_WAIT)
+    return read

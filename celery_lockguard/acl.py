@@ -38,11 +38,20 @@ IN_SCRIPTS = (
     "lrem",
     "lrange",
     "linsert",
+    # debounce (DEBOUNCE_PUBLISH counts the publishes a burst superseded)
+    "hincrby",
+    # workflows: a member of an ended workflow (WORKFLOW_ENTER; WORKFLOW_END's ZADD is in TASKS)
+    "zscore",
+    # lock_rate's start window (ACQUIRE_SLOTS): trim, count, read the oldest, admit
+    "zremrangebyscore",
+    "zcard",
+    "zrange",
+    "zadd",
 )
 
 #: Workers: scripts; completion records on Cluster (GET, SET); checkpoints (HGET, then HSET +
-#: PEXPIRE in MULTI/EXEC); metrics flushes (HINCRBY, EXPIRE, HSETNX, HSET in MULTI/EXEC);
-#: ``lock_replicas`` (WAIT).
+#: PEXPIRE in MULTI/EXEC); metrics flushes (HINCRBY, EXPIRE, HSETNX, HSET, and the held-now gauge:
+#: SET, ZADD, ZREMRANGEBYSCORE, DEL, ZREM, in MULTI/EXEC); ``lock_replicas`` (WAIT).
 TASKS = (
     "evalsha",
     "script|load",
@@ -57,12 +66,17 @@ TASKS = (
     "multi",
     "exec",
     "wait",
+    "zadd",
+    "zremrangebyscore",
+    "zrem",
+    "del",
 )
 
-#: ``celery lockguard``: locks (SCAN, TIME, HGETALL, PTTL), release (HGETALL + a script), stats
-#: (HGETALL), doctor (INFO; CONFIG GET only when INFO lacks the policy, failure tolerated),
-#: completions show/forget (GET, PTTL, HGETALL, DEL).
-CLI = ("scan", "time", "hgetall", "pttl", "info", "config|get", "del")
+#: ``celery lockguard``: locks (SCAN, TIME, HGETALL, PTTL), release (HGETALL + a script), stats and
+#: the exporter (HGETALL; ZRANGE + MGET for the held-now gauges), doctor (INFO; CONFIG GET only when
+#: INFO lacks the policy, failure tolerated), completions show/forget (GET, PTTL, HGETALL, DEL), and
+#: the starts in a ``lock_rate`` entity's window (ZCOUNT, read by ``locks``).
+CLI = ("scan", "time", "hgetall", "pttl", "info", "config|get", "del", "zrange", "mget", "zcount")
 
 #: Redis Cluster clients also read the topology and the command table.
 CLUSTER = ("cluster|slots", "cluster|shards", "cluster|nodes", "command", "readonly")

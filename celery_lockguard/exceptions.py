@@ -5,6 +5,7 @@ result backends (JSON or pickle) can rebuild it on the caller's side.
 
     LockGuardError
     ├── LockContended       the entity is held by other work and the wait budget is spent
+    │   └── LockThrottled   the entity's start window (``lock_rate``) is full
     ├── LockLost            the lease expired or was taken while the body ran
     ├── AlreadyQueued       identical work already holds the queue-time claim
     ├── BackendUnavailable  the lock store could not be reached (or no lease exists)
@@ -32,6 +33,25 @@ class LockContended(LockGuardError):
 
     def __str__(self) -> str:
         return f"lock {self.key!r} is held by task {self.holder_task_id} ({self.ttl_ms} ms left)"
+
+
+class LockThrottled(LockContended):
+    """The entity's start window (``lock_rate``) is full: ``on_locked="raise"``, or the wait budget is spent.
+
+    A subclass of :class:`LockContended`, so code that handles contention handles it too;
+    ``retry_after_ms`` is when the oldest start leaves the window (``ttl_ms`` carries the same).
+    """
+
+    def __init__(self, key: str, retry_after_ms: int | None = None, rate: str | None = None) -> None:
+        LockGuardError.__init__(self, key, retry_after_ms, rate)
+        self.key = key
+        self.holder_task_id = None
+        self.ttl_ms = retry_after_ms
+        self.retry_after_ms = retry_after_ms
+        self.rate = rate
+
+    def __str__(self) -> str:
+        return f"lock {self.key!r} is rate limited ({self.rate}): next start in {self.retry_after_ms} ms"
 
 
 class LockLost(LockGuardError):

@@ -57,6 +57,11 @@ def advance_fence(conn: Any, lease: Lease | None, table: str = DEFAULT_TABLE) ->
     the transaction block). ``lease=None`` (a fail-open run, or no lock) raises
     :class:`BackendUnavailable`: fenced writes are correctness writes.
     Returns the fence now stored.
+
+    The row is ``lease.fence_row``: K for the single lease; with ``lock_limit`` each slot i > 0
+    fences on its own row ``K#<i>`` (slot 0 on K), so N legitimate holders never reject each
+    other, and a stale holder of slot i is rejected once the next holder of slot i has written
+    (docs/limits.md).
     """
     if lease is None:
         raise BackendUnavailable("advance_fence needs a lease: fenced writes are refused without one (fail-open run?)")
@@ -69,9 +74,9 @@ def advance_fence(conn: Any, lease: Lease | None, table: str = DEFAULT_TABLE) ->
         f"INSERT INTO {name} (lock_key, fence) VALUES ({mark}, {mark}) "
         f"ON CONFLICT (lock_key) DO UPDATE SET fence = excluded.fence, updated_at = CURRENT_TIMESTAMP "
         f"WHERE {name}.fence <= excluded.fence",
-        (lease.key, lease.fence),
+        (lease.fence_row, lease.fence),
     )
-    row = conn.execute(f"SELECT fence FROM {name} WHERE lock_key = {mark}", (lease.key,)).fetchone()
+    row = conn.execute(f"SELECT fence FROM {name} WHERE lock_key = {mark}", (lease.fence_row,)).fetchone()
     current = int(row[0])
     if current != lease.fence:
         emit(
@@ -82,7 +87,7 @@ def advance_fence(conn: Any, lease: Lease | None, table: str = DEFAULT_TABLE) ->
             fence=lease.fence,
             current=current,
         )
-        raise StaleFence(lease.key, lease.fence, current)
+        raise StaleFence(lease.fence_row, lease.fence, current)
     return current
 
 

@@ -344,8 +344,6 @@ class LockguardHelper:
         assert not found, f"{event} was logged: {found}"
 
 
-
-
 # -- fixtures -------------------------------------------------------------------------
 
 

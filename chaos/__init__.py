@@ -16,4 +16,7 @@ See docs/chaos.md.
 * :mod:`chaos.report` -- the per-leg report and the summary.
 * :mod:`chaos.soak` -- the driver: plan, publish, inject, bait, drain, check, report.
 * :mod:`chaos.repro` -- one-job reductions of what the soak found.
+* :mod:`chaos.workflows` -- the workflow mode (``make chaos-workflows``): workflows of chains and chords
+  under child kills, with :mod:`chaos.workflow_app` (its worker app) and :mod:`chaos.workflow_check` (its
+  invariants).
 """

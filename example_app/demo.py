@@ -25,6 +25,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter
@@ -109,12 +110,61 @@ def progress_line(elapsed: float, done: int, total: int, events: dict[str, Count
     )
 
 
+def start_page(app: Any) -> tuple[Any, str]:
+    """The read-only lock page for the demo's fleet (``DEMO_PAGE=0``: none); returns what stops it, and its URL.
+
+    The same page as ``celery -A proj lockguard exporter --page``, served from
+    this process on a free loopback port for as long as the demo runs.
+    """
+    if os.environ.get("DEMO_PAGE", "1") == "0":
+        return None, ""
+    from celery_lockguard import _exporter, _page, _page_state
+    from celery_lockguard._config import settings
+
+    s = settings(app)
+    state = _page_state.PageState(app, s, interval=1.0).start()
+    front = _page.Front(state, hosts=())  # loopback names only, as the exporter on a loopback --bind
+    server = _exporter.serve(s, "127.0.0.1", int(os.environ.get("DEMO_PAGE_PORT", "0")), front=front)
+    threading.Thread(target=server.serve_forever, name="demo-page", daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}{_page.BASE}"
+    print(f"lock page: {url} (while the demo runs)", flush=True)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        state.close()
+
+    return stop, url
+
+
+def linger(url: str) -> None:
+    """Keep the page up after the report for a person at a terminal (``DEMO_LINGER`` seconds, default 300).
+
+    The jobs take seconds; someone who opened the page late still sees the fleet's numbers and the
+    doctor's findings. Not at all without a terminal (CI, ``make test``) or with ``DEMO_LINGER=0``.
+    """
+    seconds = float(os.environ.get("DEMO_LINGER", "300"))
+    if seconds <= 0 or not sys.stdin.isatty():
+        return
+    print(f"the lock page stays up at {url}: press Enter to stop (or wait {seconds:.0f} s)", flush=True)
+    import select
+
+    select.select([sys.stdin], [], [], seconds)
+
+
 def with_search_path(url: str, schema: str) -> str:
     """``url`` with libpq's ``options`` set so every connection works inside ``schema``."""
     return f"{url}{'&' if '?' in url else '?'}options={quote(f'-csearch_path={schema}')}"
 
 
+def _exit_on(signum: int, _frame: Any) -> None:
+    """SIGTERM or SIGHUP (the terminal closed): leave through ``main``'s ``finally``, which stops what it started."""
+    raise SystemExit(128 + signum)
+
+
 def main() -> int:
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on)
     total = int(os.environ.get("DEMO_JOBS", "300"))
     n_workers = int(os.environ.get("DEMO_WORKERS", "2"))
     timeout = float(os.environ.get("DEMO_TIMEOUT", "45"))
@@ -124,6 +174,8 @@ def main() -> int:
     pg_url = os.environ.get("DATABASE_URL")
     server: RedisServer | None = None
     workers: list[Worker] = []
+    page: Any = None
+    page_url = ""
     prefix = f"demo-{run}"
     schema = f"billing_demo_{run}" if pg_url else None
     try:
@@ -149,6 +201,7 @@ def main() -> int:
         store = "PostgreSQL" if pg_url else "SQLite"
         where = url if external else f"embedded Valkey {client.info('server').get('valkey_version', '')} at {url}"
         print(f"broker and lock store: {where}; ledger: {store}", flush=True)
+        page, page_url = start_page(app)
         print(f"starting {n_workers} prefork workers (-c 2) ...", flush=True)
         workers = [billing_worker(f"demo{k}-{run}", QUEUE, dict(os.environ), tmp, app) for k in range(n_workers)]
         wait_ready(workers)
@@ -200,8 +253,12 @@ def main() -> int:
         if not report["ok"]:
             for w in workers:
                 print(f"\n-- last lines of {w.nodename}'s log --\n{w.output(3000)}", flush=True)
+        if page is not None:
+            linger(page_url)
         return 0 if report["ok"] else 1
     finally:
+        if page is not None:
+            page()
         for w in workers:
             w.stop()
         if server is not None:

@@ -123,9 +123,7 @@ def print_report(r: dict[str, Any]) -> None:
         "in production, celery beat sends one tick a minute",
         f"elapsed                      {r['elapsed_s']} s",
         "",
-        "OK: no invoice charged twice, no job lost."
-        if r["ok"]
-        else "FAILED: " + "; ".join(r["problems"]),
+        "OK: no invoice charged twice, no job lost." if r["ok"] else "FAILED: " + "; ".join(r["problems"]),
     ]
     print("\n".join(lines), flush=True)
 

@@ -24,8 +24,6 @@ from celery_lockguard.testing import wait_for
 ROOT = Path(__file__).resolve().parent.parent
 
 
-
-
 def spawn_celery(cfg: dict[str, Any], command: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     """Start ``celery -A tests.workerapp:app <command>`` configured by ``cfg``, its output in ``log_path``."""
     env = {**os.environ, "LG_CONFIG": json.dumps(cfg), "PYTHONPATH": str(ROOT)}

@@ -17,7 +17,7 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_lockguard import LockContended, LockedTask, acl
+from celery_lockguard import LockContended, LockedTask, LockThrottled, acl
 from celery_lockguard import _connection as connection
 from celery_lockguard import _doctor as doctor
 from celery_lockguard import _lease as L
@@ -98,6 +98,20 @@ def lifecycle(app: Celery, admin: redis.Redis) -> None:
     assert got.kind == "ok"
     assert L.release_claim(client, f"{PREFIX}:v1:{{q:1}}:lock", "c1")
 
+    @app.task(base=LockedTask, shared=False, name="acl.reindex", lock_key="doc:{n}", lock_debounce=30)
+    def reindex(n: int, v: int) -> int:
+        return v
+
+    # Debounce: DEBOUNCE_PUBLISH and DEBOUNCE_SETTLE at publish (the memory broker delivers nothing),
+    # DEBOUNCE_TAKE at delivery, and the records `lockguard locks` lists.
+    from celery_lockguard import _debounce as debounce
+    from celery_lockguard._debounce import read_debounce
+
+    first, last = reindex.delay(1, 0), reindex.delay(1, 1)
+    s, opts = settings(app), reindex.lockguard_options
+    assert debounce.take(client, s, opts, "doc:1", "acl.reindex", first.id, first.id) == ("superseded", last.id)
+    assert [row.pending_task_id for row in read_debounce(client, PREFIX)] == [last.id]
+
     admin.script_flush()  # NOSCRIPT: the user reloads with SCRIPT LOAD
     assert charge.apply(args=(3,)).get() == 30
 
@@ -105,7 +119,7 @@ def lifecycle(app: Celery, admin: redis.Redis) -> None:
     assert metrics.flush(client, PREFIX) > 0
     assert stats.read(client, PREFIX)["total"]
     rows = [lease.as_dict() for lease in read_leases(client, PREFIX)]
-    assert [r["key"] for r in rows] == ["inv:2"]
+    assert [r["key"] for r in rows] == ["inv:2"]  # debounce records are no lease rows
     assert L.force_release(client, PREFIX, "inv:2", 60_000)[0]
     shown = show_redis(client, PREFIX, "task:t-1")
     assert shown is not None and shown["record"]["result"] == 10
@@ -136,6 +150,75 @@ def test_rule_lists_each_command_once_and_only_the_prefix() -> None:
     grants = [x for x in r if x.startswith("+")]
     assert len(grants) == len(set(grants)) and "+evalsha" in grants and "+cluster|slots" in grants
     assert "+scan" not in acl.rule("lgp", cli=False).split() and "+scan" in r
+
+
+def test_every_command_a_script_calls_is_granted_to_a_worker() -> None:
+    # ACQUIRE_SLOTS (lock_rate) calls ZCARD and ZRANGE: missing from the grants, a rate task as the
+    # worker user was refused every ACQUIRE (NOPERM, raised as a ConfigurationError).
+    import inspect
+    import re
+
+    from celery_lockguard import _cluster, _scripts
+
+    called = set()
+    for module in (_scripts, _cluster):
+        called |= {c.lower() for c in re.findall(r"redis\.p?call\('([A-Za-z]+)'", inspect.getsource(module))}
+    assert {"zcard", "zrange", "hmget"} <= called  # the scan found the scripts
+    assert called - set(acl.commands(cli=False, cluster=True)) == set()
+
+
+def test_locks_reads_a_rate_window_as_the_cli_acl_user(acl_server: RedisServer) -> None:
+    # ``locks`` counts the window's starts with ZCOUNT: refused, the count was left out (starts None)
+    # without a word, and the ACL log filled with denials.
+    from celery_lockguard._holders import entity_use
+
+    admin = acl_server.client()
+    got = L.acquire(
+        admin, PREFIX, "p:1", ttl_ms=10_000, task_id="t", task_name="n", digest="d", worker="w",
+        fence_ttl_ms=60_000, limit=2, rate=(5, 60_000),
+    )  # fmt: skip
+    assert isinstance(got, L.Lease)
+    user = redis.Redis(port=acl_server.port, username="lg", password="s3cret", decode_responses=True)
+    (use,) = entity_use(user, PREFIX, read_leases(user, PREFIX))
+    assert (use.held, use.limit, use.starts, use.rate) == (1, 2, 1, 5)
+    assert denials(acl_server) == []
+
+
+def test_limited_and_rated_task_as_the_worker_acl_user() -> None:
+    """lock_limit + lock_rate through the real tracer as a user granted only the workers' list."""
+    with RedisServer() as server:
+        admin = server.client()
+        try:
+            admin.execute_command("ACL", "SETUSER", "lg", *acl.rule(PREFIX, cli=False).split(), ">s3cret")
+        except redis.exceptions.ResponseError as exc:
+            assert "client|setinfo" in str(exc)
+            admin.execute_command(
+                "ACL", "SETUSER", "lg", *acl.rule(PREFIX, cli=False, setinfo=False).split(), ">s3cret"
+            )
+        app = Celery("acllimits", broker="memory://", set_as_current=False)
+        app.conf.lockguard_redis_url = f"redis://lg:s3cret@127.0.0.1:{server.port}/0"
+        app.conf.lockguard_key_prefix = PREFIX
+
+        @app.task(
+            base=LockedTask,
+            bind=True,
+            shared=False,
+            name="acl.push",
+            lock_key="p:{n}",
+            lock_limit=2,
+            lock_rate="1/m",
+            on_locked="raise",
+        )
+        def push(self: Any, n: int) -> int:
+            return int(self.lock.slot)
+
+        try:
+            assert push.apply(args=(1,)).get() == 0
+            with pytest.raises(LockThrottled):  # the window is read as this user too
+                push.apply(args=(1,)).get()
+            assert denials(server) == []
+        finally:
+            connection.forget_clients()
 
 
 @pytest.mark.parametrize("prefix", ["*", "lg*", "a?", "[a]", "", "a b"])

@@ -227,3 +227,34 @@ def test_every_control_names_an_invariant_and_a_switch_its_cell_turns_off() -> N
     assert {c.switch for c in CONTROLS} == set(SWITCHES)
     for control in CONTROLS:
         assert control.target in invariants and control.switch, control
+
+
+# -- the debounce soak's invariant -------------------------------------------------------------------
+
+
+def test_debounce_check_accepts_one_run_with_the_last_arguments_and_superseded_chains() -> None:
+    from chaos.debounce import Burst, check_burst
+
+    b = Burst(entity=3, number=1, ids=["a", "b", "c"])
+    run = {"entity": 3, "burst": 1, "position": 2}
+    results = {
+        "a": {"lockguard": "superseded", "superseded_by": "b"},  # consumed while b was pending, b then replaced
+        "b": {"lockguard": "superseded", "superseded_by": "c"},
+        "c": run,
+    }
+    assert check_burst(b, results, ["c", "c"]) == []  # a body restarted under the same id after a kill is fine
+
+
+def test_debounce_check_catches_a_second_run_wrong_arguments_and_a_dangling_chain() -> None:
+    from chaos.debounce import Burst, check_burst
+
+    b = Burst(entity=3, number=1, ids=["a", "b", "c"])
+    run = {"entity": 3, "burst": 1, "position": 2}
+    sup = {"lockguard": "superseded", "superseded_by": "c"}
+    assert any("bodies ran" in p for p in check_burst(b, {"a": sup, "b": sup, "c": run}, ["b", "c"]))
+    assert any("bodies ran" in p for p in check_burst(b, {"a": sup, "b": sup, "c": run}, []))
+    wrong = {**run, "position": 1}
+    assert any("the run answered" in p for p in check_burst(b, {"a": sup, "b": sup, "c": wrong}, ["c"]))
+    dangling = {"lockguard": "superseded", "superseded_by": "zz"}
+    assert any("ends at zz" in p for p in check_burst(b, {"a": dangling, "b": sup, "c": run}, ["c"]))
+    assert any("ends at a" in p for p in check_burst(b, {"a": None, "b": sup, "c": run}, ["c"]))

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -223,6 +224,13 @@ def test_stats_show_the_four_numbers_after_real_work(fleet: Any, redis_url: str,
 
     text = cli(cfg, "stats")
     assert text.returncode == 0 and "hold_gate" in text.stdout and "CONTENTION" in text.stdout
+    # What a process holds now is shown under its task (a gauge as a flush writes it).
+    row = {"task": "hold_gate", "worker": "w1@h", "held": 2, "oldest_acquired_at": time.time() - 7}
+    r.set(metrics.proc_key(prefix, "h:1"), json.dumps({"at": time.time(), "ttl": 60, "held": [row]}))
+    r.zadd(metrics.procs_key(prefix), {"h:1": time.time()})
+    text = cli(cfg, "stats")
+    assert "held now: 2 on w1@h (oldest " in text.stdout
+    assert cli_json(cfg, "stats")["tasks"]["hold_gate"]["held_now"]["w1@h"]["held"] == 2
     prom = cli(cfg, "stats", "--prometheus")
     assert prom.returncode == 0
     assert 'lockguard_events_total{task="hold_gate",event="lock.acquired"} 1' in prom.stdout.splitlines()
@@ -320,6 +328,8 @@ def test_exporter_serves_prometheus_text(redis_url: str, prefix: str) -> None:
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     metrics.count("exp.task", "lock.acquired", 3)
     metrics.observe_hold("exp.task", 20)
+    metrics.count("hold_skip", "lock.contended", 2)  # a task of the exporter's app: its template is known
+    metrics.count("hold_wait", "lock.acquired", 5)  # the same template, another task
     metrics.flush(r, prefix)
     port = free_port()
     proc = subprocess.Popen(
@@ -344,6 +354,9 @@ def test_exporter_serves_prometheus_text(redis_url: str, prefix: str) -> None:
         assert 'lockguard_events_total{task="exp.task",event="lock.acquired"} 3' in lines
         assert 'lockguard_hold_seconds_bucket{task="exp.task",le="0.05"} 1' in lines
         assert 'lockguard_hold_seconds_bucket{task="exp.task",le="0.01"} 0' in lines
+        assert 'lockguard_template_contended_total{template="res:{key}"} 2' in lines
+        assert 'lockguard_template_acquired_total{template="res:{key}"} 5' in lines
+        assert 'lockguard_template_acquired_total{template="unknown"} 3' in lines, "exp.task is not in the app"
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/other", timeout=2)
         assert err.value.code == 404
@@ -483,3 +496,23 @@ def test_completions_respect_the_apps_prefix(redis_url: str, prefix: str, postgr
     finally:
         with psycopg.connect(postgres_url, autocommit=True) as conn:
             conn.execute(f"DROP TABLE IF EXISTS {table}")
+
+
+def test_locks_and_describe_show_debounced_runs(redis_url: str, prefix: str) -> None:
+    from .workerapp import create_app
+
+    cfg = make_cfg(prefix, redis_url, debounce=30)
+    t = create_app(cfg).tasks["debounced"]
+    key = uuid.uuid4().hex[:6]
+    burst = [t.delay(key, 0.1, f"edit-{i}") for i in range(3)]  # no worker: the run stays pending
+    rows = [row for row in cli_json(cfg, "locks") if row["state"] == "debounce"]
+    assert len(rows) == 1
+    row = rows[0]
+    assert (row["key"], row["task_name"], row["task_id"]) == (f"res:{key}", "debounced", burst[-1].id)
+    assert row["superseded"] == 2 and 0 < row["due_in_ms"] <= 30_000 and row["last_run"] is None
+    assert row["debounce_state"] in ("publishing", "queued") and row["ttl_left_ms"] > 30_000
+    table = cli(cfg, "locks", "--match", f"res:{key}")
+    assert table.returncode == 0 and "DEBOUNCED KEY" in table.stdout and burst[-1].id in table.stdout
+    described = {r["task"]: r for r in cli_json(cfg, "describe")}
+    assert described["debounced"]["debounce"] == 30 and described["hold_skip"]["debounce"] is None
+    assert "while_running, debounce 30s" in cli(cfg, "describe").stdout

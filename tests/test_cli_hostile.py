@@ -131,6 +131,13 @@ def plant(r: redis.Redis, raw: redis.Redis, prefix: str) -> dict[str, Any]:
     import time
 
     r.hset(metrics.minute_key(prefix, int(time.time() // 60)), mapping={"good.task|lock.acquired": "inf", "x|y": "1"})
+    # Process gauges (held now): counts no process holds -- inf, a 400-digit int, a bool -- beside a good one.
+    now = time.time()
+    bad_counts = {"inf": "1e400", "huge": "1" + "0" * 400, "bool": "true", "float": "1.5", "neg": "-3"}
+    for name, count in {**bad_counts, "good": "2"}.items():
+        row = f'{{"task":"{name}.task","worker":"w@h","held":{count},"oldest_acquired_at":{now - 5:.3f}}}'
+        r.set(metrics.proc_key(prefix, f"p-{name}"), f'{{"at":{now:.3f},"ttl":600,"held":[{row}]}}', ex=600)
+        r.zadd(metrics.procs_key(prefix), {f"p-{name}": now})
     return {"scopes": [*scopes, "bytes", "wrongtype"]}
 
 
@@ -246,6 +253,9 @@ def test_stats_skip_values_no_flush_writes_and_read_the_rest(
     prom = invoke(app, "stats", "--prometheus")
     assert prom.exit_code == 0
     assert 'lockguard_events_total{task="good.task",event="lock.acquired"} 3' in prom.stdout.splitlines()
+    # Held-now: only the good process gauge counts; inf, a 400-digit int, bools and floats are skipped.
+    held = [line for line in prom.stdout.splitlines() if line.startswith("lockguard_leases_held{")]
+    assert held == ['lockguard_leases_held{task="good.task",worker="w@h"} 2'], held
     assert "nan.task" not in prom.stdout and "lockguard_metrics_last_flush_timestamp_seconds" not in prom.stdout
 
 

@@ -394,8 +394,15 @@ def test_checkpoints_and_metrics_flush_are_one_slot_transactions(app: Celery, rc
     assert t.apply(args=(1,), task_id="cp-1").get() == [1, "x"]
     assert rc.hget(checkpoint_name(cprefix, task_scope("cp-1")), "step") == '{"value":[1,"x"]}'
     metrics.count("cl.cp", "test.marker", 2)
+    held = L.Lease("cp:9", cprefix, "tok", 1, 30_000, time.monotonic(), "cp-9", "cl.cp")
+    metrics.lease_held(held, "w1@h")  # the held-now gauge goes in the same transaction
     assert metrics.flush(rc, cprefix) > 0  # MULTI/EXEC on the {fleet} slot
-    assert stats.read(rc, cprefix)["total"]["cl.cp|test.marker"] == "2"
+    raw = stats.read(rc, cprefix)  # its ZRANGE and MGET stay on the {fleet} slot too
+    assert raw["total"]["cl.cp|test.marker"] == "2"
+    assert [(g["task"], g["worker"], g["held"]) for g in raw["gauges"]] == [("cl.cp", "w1@h", 1)]
+    metrics.lease_ended(held)
+    metrics.flush(rc, cprefix)
+    assert stats.read(rc, cprefix)["gauges"] == []
     assert calls == [1]
 
 
@@ -408,3 +415,114 @@ def test_old_redis_py_refuses_cluster_clearly() -> None:
     a.conf.lockguard_redis_cluster = True
     with pytest.raises(ConfigurationError, match=r"redis-py >= 6\.1"):
         connection.client(settings(a))
+
+
+def test_slot_leases_fences_and_the_start_window_share_the_entity_slot() -> None:
+    from celery_lockguard._keys import rate_name, slot_fence_name, slot_lock_name
+
+    for k in ("tenant:acme:export", "x%7Dy"):
+        names = [slot_lock_name("lg", k, i) for i in range(4)] + [slot_fence_name("lg", k, i) for i in range(4)]
+        assert len({C.slot(n) for n in (*names, rate_name("lg", k), lock_name("lg", k))}) == 1
+
+
+def test_lock_limit_and_lock_rate_on_cluster_run_in_one_script_per_acquire(app: Celery, rc: Any, cprefix: str) -> None:
+    """ACQUIRE_SLOTS touches N slots and the window of one entity: one node, one call, no CROSSSLOT."""
+    from celery_lockguard._keys import rate_name
+
+    def take(i: int) -> Any:
+        return L.acquire(
+            rc, cprefix, "tenant:c", ttl_ms=5000, task_id=f"t{i}", task_name="n", digest=f"d{i}", worker="w",
+            fence_ttl_ms=60_000, limit=2, rate=(3, 60_000),
+        )  # fmt: skip
+
+    held = [take(i) for i in range(4)]
+    assert [type(x).__name__ for x in held] == ["Lease", "Lease", "Holder", "Holder"]
+    assert L.renew(rc, [held[0], held[1]]) == [1, 1]
+    for lease in held[:2]:
+        assert L.release(rc, lease, cprefix)[0] == 1
+    third = take(9)
+    assert isinstance(third, L.Lease) and rc.zcard(rate_name(cprefix, "tenant:c")) == 3
+    L.release(rc, third, cprefix)
+    assert isinstance(take(10), L.Throttled)
+
+
+def test_a_recorded_redelivery_under_lock_rate_spends_no_start_on_cluster(app: Celery, rc: Any, cprefix: str) -> None:
+    """The task-id record lives in another slot than the entity, so it is read after ACQUIRE_SLOTS: a record
+    found then gives the start back, and a full window does not refuse work that already ran (review, issue 16)."""
+    from celery_lockguard import LockThrottled
+    from celery_lockguard._keys import rate_name
+
+    runs: list[str] = []
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="cl.push", lock_key="partner:{acct}", lock_rate="2/m",
+              on_locked="raise")  # fmt: skip
+    def push(self: Any, acct: str, payload: str) -> str:
+        runs.append(payload)
+        return payload
+
+    tid = task_id_in_other_slot(cprefix, "partner:a")
+    assert push.apply(args=("a", "p1"), task_id=tid).get() == "p1"
+    assert push.apply(args=("a", "p1"), task_id=tid).get() == "p1"  # answered from its record
+    assert rc.zcard(rate_name(cprefix, "partner:a")) == 1  # its fresh lease's start was taken back
+    assert push.apply(args=("a", "p2")).get() == "p2"  # the window's second start, for new work
+    assert push.apply(args=("a", "p1"), task_id=tid).get() == "p1"  # full window: still answered, not throttled
+    with pytest.raises(LockThrottled):
+        push.apply(args=("a", "p3")).get()
+    assert runs == ["p1", "p2"]
+
+
+def test_debounce_keys_share_the_entity_slot_and_its_scripts_run_on_cluster(app: Celery, rc: Any) -> None:
+    from celery_lockguard import _debounce as debounce
+    from celery_lockguard._keys import debounce_name, debounce_run_name
+
+    for k in ("invoice:42", "doc:7", "x%7Dy"):
+        names = (debounce_name("lg", k, "t"), debounce_run_name("lg", k, "t", "burst"), lock_name("lg", k))
+        assert len({C.slot(n) for n in names}) == 1
+
+    @app.task(base=LockedTask, shared=False, name="c.reindex", lock_key="doc:{d}", lock_debounce=0.05)
+    def reindex(d: int, v: int) -> int:
+        return v
+
+    first, last = reindex.delay(1, 0), reindex.delay(1, 1)  # the memory broker: nothing is delivered
+    s, opts = settings(app), reindex.lockguard_options
+    client = connection.client(s)
+    assert debounce.take(client, s, opts, "doc:1", "c.reindex", first.id, first.id) == ("superseded", last.id)
+
+    def due() -> tuple[str, str] | None:
+        answer = debounce.take(client, s, opts, "doc:1", "c.reindex", last.id, first.id)
+        return None if answer[0] == "early" else answer
+
+    assert wait_for(due, 10, what="the burst to fall due") == ("take", "")
+    assert debounce.take(client, s, opts, "doc:1", "c.reindex", first.id, first.id) == ("superseded", last.id)
+    assert rc.get(debounce_run_name(s.key_prefix, "doc:1", "c.reindex", first.id)) == last.id
+    # DEBOUNCE_START (record and run key, one slot): the taken run starts, marked started.
+    from celery_lockguard import _keys as keys
+    from celery_lockguard import _scripts as scripts
+
+    record, run = (
+        debounce_name(s.key_prefix, "doc:1", "c.reindex"),
+        debounce_run_name(s.key_prefix, "doc:1", "c.reindex", first.id),
+    )
+    assert scripts.debounce_start(client, [record, run], [keys.meta(last.id), 15_000]) in (
+        [b"run", b""],
+        ["run", ""],
+    )
+    assert rc.hget(record, "started") == last.id
+
+
+def test_a_slot_past_a_lowered_lock_limit_is_read_on_cluster(rc: Any, cprefix: str) -> None:
+    """The names of slots past N are built inside ACQUIRE_SLOTS: they keep {K}, so the node runs it."""
+
+    def take(limit: int, task_id: str, **kw: Any) -> Any:
+        return L.acquire(
+            rc, cprefix, "tenant:d", ttl_ms=5000, task_id=task_id, task_name="n", digest=task_id, worker="w",
+            fence_ttl_ms=60_000, limit=limit, **kw,
+        )  # fmt: skip
+
+    first = [take(3, f"o{i}") for i in range(2)]
+    held = take(3, "t1")
+    assert held.slot == 2
+    for lease in first:
+        L.release(rc, lease, cprefix)
+    again = take(2, "t1")
+    assert isinstance(again, L.Holder) and again.slot == 2 and again.token == held.token

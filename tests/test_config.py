@@ -30,6 +30,24 @@ def make(broker: str = "redis://127.0.0.1:6379/0", **conf: Any) -> Celery:
         ("lock_max_waits", -2, "lock_max_waits=-2"),
         ("completion_ttl", "soon", "completion_ttl='soon'"),
         ("lock_renew", "yes", "lock_renew='yes'"),
+        ("lock_debounce", 0, "lock_debounce=0"),
+        ("lock_debounce", -5, "lock_debounce=-5"),
+        ("lock_debounce", "soon", "lock_debounce='soon'"),
+        ("lock_debounce", float("inf"), "lock_debounce=inf"),
+        ("lock_limit", 0, "lock_limit=0"),
+        ("lock_limit", 2.5, "lock_limit=2.5"),
+        ("lock_limit", True, "lock_limit=True"),
+        ("lock_limit", 100_000, "lock_limit=100000"),
+        ("lock_rate", "100/min", "lock_rate='100/min'"),
+        ("lock_rate", "0/s", "lock_rate='0/s'"),
+        ("lock_rate", "5", "lock_rate='5'"),
+        ("lock_rate", "/m", "lock_rate='/m'"),
+        ("lock_rate", "5/0s", "lock_rate='5/0s'"),
+        ("lock_rate", 5, "lock_rate=5"),
+        ("lock_rate", "-1/s", "lock_rate='-1/s'"),
+        # a window Redis cannot take (PEXPIRE of ~1e26 ms): every start failed, with a negative countdown
+        ("lock_rate", "1/99999999999999999999h", "lock_rate='1/99999999999999999999h'"),
+        ("lock_rate", "1/8785h", "lock_rate='1/8785h'"),  # one hour over 366 days
     ],
 )
 def test_bad_option_raises_before_the_body(option: str, value: Any, needle: str) -> None:
@@ -377,3 +395,118 @@ def test_a_mistyped_completion_dsn_is_refused_without_its_password() -> None:
     with pytest.raises(ConfigurationError, match="lockguard_completion_backend") as err:
         settings(make(lockguard_completion_backend="postgressql://app:hunter2@db.internal/billing"))
     assert "hunter2" not in str(err.value) and "postgressql://app:***@db.internal/billing" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "count", "window_ms"),
+    [
+        ("100/m", 100, 60_000),
+        ("5/s", 5, 1000),
+        ("7/h", 7, 3_600_000),
+        (" 10 / 30s ", 10, 30_000),
+        ("1/2m", 1, 120_000),
+        ("1/8784h", 1, 366 * 86_400_000),
+    ],
+)
+def test_lock_rate_parses_n_per_period(text: str, count: int, window_ms: int) -> None:
+    from celery_lockguard._config import parse_rate
+
+    rate = parse_rate(text, "x")
+    assert rate is not None and (rate.count, rate.window_ms) == (count, window_ms)
+
+
+def test_lock_limit_and_rate_fall_back_to_their_settings_and_default_to_the_single_lease() -> None:
+    app = make(lockguard_lock_limit=4, lockguard_lock_rate="10/s")
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="t.limited", lock_key="k:{x}")
+    def limited(self: Any, x: int) -> None: ...
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="t.own", lock_key="k:{x}", lock_limit=2, lock_rate="1/m")
+    def own(self: Any, x: int) -> None: ...
+
+    assert (limited.lockguard_options.limit, limited.lockguard_options.rate.window_ms) == (4, 1000)  # type: ignore[union-attr]
+    assert (own.lockguard_options.limit, own.lockguard_options.rate.count) == (2, 1)  # type: ignore[union-attr]
+    plain = make()
+
+    @plain.task(base=LockedTask, bind=True, shared=False, name="t.plain", lock_key="k:{x}")
+    def single(self: Any, x: int) -> None: ...
+
+    opts = single.lockguard_options
+    assert opts.limit == 1 and opts.rate is None and not opts.slotted
+
+
+def test_a_bad_lock_rate_setting_names_the_setting() -> None:
+    app = make(lockguard_lock_rate="lots")
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="t.x", lock_key="k:{x}")
+    def x(self: Any, x: int) -> None: ...
+
+    with pytest.raises(ConfigurationError) as err:
+        _ = x.lockguard_options
+    assert "t.x" in str(err.value) and "setting lockguard_lock_rate='lots'" in str(err.value)
+
+
+@pytest.mark.parametrize("mode", ["until_started", "until_done"])
+@pytest.mark.parametrize("extra", [{"lock_limit": 2}, {"lock_rate": "5/s"}])
+def test_limits_are_refused_with_queue_time_modes(mode: str, extra: dict[str, Any]) -> None:
+    app = make()
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="t.q", lock_key="k:{x}", lock_mode=mode, **extra)
+    def q(self: Any, x: int) -> None: ...
+
+    with pytest.raises(ConfigurationError) as err:
+        _ = q.lockguard_options
+    assert "t.q" in str(err.value) and f"lock_mode={mode!r}" in str(err.value)
+
+
+def test_debounce_from_the_setting_by_task_name_and_its_bad_values() -> None:
+    app = make(lockguard_debounce={"search.reindex": 2.5})
+
+    @app.task(base=LockedTask, shared=False, name="search.reindex", lock_key="doc:{doc_id}")
+    def reindex(doc_id: int) -> None:
+        pass
+
+    @app.task(base=LockedTask, shared=False, name="search.other", lock_key="doc:{doc_id}")
+    def other(doc_id: int) -> None:
+        pass
+
+    assert reindex.lockguard_options.debounce == 2.5 and other.lockguard_options.debounce is None
+    for value, needle in ((["search.reindex"], "lockguard_debounce=['search.reindex']"),):
+        with pytest.raises(ConfigurationError, match="lockguard_debounce") as err:
+            settings(make(lockguard_debounce=value))
+        assert needle in str(err.value)
+    bad = make(lockguard_debounce={"search.reindex": 0})
+
+    @bad.task(base=LockedTask, shared=False, name="search.reindex", lock_key="doc:{doc_id}")
+    def reindex_bad(doc_id: int) -> None:
+        pass
+
+    with pytest.raises(ConfigurationError) as err2:
+        _ = reindex_bad.lockguard_options
+    assert "'search.reindex'" in str(err2.value) and "lock_debounce=0" in str(err2.value)
+
+
+@pytest.mark.parametrize(
+    ("opts", "needle"),
+    [
+        ({"lock_mode": "until_done", "lock_key": "doc:{doc_id}"}, "lock_mode='until_done'"),
+        ({"lock_mode": "until_started", "lock_key": "doc:{doc_id}"}, "lock_mode='until_started'"),
+        ({}, "needs a lock_key"),
+        # An idempotency_key as the entity: the first burst's record would answer every later burst (review).
+        ({"idempotency_key": "doc:{doc_id}"}, "needs a lock_key"),
+        # A publish during a run is one more run after it: its delivery must wait, not raise (review).
+        ({"lock_key": "doc:{doc_id}", "on_locked": "raise"}, "on_locked='raise' does not combine"),
+        ({"lock_key": "doc:{doc_id}", "lock_limit": 2}, "does not combine with lock_limit"),
+        ({"lock_key": "doc:{doc_id}", "lock_rate": "5/s"}, "does not combine with lock_limit or lock_rate"),
+    ],
+)
+def test_debounce_needs_an_entity_and_the_while_running_mode(opts: dict[str, Any], needle: str) -> None:
+    app = make()
+
+    @app.task(base=LockedTask, shared=False, name="search.reindex", lock_debounce=1, **opts)
+    def reindex(doc_id: int) -> None:
+        pass
+
+    with pytest.raises(ConfigurationError) as err:
+        _ = reindex.lockguard_options
+    assert "'search.reindex'" in str(err.value) and "lock_debounce=1" in str(err.value) and needle in str(err.value)

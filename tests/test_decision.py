@@ -11,12 +11,19 @@ from celery_lockguard._decision import (
     FREES_CLAIM,
     MAX_FREE_RETRIES,
     Action,
+    DebounceAction,
+    Debounced,
+    DebouncePublish,
+    DebouncePublishAction,
     Delivery,
     HolderFacts,
     ParkedAction,
     Publish,
     PublishAction,
     after_park,
+    decide_debounce_publish,
+    decide_debounce_start,
+    decide_debounced,
     decide_delivery,
     decide_parked,
     decide_publish,
@@ -87,6 +94,14 @@ TABLE = [
     ("held", OWN_ALIVE, {"can_park": True}, Action.DROP_AND_WATCH),
     ("unavailable", None, {"can_park": True}, Action.WAIT),
     ("late", None, {"can_park": True}, Action.WAIT),
+    # lock_rate: the start window is full (no holder met: identical running work is met as a holder first)
+    ("throttled", None, {}, Action.WAIT),
+    ("throttled", None, {"on_locked": "retry"}, Action.WAIT),
+    ("throttled", None, {"on_locked": "raise"}, Action.RAISE),
+    ("throttled", None, {"waits": 3, "max_waits": 3}, Action.GIVE_UP),
+    ("throttled", None, {"on_unavailable": "fail_open"}, Action.WAIT),  # throttled is not an outage
+    ("throttled", None, {"can_park": True}, Action.WAIT),  # time frees a window, not a release: never parks
+    ("throttled", None, {"watch_copy": True}, Action.WAIT),
 ]
 
 
@@ -107,7 +122,7 @@ HOLDERS = [
     OWN_ORPHAN,
     PARENT,
 ]
-OUTCOMES = ("acquired", "held", "record", "unavailable", "late", "misconfigured")
+OUTCOMES = ("acquired", "held", "record", "unavailable", "late", "misconfigured", "throttled")
 
 
 def every_delivery() -> list[Delivery]:
@@ -135,7 +150,7 @@ def every_delivery() -> list[Delivery]:
 def test_the_whole_space_keeps_the_promises() -> None:
     """Properties over every combination: nothing is dropped silently, nothing runs twice on purpose."""
     cases = every_delivery()
-    assert len(cases) == 3 * 3 * 2 * 2 * 2 * 2 * (5 + len(HOLDERS) - 1)
+    assert len(cases) == 3 * 3 * 2 * 2 * 2 * 2 * (len(OUTCOMES) - 1 + len(HOLDERS) - 1)
     for case in cases:
         action = decide_delivery(case).action
         h = case.holder
@@ -145,7 +160,11 @@ def test_the_whole_space_keeps_the_promises() -> None:
             assert case.on_locked == "skip" and case.mode != "until_started"
         # Raise is the policy's own answer to a foreign holder, never to ourselves.
         if action is Action.RAISE:
-            assert case.on_locked == "raise" and h is not None and not h.own_id
+            assert case.on_locked == "raise"
+            assert (h is not None and not h.own_id) or case.outcome == "throttled"
+        # A full start window is never skipped, never run, never parked on: it waits, raises or gives up.
+        if case.outcome == "throttled":
+            assert action in (Action.WAIT, Action.RAISE, Action.GIVE_UP)
         # A wait is never past the budget; giving up is only at the budget.
         if action in (Action.WAIT, Action.PARK):
             assert case.waits < case.max_waits
@@ -298,3 +317,85 @@ def test_exactly_one_copy_of_a_parked_message_runs() -> None:
     for copy, state in itertools.product(("woken", "safety"), STATES):
         action, reason = decide_parked(copy, state, GRACE, GRACE)  # type: ignore[arg-type]
         assert reason and action in ParkedAction
+
+
+# -- debounce --------------------------------------------------------------------------------------
+
+DEBOUNCE_PUBLISH_TABLE = [
+    (DebouncePublish(), DebouncePublishAction.RECORD),
+    (DebouncePublish(record="recorded"), DebouncePublishAction.PUBLISH_DEBOUNCED),
+    (DebouncePublish(record="unavailable"), DebouncePublishAction.PUBLISH_UNRECORDED),
+    (DebouncePublish(record="misconfigured"), DebouncePublishAction.MISCONFIGURED),
+    # Self-republishes (retry, replace, waits) and canvas members are never debounced, whatever Redis says.
+    (DebouncePublish(self_republish=True), DebouncePublishAction.BYPASS),
+    (DebouncePublish(self_republish=True, record="unavailable"), DebouncePublishAction.BYPASS),
+    (DebouncePublish(in_canvas=True), DebouncePublishAction.BYPASS),
+    (DebouncePublish(in_canvas=True, record="recorded"), DebouncePublishAction.BYPASS),
+]
+
+
+@pytest.mark.parametrize(("facts", "expected"), DEBOUNCE_PUBLISH_TABLE)
+def test_debounce_publish_table(facts: DebouncePublish, expected: DebouncePublishAction) -> None:
+    assert decide_debounce_publish(facts).action is expected
+
+
+DEBOUNCED_TABLE = [
+    ("take", "fail_closed", 0, DebounceAction.PROCEED),
+    ("taken", "fail_closed", 0, DebounceAction.PROCEED),
+    ("missing", "fail_closed", 0, DebounceAction.PROCEED),
+    ("superseded", "fail_closed", 0, DebounceAction.SUPERSEDED),
+    ("superseded", "fail_open", 100, DebounceAction.SUPERSEDED),
+    ("early", "fail_closed", 0, DebounceAction.WAIT_UNTIL_DUE),
+    ("await", "fail_closed", 0, DebounceAction.AWAIT_PUBLISH),
+    ("misconfigured", "fail_open", 0, DebounceAction.MISCONFIGURED),
+    ("unavailable", "fail_open", 0, DebounceAction.FAIL_OPEN),
+    ("unavailable", "fail_closed", 0, DebounceAction.WAIT),
+    ("unavailable", "fail_closed", 99, DebounceAction.WAIT),
+    ("unavailable", "fail_closed", 100, DebounceAction.GIVE_UP),
+]
+
+
+@pytest.mark.parametrize(("answer", "policy", "waits", "expected"), DEBOUNCED_TABLE)
+def test_debounced_delivery_table(answer: str, policy: str, waits: int, expected: DebounceAction) -> None:
+    facts = Debounced(answer=answer, on_unavailable=policy, waits=waits, max_waits=100)  # type: ignore[arg-type]
+    assert decide_debounced(facts)[0] is expected
+
+
+def test_a_debounced_message_is_consumed_unrun_only_when_superseded() -> None:
+    """Never drop the only run: of every answer, only ``superseded`` (a later run exists) ends without a body."""
+    answers = ("take", "taken", "early", "superseded", "await", "missing", "unavailable", "misconfigured")
+    for answer, policy, waits in itertools.product(answers, UNAVAILABLE, (0, 100)):
+        action, reason = decide_debounced(Debounced(answer, policy, waits, 100))  # type: ignore[arg-type]
+        assert reason
+        if action is DebounceAction.SUPERSEDED:
+            assert answer == "superseded"
+        if action is DebounceAction.GIVE_UP:  # visible (BackendUnavailable), only at the budget
+            assert answer == "unavailable" and policy == "fail_closed" and waits >= 100
+        if action is DebounceAction.FAIL_OPEN:
+            assert policy == "fail_open"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_debounced_delivery_waits_behind_identical_running_work_instead_of_skipping(mode: str) -> None:
+    """A publish during the run is one more run after it: never skipped as the running one's duplicate."""
+    for holder in (OTHER_DUP_ALIVE, OTHER_DUP_DEAD, OTHER_DIFFERENT):
+        case = Delivery(mode, "skip", "fail_closed", "held", holder=holder, debounced=True)  # type: ignore[arg-type]
+        assert decide_delivery(case).action is Action.WAIT
+        assert decide_delivery(replace(case, can_park=True)).action in (Action.PARK, Action.WAIT)
+    plain = Delivery("while_running", "skip", "fail_closed", "held", holder=OTHER_DUP_ALIVE)
+    assert decide_delivery(plain).action is Action.SKIP
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [
+        ("run", DebounceAction.PROCEED),
+        ("superseded", DebounceAction.SUPERSEDED),
+        ("await", DebounceAction.AWAIT_PUBLISH),
+        ("unavailable", DebounceAction.PROCEED),  # the lease is held: run rather than lose the run
+        ("misconfigured", DebounceAction.PROCEED),
+    ],
+)
+def test_debounce_start_table(answer: str, expected: DebounceAction) -> None:
+    action, reason = decide_debounce_start(answer)  # type: ignore[arg-type]
+    assert action is expected and reason

@@ -167,3 +167,54 @@ def test_out_of_descriptors_the_exporter_backs_off_and_recovers(redis_url: str, 
     stop.remove(exporter)
     assert "exporter.accept_failed" in err and "EMFILE" in err
     assert "Traceback" not in err
+
+
+def _exporter_command(redis_url: str, prefix: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "tests.workerapp:app", "lockguard", "exporter", *args],
+        cwd=ROOT,
+        env=cli_env(make_cfg(prefix, redis_url)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_port_in_use_is_a_clear_error_not_a_traceback(redis_url: str, prefix: str) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    try:
+        proc = _exporter_command(redis_url, prefix, "--port", str(taken.getsockname()[1]), "--page")
+        out, err = proc.communicate(timeout=60)
+    finally:
+        taken.close()
+    assert proc.returncode == 69, (out, err)  # EX_UNAVAILABLE
+    assert "cannot listen on 127.0.0.1 port" in err and "Traceback" not in err
+
+
+def test_an_ipv6_loopback_bind_serves_metrics(redis_url: str, prefix: str) -> None:
+    probe = socket.socket(socket.AF_INET6)
+    try:
+        probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("this host has no IPv6 loopback")
+    finally:
+        probe.close()
+    port = free_port()
+    proc = _exporter_command(redis_url, prefix, "--bind", "::1", "--port", str(port))
+    try:
+
+        def scrape() -> int | None:
+            try:
+                with urllib.request.urlopen(f"http://[::1]:{port}/metrics", timeout=5) as resp:
+                    return int(resp.status)
+            except (urllib.error.URLError, ConnectionError):
+                assert proc.poll() is None, f"the exporter exited: {proc.communicate()[1][-2000:]}"
+                return None
+
+        assert wait_for(scrape, 30, interval=0.2, what="the exporter on [::1]") == 200
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=10)
+    assert f"http://[::1]:{port}/metrics" in out and "Traceback" not in err

@@ -46,3 +46,35 @@ def test_parse_lock_name_inverts_lock_name(key: str) -> None:
     assert parse_lock_name("lg", lock_name("lg", key)) == key
     assert parse_lock_name("other", lock_name("lg", key)) is None
     assert parse_lock_name("lg", "lg:v1:{}:lock") is None and parse_lock_name("lg", key) is None
+
+
+def test_a_slot_lease_reads_back_its_slot_limit_and_window() -> None:
+    from celery_lockguard._keys import slot_lock_name
+
+    fields = {**WRITTEN, "slot": "2", "limit": "3", "rate": "100", "window": "60000"}
+    lease = HeldLease.from_hash("lg", slot_lock_name("lg", "tenant:a", 2), fields, 1, 5000)
+    row = lease.as_dict()
+    assert (row["key"], row["slot"], row["limit"], row["rate"], row["window_ms"]) == ("tenant:a", 2, 3, 100, 60000)
+    assert lease.label == "tenant:a (slot 2)" and lease.malformed == ()
+    assert "slot" not in HeldLease.from_hash("lg", lock_name("lg", "k"), WRITTEN, 1, 0).as_dict()
+
+
+@pytest.mark.parametrize(
+    ("name", "parsed"),
+    [
+        ("lg:v1:{a}:lock", ("a", 0)),
+        ("lg:v1:{a}:lock:3", ("a", 3)),
+        ("lg:v1:{a:lock:3}:lock", ("a:lock:3", 0)),
+        ("lg:v1:{a}:lock:0", None),
+        ("lg:v1:{a}:lock:03", None),
+        ("lg:v1:{a}:lock:x", None),
+        ("lg:v1:{}:lock:1", None),
+        ("lg:v1:{a}:fence", None),
+    ],
+)
+def test_slot_lock_names_parse_back(name: str, parsed: tuple[str, int] | None) -> None:
+    from celery_lockguard._keys import parse_slot_lock_name, slot_lock_name
+
+    assert parse_slot_lock_name("lg", name) == parsed
+    if parsed is not None:
+        assert slot_lock_name("lg", *parsed) == name and parse_lock_name("lg", name) == parsed[0]

@@ -190,3 +190,22 @@ def test_a_task_whose_key_field_is_empty_fails_before_touching_redis(redis_url: 
     assert not list(redis.Redis.from_url(redis_url).scan_iter(match=f"{prefix}:*"))  # no `{}` hash tag written
     sync.apply(args=("acme",), throw=True)
     assert ran == ["acme"]
+
+
+def test_pattern_matches_every_key_its_template_renders_and_no_other_shape() -> None:
+    """``lockguard locks`` names a lone start window's task by it (re-review: the first pattern backtracked
+    for minutes over one planted 40 KB key)."""
+
+    def f(account: str, region: str, api: str) -> None: ...
+
+    renderer = KeyRenderer("partner:{account}:region:{region}:api:{api}:budget", inspect.signature(f), "t", "lock_key")
+    pattern = renderer.pattern()
+    assert pattern is not None
+    for values in (
+        {"account": "a:b", "region": "eu", "api": "x"},
+        {"account": "x" * 500, "region": "é{}%", "api": ":"},
+    ):
+        assert pattern.fullmatch(renderer.render(values, (), {}))
+    assert not pattern.fullmatch("partner:a:region:eu:api:x")  # another shape
+    assert not pattern.fullmatch("partner:" + ":region::api:" * 3200 + "!")  # linear: no field spans a separator
+    assert KeyRenderer(lambda account, region, api: account, inspect.signature(f), "t", "lock_key").pattern() is None

@@ -88,3 +88,75 @@ def test_a_recycled_child_counts_every_release(fleet: Any, redis_url: str, prefi
         what="every flushed acquisition to have its hold time",
     )
     assert r.hget(total, "plain_locked|lock.released") == r.hget(total, "plain_locked|lock.acquired")
+
+
+def test_held_now_per_worker_and_wait_histograms_sum_across_the_fleet(
+    fleet: Any, redis_url: str, prefix: str, tmp_path: Any
+) -> None:
+    """Two workers hold a lease each: the exporter's text shows one per worker, then none; their waits sum."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from celery_lockguard import _stats as stats
+
+    cfg = make_cfg(prefix, redis_url, metrics_flush_interval=0.5)
+    workers = [fleet.worker(cfg, concurrency=1), fleet.worker(cfg, concurrency=1)]
+    app = fleet.app(cfg)
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    gate = tmp_path / "gate"
+    results = [app.tasks["hold_gate"].delay(f"g-{n}", str(gate)) for n in range(2)]
+
+    def sampled(name: str) -> dict[tuple[tuple[str, str], ...], float]:
+        text = stats.prometheus(stats.read(r, prefix, windows=False))
+        return {
+            tuple(sorted(s.labels.items())): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == name
+        }
+
+    def held_by_worker() -> dict[str, float]:
+        rows = sampled("lockguard_leases_held").items()
+        return {dict(k)["worker"]: v for k, v in rows if dict(k)["task"] == "hold_gate"}
+
+    def both_held() -> dict[str, float] | None:
+        held = held_by_worker()
+        return held if sum(held.values()) == 2 else None
+
+    # Each worker's only child holds one lease: its periodic flush (no task finishing) reports it.
+    held = wait_for(both_held, 60, what="both leases held")
+    assert set(held) == {w.nodename for w in workers} and set(held.values()) == {1.0}
+    ages = sampled("lockguard_oldest_hold_seconds")
+    assert len(ages) == 2 and all(age >= 0 for age in ages.values())
+    gate.touch()
+    assert all(res.get(timeout=60)["held"] for res in results)
+    wait_for(lambda: not held_by_worker(), 30, what="the gauges to clear once the bodies ended")
+    total = metrics.total_key(prefix)
+    wait_for(lambda: r.hget(total, "hold_gate|wait.count") == "2", 30, what="both children's waits flushed")
+    count = sampled("lockguard_wait_seconds_count")[(("task", "hold_gate"),)]
+    assert count == sampled("lockguard_wait_seconds_bucket")[(("le", "+Inf"), ("task", "hold_gate"))] == 2
+
+
+def test_a_hostile_first_delivery_header_does_not_poison_the_workers_flushes(
+    fleet: Any, redis_url: str, prefix: str
+) -> None:
+    """A message whose lockguard_first_delivered is a wait past int64, or Infinity, through a real worker.
+
+    It used to make every later flush fail on HINCRBY (after Redis had applied the transaction's other
+    commands, so each retry counted the acquisition again), and Infinity failed the task itself.
+    """
+    from celery_lockguard import _headers as headers
+
+    cfg = make_cfg(prefix, redis_url, metrics_flush_interval=0.5)
+    fleet.worker(cfg, concurrency=1)
+    app = fleet.app(cfg)
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    for value in (-(10**19), float("inf")):
+        key = f"h-{uuid.uuid4().hex[:8]}"
+        res = app.tasks["plain_locked"].apply_async((key,), headers={headers.FIRST_DELIVERED: value})
+        assert res.get(timeout=30)["locked"]
+    total = metrics.total_key(prefix)
+    wait_for(lambda: r.hget(total, "plain_locked|wait.count") == "2", 30, what="both waits flushed")
+    # Later flushes go through and count each acquisition once (a replayed batch would count more).
+    run_tasks(app, 1)
+    wait_for(lambda: r.hget(total, "plain_locked|hold.count") == "3", 30, what="the third task's flush")
+    assert acquired(r, prefix) == 3

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import itertools
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import redis
+from billiard.einfo import ExceptionInfo
 from celery import Celery
+from celery.exceptions import Retry
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -46,8 +49,11 @@ pytestmark = pytest.mark.model
 MODES = ("while_running", "until_started", "until_done")
 POLICIES = ("skip", "retry", "raise")
 DOWN = "redis://127.0.0.1:1/0"
+#: Keys per SCAN call in the invariants (checked after every step): a shared server holding other tests' keys
+#: must not turn each check into thousands of round trips.
+SCAN_COUNT = 1000
 #: Deliveries made across all examples: the model must have exercised the runtime, not only published.
-STEPS = {"deliveries": 0, "woken": 0, "releaser_died": 0}
+STEPS = {"deliveries": 0, "woken": 0, "releaser_died": 0, "superseded": 0}
 ENTITIES = (1, 2)
 AMOUNTS = (10, 20)
 
@@ -91,6 +97,7 @@ def machine(mode: str, policy: str, redis_url: str, store: str = "redis") -> typ
             self.task = charge
             self.jobs: dict[str, str] = {}  # job id -> "pending" | "ran" | "answered" | "failed"
             self.answered_by: dict[str, str] = {}  # a deduplicated publish -> the job it was answered with
+            self.trace: list[str] = []  # the steps taken, with the entities' lease states after each: failures print it
             self.foreign: dict[int, L.Lease] = {}  # planted holders (another worker), by entity
             self.delivered: list[Message] = []
             self.down = False
@@ -154,6 +161,7 @@ def machine(mode: str, policy: str, redis_url: str, store: str = "redis") -> typ
             assert msg is not None
             out = deliver(self.task, tuple(msg.args), msg.kwargs, task_id=msg.task_id, headers=msg.custom())
             STEPS["deliveries"] += 1
+            self.trace.append(f"deliver {msg.task_id[:8]} {msg.custom()} -> {out.state} {self.locks()}")
             self.delivered.append(msg)
             if out.state == "RETRY":
                 assert any(m.task_id == msg.task_id for m in self.queued()), (
@@ -169,6 +177,7 @@ def machine(mode: str, policy: str, redis_url: str, store: str = "redis") -> typ
             """The broker delivers a message again (visibility timeout, a lost ack)."""
             msg = data.draw(st.sampled_from(self.delivered))
             out = deliver(self.task, tuple(msg.args), msg.kwargs, task_id=msg.task_id, headers=msg.custom())
+            self.trace.append(f"redeliver {msg.task_id[:8]} {msg.custom()} -> {out.state} {self.locks()}")
             if out.state == "RETRY":
                 assert any(m.task_id == msg.task_id for m in self.queued())
             self._settle(msg.task_id, out.state)
@@ -184,6 +193,7 @@ def machine(mode: str, policy: str, redis_url: str, store: str = "redis") -> typ
             signals.free_claim_from_main(self.task, msg.task_id, msg.args, msg.kwargs, "revoked")
             # A woken copy discarded: its reservation goes too, and the next waiter is woken.
             signals.free_reservation_from_main(self.task, _Request(msg), msg.args, msg.kwargs)
+            self.trace.append(f"revoke {msg.task_id[:8]} down={self.down} {self.locks()}")
             if self.jobs.get(msg.task_id) == "pending" and not any(m.task_id == msg.task_id for m in self.queued()):
                 self.jobs[msg.task_id] = "revoked"
 
@@ -230,6 +240,7 @@ def machine(mode: str, policy: str, redis_url: str, store: str = "redis") -> typ
                 STEPS["releaser_died"] += 1
             elif woken is not None:
                 STEPS["woken"] += handoff.wake(self.app, lockguard_settings(self.app), woken, "other", lease.task_id)
+            self.trace.append(f"foreign_release k:{a} dies={dies} woken={woken} {self.locks()}")
 
         @rule(down=st.booleans())
         def outage(self, down: bool) -> None:
@@ -237,6 +248,7 @@ def machine(mode: str, policy: str, redis_url: str, store: str = "redis") -> typ
             self.down = down
             self.app.conf.lockguard_redis_url = DOWN if down else redis_url
             reset(self.app)
+            self.trace.append(f"outage down={down}")
 
         # -- invariants ----------------------------------------------------------------------
 
@@ -248,7 +260,9 @@ def machine(mode: str, policy: str, redis_url: str, store: str = "redis") -> typ
                     holder = self.r.hgetall(key)
                     waiting = holder.get("state") in ("queued", "publishing")
                     if waiting and holder["task_id"] not in self.excused:
-                        assert holder["task_id"] in queued_ids, f"claim {key} of {holder['task_id']} has no message"
+                        assert holder["task_id"] in queued_ids, (
+                            f"claim {key} of {holder['task_id']} has no message\n{self.history()}"
+                        )
 
         @invariant()
         def no_reservation_outlives_its_waiter(self) -> None:
@@ -257,7 +271,7 @@ def machine(mode: str, policy: str, redis_url: str, store: str = "redis") -> typ
                 holder = self.r.hgetall(lock_name(self.prefix, f"k:{a}"))
                 if holder.get("state") == "handed" and holder["task_id"] not in self.excused:
                     handed = holder["task_id"]
-                    assert handed in queued_ids, f"k:{a} is handed to {handed}, which has no message"
+                    assert handed in queued_ids, f"k:{a} is handed to {handed}, which has no message\n{self.history()}"
 
         @invariant()
         def no_body_runs_twice(self) -> None:
@@ -265,6 +279,19 @@ def machine(mode: str, policy: str, redis_url: str, store: str = "redis") -> typ
 
         def retried(self) -> set[str]:
             return {tid for tid, n in self.runs.items() if n == 2}  # a retry() runs the body again, by design
+
+        def history(self) -> str:
+            """The last 30 steps, for an invariant's message."""
+            return "\n".join(self.trace[-30:])
+
+        def locks(self) -> str:
+            out = []
+            for a in ENTITIES:
+                h = self.r.hgetall(lock_name(self.prefix, f"k:{a}"))
+                if h:
+                    out.append(f"k:{a}={h.get('state')}/{h.get('task_id', '')[:8]}")
+            q = [m.task_id[:8] for m in self.queued()]
+            return " ".join(out) + f" q={q}"
 
         def _settle(self, tid: str, state: str) -> None:
             if state == "SUCCESS":
@@ -296,7 +323,7 @@ def machine(mode: str, policy: str, redis_url: str, store: str = "redis") -> typ
                     assert holder in self.jobs, f"{tid} was answered with {holder}, which is no job"
                 leftovers = [
                     k
-                    for k in self.r.scan_iter(f"{self.prefix}:v1:*")
+                    for k in self.r.scan_iter(f"{self.prefix}:v1:*", count=SCAN_COUNT)
                     if k.endswith((":lock", ":claim")) and self.r.hget(k, "task_id") not in self.excused
                 ]
                 assert leftovers == [], f"left behind: {leftovers}"
@@ -316,10 +343,17 @@ def machine(mode: str, policy: str, redis_url: str, store: str = "redis") -> typ
 
 @pytest.mark.parametrize(("mode", "policy"), list(itertools.product(MODES, POLICIES)))
 def test_model(mode: str, policy: str, redis_url: str) -> None:
-    woken, died = STEPS["woken"], STEPS["releaser_died"]
-    run(machine(mode, policy, redis_url))
-    if mode == "while_running" and policy != "raise":  # waiters park behind other work: releases must wake them
-        assert STEPS["woken"] > woken and STEPS["releaser_died"] > died, "the model never exercised park and wake"
+    woken = STEPS["woken"]
+
+    def exercised() -> bool:
+        # Waiters park behind other work: releases must wake them. A releaser dying before its wake publish is
+        # drawn too, but whether a waiter is parked at that moment depends on real time; that path has its own
+        # deterministic tests (test_handoff, test_handoff_workers), so the cell does not insist on it.
+        if mode == "while_running" and policy != "raise":
+            return STEPS["woken"] > woken
+        return True
+
+    run(machine(mode, policy, redis_url), exercised=exercised)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -342,15 +376,382 @@ def _short_wake_grace(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(handoff, "WAKE_GRACE", 0.05)
 
 
-def run(Model: type[RuleBasedStateMachine]) -> None:
-    Model.TestCase.settings = settings(
-        max_examples=25,
-        derandomize=True,  # the same examples every run: CI stays deterministic, the model stays broad
-        stateful_step_count=30,
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
+def run(
+    Model: type[RuleBasedStateMachine],
+    examples: int = 25,
+    steps: int = 30,
+    exercised: Callable[[], bool] = lambda: True,
+) -> None:
+    """Run the model; if it did not exercise what it must (``exercised``, and 10 deliveries), run longer once.
+
+    The examples are derandomized, but which rules are enabled depends on the real Redis (queues, TTLs running
+    out in real time), so on a slower or busier machine the same draws can take other paths: a second pass with
+    three times the examples (the first ones again, then more) must then reach them.
+    """
     before = STEPS["deliveries"]
-    Model.TestCase().runTest()
+    for n in (examples, examples * 3):
+        Model.TestCase.settings = settings(
+            max_examples=n,
+            derandomize=True,  # the same examples every run: CI stays deterministic, the model stays broad
+            stateful_step_count=steps,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
+        Model.TestCase().runTest()
+        if STEPS["deliveries"] - before >= 10 and exercised():
+            return
     assert STEPS["deliveries"] - before >= 10, "the model delivered too little to mean anything"
+    assert exercised(), "the model never exercised what this cell must"
+
+
+# -- lock_limit and lock_rate ------------------------------------------------------------------------------
+
+#: (lock_limit, lock_rate): N slots alone, N slots with a start window, and the single lease with a window.
+LIMITS = ((2, None), (2, "3/1s"), (1, "3/1s"))
+LIMIT_STEPS = {"throttled": 0, "slot_waits": 0, "admitted": 0}
+
+
+def limited_machine(policy: str, limit: int, rate: str | None, redis_url: str) -> type[RuleBasedStateMachine]:
+    """Deliveries through the real tracer and planted holders (other workers) race for N slots and a window.
+
+    Checked after every step: never more than N slot leases held (none past slot N-1), never more than
+    the rate's starts in any sliding window (by the server times the starts were admitted), no body twice;
+    and, once drained, every job ran, was skipped onto identical running work, or failed visibly.
+    """
+    from celery_lockguard._config import parse_rate
+    from celery_lockguard._keys import parse_slot_lock_name
+
+    parsed = parse_rate(rate, "model")
+    window_ms = parsed.window_ms if parsed else 0
+
+    class Limited(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.r = redis.Redis.from_url(redis_url, decode_responses=True)
+            self.prefix = f"lgm:{uuid.uuid4().hex[:10]}"
+            self.app: Celery = make_app("limits", redis_url, self.prefix, lockguard_redis_url=redis_url)
+            self.runs: dict[str, int] = {}
+            self.starts: list[int] = []  # server ms of every admitted start: bodies and planted holders
+            self.jobs: dict[str, str] = {}
+            self.foreign: list[L.Lease] = []
+
+            @self.app.task(
+                base=LockedTask,
+                bind=True,
+                shared=False,
+                name="m.export",
+                lock_key="tenant:{t}",
+                lock_limit=limit,
+                lock_rate=rate,
+                on_locked=policy,
+                lock_max_waits=3,
+                lock_ttl=30,
+            )
+            def export(task: Any, t: int, amount: int) -> int:
+                tid = task.request.id
+                self.runs[tid] = self.runs.get(tid, 0) + 1
+                assert task.lock is not None and task.lock.slot is not None and task.lock.slot < limit
+                self.starts.append(int(self.r.hget(task.lock.redis_key, "acquired_at") or 0))
+                self.holders_within_limit()  # checked while this body holds its slot, too
+                return amount
+
+            self.task = export
+
+        def queued(self) -> list[Message]:
+            from .tracer import published
+
+            return published(self.r, self.app)
+
+        @property
+        def queue_key(self) -> str:
+            return f"{self.prefix}:kombu:{self.app.conf.task_default_queue}"
+
+        @rule(amount=st.sampled_from((10, 20, 30)))
+        def publish(self, amount: int) -> None:
+            self.jobs[self.task.apply_async((1, amount)).id] = "pending"
+
+        @precondition(lambda self: self.r.llen(self.queue_key) > 0)
+        @rule()
+        def deliver_next(self) -> None:
+            msg = self.queued()[0]
+            self.r.rpop(self.queue_key)
+            out = deliver(self.task, tuple(msg.args), msg.kwargs, task_id=msg.task_id, headers=msg.custom())
+            STEPS["deliveries"] += 1
+            if out.state == "RETRY":
+                assert any(m.task_id == msg.task_id for m in self.queued()), "RETRY without its message"
+            self.settle(msg.task_id, out)
+
+        @rule(identical=st.booleans())
+        def foreign_holder(self, identical: bool) -> None:
+            """Another worker asks for a slot (through the same admission): identical or other work."""
+            tid = f"foreign-{uuid.uuid4().hex[:8]}"
+            got = L.acquire(
+                self.r,
+                self.prefix,
+                "tenant:1",
+                ttl_ms=60_000,
+                task_id=tid,
+                task_name=self.task.name if identical else "other",
+                digest=digest({"t": 1, "amount": 10}) if identical else tid,
+                worker="elsewhere",
+                fence_ttl_ms=60_000,
+                limit=limit,
+                rate=(parsed.count, parsed.window_ms) if parsed else None,
+            )
+            if isinstance(got, L.Lease):
+                self.r.hset(got.redis_key, "host", "elsewhere")
+                self.starts.append(int(self.r.hget(got.redis_key, "acquired_at") or 0))
+                self.foreign.append(got)
+            elif isinstance(got, L.Throttled):
+                LIMIT_STEPS["throttled"] += 1
+
+        @precondition(lambda self: bool(self.foreign))
+        @rule(data=st.data())
+        def foreign_release(self, data: Any) -> None:
+            lease = data.draw(st.sampled_from(self.foreign))
+            self.foreign.remove(lease)
+            L.release(self.r, lease, self.prefix)
+
+        @precondition(lambda self: parsed is not None and len(self.starts) >= parsed.count)
+        @rule()
+        def time_passes(self) -> None:
+            """A third of the window goes by (the server's clock is the only one a window reads)."""
+            import time
+
+            time.sleep(window_ms / 3000)
+
+        # -- invariants ---------------------------------------------------------------------------------
+
+        @invariant()
+        def holders_within_limit(self) -> None:
+            held = [
+                parse_slot_lock_name(self.prefix, k)
+                for k in self.r.scan_iter(f"{self.prefix}:v1:{{tenant:1}}:lock*", count=SCAN_COUNT)
+            ]
+            slots = [p[1] for p in held if p is not None]
+            assert len(slots) <= limit and all(s < limit for s in slots), slots
+
+        @invariant()
+        def starts_within_rate(self) -> None:
+            if parsed is None:
+                return
+            at = sorted(self.starts)
+            for i in range(len(at) - parsed.count):
+                assert at[i + parsed.count] - at[i] >= window_ms, f"{parsed.count + 1} starts in one window: {at}"
+
+        @invariant()
+        def no_body_runs_twice(self) -> None:
+            assert all(n == 1 for n in self.runs.values()), self.runs
+
+        def settle(self, tid: str, out: Any) -> None:
+            if out.state == "SUCCESS":
+                self.jobs[tid] = "ran" if self.runs.get(tid) else "skipped"
+                LIMIT_STEPS["admitted"] += bool(self.runs.get(tid))
+            elif out.state == "FAILURE":
+                self.jobs[tid] = "failed"
+            elif out.state == "RETRY":
+                LIMIT_STEPS["slot_waits" if limit > 1 else "throttled"] += 1
+
+        def teardown(self) -> None:
+            try:
+                for lease in self.foreign:
+                    L.release(self.r, lease, self.prefix)
+                for _ in range(200):
+                    msgs = self.queued()
+                    if not msgs:
+                        break
+                    self.r.rpop(self.queue_key)
+                    out = deliver(self.task, tuple(msgs[0].args), msgs[0].kwargs, task_id=msgs[0].task_id,
+                                  headers=msgs[0].custom())  # fmt: skip
+                    self.settle(msgs[0].task_id, out)
+                assert self.r.llen(self.queue_key) == 0, "the queue did not drain"
+                for tid, outcome in self.jobs.items():
+                    assert outcome != "pending", f"job {tid} neither ran, nor was skipped, nor failed"
+                    if outcome == "failed":  # visibly: contention or a full window, never anything else
+                        exc = self.app.AsyncResult(tid).result
+                        assert type(exc).__name__ in ("LockContended", "LockThrottled"), repr(exc)
+                    if outcome == "skipped":
+                        assert policy == "skip"
+                leftovers = [k for k in self.r.scan_iter(f"{self.prefix}:v1:*", count=SCAN_COUNT) if ":lock" in k]
+                assert leftovers == [], f"left behind: {leftovers}"
+                self.holders_within_limit()
+                self.starts_within_rate()
+            finally:
+                delete_prefix(self.r, self.prefix)
+                connection.forget_clients()
+
+    Limited.__name__ = f"Limited_{policy}_{limit}_{(rate or 'none').replace('/', '_')}"
+    return Limited
+
+
+@pytest.mark.parametrize(("limit", "rate"), LIMITS)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_model_with_limits(policy: str, limit: int, rate: str | None, redis_url: str) -> None:
+    before = dict(LIMIT_STEPS)
+    # Fewer, shorter examples than the mode models: a window is real time (the server's clock), and time
+    # passing is a third of a one-second window each time the window can be full.
+    run(
+        limited_machine(policy, limit, rate, redis_url),
+        examples=10,
+        steps=20,
+        # it admitted a body, and (with a rate) filled the window
+        exercised=lambda: (
+            LIMIT_STEPS["admitted"] > before["admitted"]
+            and (rate is None or LIMIT_STEPS["throttled"] > before["throttled"])
+        ),
+    )
+
+
+# -- debounce (lock_debounce): a model of bursts, deliveries, redeliveries, lost records and outages ---------
+
+
+#: A job that ended visibly in FAILURE (``BackendUnavailable`` once the wait budget was spent in an outage).
+FAILED = "failed"
+
+
+def debounce_machine(redis_url: str) -> type[RuleBasedStateMachine]:
+    """Publishes, out-of-order and repeated deliveries, a lost record, a lock-Redis outage at publish.
+
+    Checked after every step: no job's body runs twice; a superseded job names a job of the same entity
+    published after it. Once drained: the last publish of every entity ran (its arguments are the last
+    word) or failed visibly, every job ran, failed visibly or was superseded along a chain of results
+    that ends in a run (or a visible failure), and no debounce key lives without a TTL.
+    """
+
+    class DebounceModel(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.r = redis.Redis.from_url(redis_url, decode_responses=True)
+            self.prefix = f"lgm:{uuid.uuid4().hex[:10]}"
+            self.app: Celery = make_app(
+                "model-debounce", redis_url, self.prefix, lockguard_redis_url=redis_url, lockguard_socket_timeout=0.2
+            )
+            self.runs: dict[str, int] = {}
+
+            @self.app.task(
+                base=LockedTask,
+                bind=True,
+                shared=False,
+                name="m.reindex",
+                lock_key="k:{a}",
+                lock_debounce=0.01,
+                lock_max_waits=4,
+            )
+            def reindex(task: Any, a: int, version: int) -> int:
+                self.runs[task.request.id] = self.runs.get(task.request.id, 0) + 1
+                return version
+
+            self.task = reindex
+            self.order: list[str] = []  # job ids in publish order
+            self.entity: dict[str, int] = {}
+            self.outcome: dict[str, Any] = {}  # job id -> what its last delivery returned
+            self.delivered: list[Message] = []
+            self.down = False
+
+        @property
+        def queue_key(self) -> str:
+            return f"{self.prefix}:kombu:{self.app.conf.task_default_queue}"
+
+        def _deliver(self, msg: Message) -> None:
+            STEPS["deliveries"] += 1
+            out = deliver(self.task, tuple(msg.args), msg.kwargs, task_id=msg.task_id, headers=msg.custom())
+            if isinstance(out.retval, ExceptionInfo):  # a wait (Retry, its copy queued), or a visible failure
+                if not isinstance(out.retval.exception, Retry):
+                    self.outcome[msg.task_id] = FAILED
+            elif out.state == "SUCCESS":
+                self.outcome[msg.task_id] = out.retval
+                STEPS["superseded"] += isinstance(out.retval, dict)
+            self.delivered.append(msg)
+
+        @rule(a=st.sampled_from(ENTITIES))
+        def publish(self, a: int) -> None:
+            res = self.task.delay(a, len(self.order))
+            self.order.append(res.id)
+            self.entity[res.id] = a
+
+        @rule(newest=st.booleans())
+        def deliver_one(self, newest: bool) -> None:
+            """Deliver the oldest message, or the newest (a broker does not promise the order of ETA messages)."""
+            from .tracer import published
+
+            msgs = published(self.r, self.app)
+            if not msgs:
+                return
+            index = len(msgs) - 1 if newest else 0
+            raw = list(reversed(self.r.lrange(self.queue_key, 0, -1)))[index]  # published() reads the same order
+            self.r.lrem(self.queue_key, 1, raw)
+            self._deliver(msgs[index])
+
+        @precondition(lambda self: bool(self.delivered))
+        @rule(i=st.integers(min_value=0, max_value=50))
+        def redeliver(self, i: int) -> None:
+            """A broker redelivery (acks_late, visibility timeout) of a message already delivered."""
+            self._deliver(self.delivered[i % len(self.delivered)])
+
+        @rule(a=st.sampled_from(ENTITIES))
+        def lose_record(self, a: int) -> None:
+            """The debounce record is evicted or lost in a restart (its run keys too)."""
+            for k in self.r.scan_iter(f"{self.prefix}:v1:{{k:{a}}}:debounce:*", count=SCAN_COUNT):
+                self.r.delete(k)
+
+        @rule()
+        def outage(self) -> None:
+            """The lock Redis is unreachable for the next publishes (the broker is not)."""
+            self.down = not self.down
+            self.app.conf.lockguard_redis_url = DOWN if self.down else redis_url
+            reset(self.app)
+            connection.forget_clients()
+
+        @invariant()
+        def no_body_runs_twice(self) -> None:
+            assert all(n == 1 for n in self.runs.values()), f"a body ran twice: {self.runs}"
+
+        @invariant()
+        def superseded_names_a_later_job_of_its_entity(self) -> None:
+            for tid, out in self.outcome.items():
+                if isinstance(out, dict):
+                    by = out["superseded_by"]
+                    assert self.entity[by] == self.entity[tid], f"{tid} superseded by other work {by}"
+                    assert self.order.index(by) > self.order.index(tid), f"{tid} superseded by an older job"
+
+        def teardown(self) -> None:
+            try:
+                if self.down:
+                    self.outage()
+                while self.r.llen(self.queue_key):
+                    self.deliver_one(False)
+                for a in ENTITIES:
+                    mine = [t for t in self.order if self.entity[t] == a]
+                    if mine and self.outcome.get(mine[-1]) is not FAILED:
+                        assert self.runs.get(mine[-1]) == 1, f"the last publish for entity {a} never ran"
+                for tid in self.order:
+                    out = self.outcome.get(tid)
+                    assert out is not None, f"job {tid} was never answered"
+                    # A message superseded while its burst was still open names the run pending then; if that
+                    # one was replaced in turn, its result names the next: the chain ends in the burst's run.
+                    chain = [tid]
+                    while isinstance(out, dict):
+                        chain.append(out["superseded_by"])
+                        assert len(chain) <= len(self.order), f"a cycle of superseded results: {chain}"
+                        out = self.outcome.get(chain[-1])
+                    end = chain[-1]
+                    assert self.runs.get(end) == 1 or out is FAILED, f"{chain} ends in {end}, which never ran: {out!r}"
+                for k in self.r.scan_iter(f"{self.prefix}:v1:*:debounce:*", count=SCAN_COUNT):
+                    assert self.r.pttl(k) > 0, f"{k} has no TTL"
+            finally:
+                delete_prefix(self.r, self.prefix)
+                connection.forget_clients()
+
+    return DebounceModel
+
+
+def test_debounce_model(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A publish whose DEBOUNCE_SETTLE reply is lost (the model drops connections at an outage) leaves its
+    # record 'publishing': the messages it replaced wait for the grace before they count as superseded.
+    from celery_lockguard import _claims as claims
+
+    monkeypatch.setattr(claims, "PUBLISH_GRACE", 0.2)
+    superseded = STEPS["superseded"]
+    run(debounce_machine(redis_url))
+    assert STEPS["superseded"] > superseded, "the model never superseded a message"

@@ -65,6 +65,71 @@ def test_a_short_lease_tracked_while_the_thread_sleeps_on_a_long_one_is_renewed(
     renewer.untrack(long_lease)
 
 
+def idling_renewer(c: Any, margin: float = 0.0) -> tuple[Renewer, list[float]]:
+    """A renewer whose thread saw a 1.5 s lease and now idles with a bounded sleep (at least ``margin`` s
+    left), and the times its ``_notify`` (the wake-up ``track`` may send) is called from now on."""
+    renewer = Renewer()
+    first = take(c, "first", 1500)
+    renewer.track(first, c, 3600)
+    wait_for(lambda: renewer._wake_at not in (0.0, float("inf")), 2, what="the thread to sleep on the first lease")
+    first_due = renewer._wake_at
+    renewer.untrack(first)
+    # Past the first lease's due time the thread finds nothing held: it idles, armed for the next lease.
+    wait_for(
+        lambda: renewer._wake_at != first_due and time.monotonic() + margin < renewer._wake_at < float("inf"),
+        3,
+        interval=0.005,
+        what="the thread to idle with a bounded sleep",
+    )
+    notified: list[float] = []
+    real_notify = renewer._notify
+
+    def counting_notify() -> None:
+        notified.append(time.monotonic())
+        real_notify()
+
+    renewer._notify = counting_notify  # type: ignore[method-assign]
+    return renewer, notified
+
+
+def test_a_lease_tracked_while_the_thread_idles_after_earlier_leases_is_renewed_without_a_wake_up(
+    server: RedisServer,
+) -> None:
+    """A stream of short tasks: the thread idles no longer than a new lease's earliest renewal, so track()
+    does not wake it per task, and every lease is still renewed on time (issue 15)."""
+    c = server.client()
+    renewer, notified = idling_renewer(c)
+    assert renewer._wake_at - time.monotonic() <= 0.85 * 0.5 + 0.01
+    later = take(c, "later", 1500)
+    renewer.track(later, c, 3600)
+    assert notified == [], "a lease due after the idle thread's next look woke it"
+    seen: set[str] = set()
+
+    def renewed_across_three_ttls() -> bool:
+        assert c.exists(lock_name("lg", "later")), "the lease expired: the idle thread looked too late"
+        seen.add(str(c.hget(lock_name("lg", "later"), "renewed_at") or ""))
+        return len(seen) >= 4
+
+    wait_for(renewed_across_three_ttls, 8, interval=0.02, what="the lease to be renewed repeatedly")
+    assert later.held
+    renewer.untrack(later)
+    # Nothing tracked since: after one more bounded look the thread sleeps until woken.
+    wait_for(lambda: renewer._wake_at == float("inf"), 3, interval=0.01, what="the thread to sleep until woken")
+
+
+def test_a_lease_tracked_while_the_thread_idles_wakes_it_when_due_before_its_next_look(server: RedisServer) -> None:
+    """The idle thread's bounded sleep is no licence to be late: a lease whose lock_max_hold (or renewal) falls
+    before that wake-up wakes it, so ``lost`` is set on time (review: it came up to ttl/15 late)."""
+    c = server.client()
+    renewer, notified = idling_renewer(c, margin=0.2)
+    short = take(c, "short", 30_000)
+    # Its max-hold deadline falls 0.05 s before the idle thread's next look: inside the old fifth-of-interval slack.
+    renewer.track(short, c, max(0.01, renewer._wake_at - short.acquired_at - 0.05))
+    assert notified, "a lease whose max hold falls before the idle thread's next look did not wake it"
+    wait_for(lambda: short.lost, 2, interval=0.005, what="the lease to be marked lost at its max hold")
+    renewer.untrack(short)
+
+
 def test_one_round_trip_per_tick_whatever_the_number_of_leases(server: RedisServer) -> None:
     c = server.client()
     renewer = Renewer()
@@ -338,7 +403,9 @@ def run_green(script: str, runtime: str, url: str, prefix: str) -> dict[str, str
     return out
 
 
-GREEN_FORK = GREEN_IDLE.split("found = ")[0] + """
+GREEN_FORK = (
+    GREEN_IDLE.split("found = ")[0]
+    + """
 import os
 pid = os.fork()
 if pid == 0:  # a child whose hub keeps running, as in a program that forks after patching
@@ -357,6 +424,7 @@ print("LOST_AFTER", found[0] - deleted if found else None)
 os.kill(pid, 9)
 os.waitpid(pid, 0)
 """
+)
 
 
 @pytest.mark.parametrize("runtime", ["gevent", "eventlet"])

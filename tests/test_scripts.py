@@ -11,7 +11,16 @@ import pytest
 from celery_lockguard import _handoff as handoff
 from celery_lockguard import _lease as L
 from celery_lockguard import _scripts as scripts
-from celery_lockguard._keys import claim_name, done_name, fence_name, lock_name, wait_name, waiters_name
+from celery_lockguard._keys import (
+    claim_name,
+    debounce_name,
+    debounce_run_name,
+    done_name,
+    fence_name,
+    lock_name,
+    wait_name,
+    waiters_name,
+)
 from celery_lockguard.testing import RedisServer
 
 from .harness import wait_for
@@ -33,6 +42,7 @@ def c(own_redis: RedisServer) -> Any:
 def test_every_script_declares_keys_argv_and_returns() -> None:
     for script in (
         scripts.ACQUIRE,
+        scripts.ACQUIRE_SLOTS,
         scripts.RELEASE,
         scripts.RENEW,
         scripts.SHORTEN,
@@ -44,6 +54,11 @@ def test_every_script_declares_keys_argv_and_returns() -> None:
         scripts.PARK,
         scripts.CHECK_PARKED,
         scripts.CONFIRM_WAKE,
+        scripts.DEBOUNCE_PUBLISH,
+        scripts.DEBOUNCE_SETTLE,
+        scripts.DEBOUNCE_TAKE,
+        scripts.DEBOUNCE_START,
+        scripts.DEBOUNCE_KEEP,
     ):
         header = [line for line in script.strip().splitlines() if line.startswith("--")]
         text = "\n".join(header)
@@ -651,4 +666,444 @@ def test_noscript_after_script_flush_reloads_the_handoff_scripts(c: Any, name: s
         assert handoff.check(c, P, "k", "p1", "safety")[0] == "parked"
     else:
         assert not handoff.confirm(c, P, "k", "p1")
+    assert c.script_exists(getattr(scripts, name).sha) == [True]
+
+
+# -- ACQUIRE_SLOTS (lock_limit, lock_rate) ------------------------------------------------------------
+
+
+def slots(c: Any, limit: int = 3, rate: tuple[int, int] | None = None, key: str = "e", **kw: Any) -> Any:
+    """ACQUIRE_SLOTS as the runtime calls it; each call is different work (its own digest) unless told."""
+    args = {"task_id": f"t-{L.new_token()[:8]}", "task_name": "n", "worker": "w@h", "fence_ttl_ms": 60_000}
+    args["digest"] = args["task_id"]
+    args.update(kw)
+    return L.acquire(c, P, key, ttl_ms=kw.pop("ttl_ms", 5000), limit=limit, rate=rate, **args)
+
+
+def test_slots_fill_lowest_first_then_the_holder_that_frees_first_is_met(c: Any) -> None:
+    from celery_lockguard._keys import rate_name, slot_fence_name, slot_lock_name
+
+    held = [slots(c) for _ in range(3)]
+    assert [x.slot for x in held] == [0, 1, 2]
+    assert [x.redis_key for x in held] == [slot_lock_name(P, "e", i) for i in range(3)]
+    assert held[0].redis_key == lock_name(P, "e") and held[1].redis_key == f"{P}:v1:{{e}}:lock:1"
+    assert [x.fence_row for x in held] == ["e", "e#1", "e#2"]
+    assert all(c.get(slot_fence_name(P, "e", i)) == str(held[i].fence) for i in range(3))
+    assert c.hget(slot_lock_name(P, "e", 2), "slot") == "2"
+    assert not c.exists(rate_name(P, "e"))  # no rate: no window written
+    c.pexpire(slot_lock_name(P, "e", 1), 800)  # slot 1 frees first
+    met = slots(c)
+    assert isinstance(met, L.Holder) and met.slot == 1 and met.busy == 3 and met.token == held[1].token
+    assert met.task_id == held[1].task_id and 0 < met.pttl_ms <= 800 and met.ttl_ms == 5000
+
+
+def test_slots_same_token_is_idempotent_and_a_freed_slot_is_reused(c: Any) -> None:
+    a, b = slots(c, limit=2), slots(c, limit=2)
+    again = slots(c, limit=2, token=b.token, task_id=b.task_id, digest=b.task_id)
+    assert isinstance(again, L.Lease) and again.slot == 1 and again.fence == b.fence
+    assert L.release(c, a, P) == (1, 0)
+    c2 = slots(c, limit=2)
+    assert isinstance(c2, L.Lease) and c2.slot == 0 and c2.fence > a.fence
+
+
+def test_slots_meet_identical_work_or_their_own_task_id_before_a_free_slot(c: Any) -> None:
+    first = slots(c, limit=3, task_id="t1", digest="same")
+    dup = slots(c, limit=3, task_id="t2", digest="same")  # identical work (name + digest)
+    assert isinstance(dup, L.Holder) and dup.task_id == "t1" and dup.slot == 0 and dup.busy == 1
+    own = slots(c, limit=3, task_id="t1", digest="other")  # a copy of the holder's own task id
+    assert isinstance(own, L.Holder) and own.task_id == "t1"
+    other = slots(c, limit=3, task_id="t3", digest="other")
+    assert isinstance(other, L.Lease) and other.slot == 1 and first.slot == 0
+
+
+def test_slots_past_a_lowered_limit_are_read_for_the_duplicate_rule(c: Any) -> None:
+    # A deploy lowered lock_limit 3 -> 2 while t1 still holds slot 2: its redelivery, and identical
+    # work, took a free slot below 2 and ran a second time.
+    o1, o2 = slots(c, limit=3), slots(c, limit=3)
+    t1 = slots(c, limit=3, task_id="t1", digest="same")
+    assert t1.slot == 2
+    L.release(c, o1, P), L.release(c, o2, P)
+    own = slots(c, limit=2, task_id="t1", digest="same")  # a redelivery of t1, under N = 2
+    assert isinstance(own, L.Holder) and own.task_id == "t1" and own.slot == 2 and own.token == t1.token
+    assert 0 < own.pttl_ms <= 5000
+    dup = slots(c, limit=2, task_id="t2", digest="same")  # identical work
+    assert isinstance(dup, L.Holder) and dup.task_id == "t1" and dup.slot == 2
+    other = slots(c, limit=2)  # other work is not held up by the old slot
+    assert isinstance(other, L.Lease) and other.slot == 0
+    # Our own dead holder there, taken over (ADOPT): it goes, and we take a slot below N.
+    took = slots(c, limit=2, task_id="t1", digest="same", replace_token=t1.token)
+    assert isinstance(took, L.Lease) and took.slot == 1 and not c.exists(t1.redis_key)
+
+
+def test_slots_past_the_limit_stop_at_the_first_slot_never_used(c: Any) -> None:
+    from celery_lockguard._keys import slot_lock_name
+
+    # A hash at slot 3 with no fence at slot 2 was never taken by ACQUIRE_SLOTS: not scanned (bounded cost).
+    c.hset(slot_lock_name(P, "e", 3), mapping={"token": "x", "task_id": "t1", "task_name": "n", "digest": "d"})
+    got = slots(c, limit=2, task_id="t1", digest="d")
+    assert isinstance(got, L.Lease) and got.slot == 0
+
+
+def test_slots_replace_token_takes_over_that_slot_only(c: Any) -> None:
+    a = slots(c, limit=2, task_id="t1", digest="d1")
+    b = slots(c, limit=2, task_id="t2", digest="d2")
+    assert isinstance(slots(c, limit=2, task_id="t9", replace_token="not-a-token"), L.Holder)
+    took = slots(c, limit=2, task_id="t2", digest="d2", replace_token=b.token)
+    assert isinstance(took, L.Lease) and took.slot == 1 and took.fence > b.fence
+    assert c.hget(took.redis_key, "token") == took.token and c.hget(a.redis_key, "token") == a.token
+
+
+def test_slot_release_renew_and_shorten_touch_only_their_own_slot(c: Any) -> None:
+    a, b = slots(c, limit=2, task_id="t1"), slots(c, limit=2, task_id="t2")
+    wrong = L.Lease("e", P, "wrong-token", 1, 5000, time.monotonic(), "x", "n", slot=1)
+    assert L.release(c, wrong, P) == (-1, 0) and c.exists(b.redis_key)  # wrong token: left alone
+    assert L.renew(c, [a, b, wrong]) == [1, 1, 0]
+    assert L.shorten(c, P, "e", "t2", 1000, limit=2)  # the main process scans the slots for its task
+    assert 0 < c.pttl(b.redis_key) <= 1000 and c.pttl(a.redis_key) > 1000
+    assert not L.shorten(c, P, "e", "t2", 1000, limit=1)  # slot 0 is not t2's
+    assert L.release(c, b, P) == (1, 0) and not c.exists(b.redis_key) and c.exists(a.redis_key)
+    c.delete(a.redis_key)  # expired meanwhile
+    assert L.release(c, a, P) == (0, 0)
+    assert L.renew(c, [a]) == [0] and not c.exists(a.redis_key)  # renewal never resurrects
+
+
+def test_slot_release_records_completion_and_wakes_nobody(c: Any) -> None:
+    a = slots(c, limit=2)
+    assert L.release_and_wake(c, a, P, "sc", "rec", 60_000, reserve_ms=0) == (1, 1, None)
+    assert c.get(done_name(P, "sc")) == "rec"
+    got = slots(c, limit=2, scope="sc")
+    assert isinstance(got, L.Done) and got.record == "rec" and not c.exists(lock_name(P, "e"))
+
+
+def test_rate_admits_n_starts_per_window_then_says_when_the_oldest_leaves(c: Any) -> None:
+    from celery_lockguard._keys import rate_name
+
+    admitted = []
+    for _ in range(3):
+        lease = slots(c, limit=5, rate=(3, 2000))
+        assert isinstance(lease, L.Lease)
+        admitted.append(lease)
+        L.release(c, lease, P)  # released at once: the window still counts the start
+    got = slots(c, limit=5, rate=(3, 2000))
+    assert isinstance(got, L.Throttled) and got.starts == 3 and 0 < got.wait_ms <= 2000
+    window = rate_name(P, "e")
+    assert c.zcard(window) == 3 and 0 < c.pttl(window) <= 2000  # bounded: N members, PX = window
+    oldest = float(c.zrange(window, 0, 0, withscores=True)[0][1])
+    now_ms = int(c.time()[0]) * 1000 + int(c.time()[1]) // 1000
+    assert abs((oldest + 2000 - now_ms) - got.wait_ms) < 200
+    assert not any(c.exists(x.redis_key) for x in admitted)  # a throttled call took nothing
+
+
+def test_rate_window_slides_and_is_trimmed(c: Any) -> None:
+    from celery_lockguard._keys import rate_name
+
+    window = rate_name(P, "e")
+    for _ in range(2):
+        L.release(c, slots(c, limit=1, rate=(2, 300)), P)
+    assert isinstance(slots(c, limit=1, rate=(2, 300)), L.Throttled)
+    wait_for(lambda: isinstance(lease := slots(c, limit=1, rate=(2, 300)), L.Lease) and L.release(c, lease, P), 5)
+    assert c.zcard(window) <= 2
+
+
+def test_rate_with_a_single_lease_keeps_the_single_lease_keys(c: Any) -> None:
+    from celery_lockguard._keys import rate_name
+
+    lease = slots(c, limit=1, rate=(5, 60_000))
+    assert isinstance(lease, L.Lease) and lease.slot == 0 and lease.redis_key == lock_name(P, "e")
+    assert lease.fence_row == "e" and c.get(fence_name(P, "e")) == str(lease.fence)
+    assert c.zscore(rate_name(P, "e"), lease.token) is not None
+    busy = slots(c, limit=1, rate=(5, 60_000))
+    assert isinstance(busy, L.Holder) and busy.busy == 1  # held, checked before the window
+    assert c.zcard(rate_name(P, "e")) == 1  # a start that was not admitted is not counted
+
+
+def test_rate_forgotten_after_a_restart_without_persistence() -> None:
+    """Documented: with no persistence the lock Redis forgets the window, so up to N more starts follow."""
+    with RedisServer() as own:
+        c = own.client()
+        for _ in range(2):
+            L.release(c, slots(c, limit=1, rate=(2, 60_000)), P)
+        assert isinstance(slots(c, limit=1, rate=(2, 60_000)), L.Throttled)
+        own.stop()
+        own.start()
+        c = own.client()
+        assert isinstance(slots(c, limit=1, rate=(2, 60_000)), L.Lease)
+
+
+def test_slots_refuse_a_corrupt_fence_of_the_slot_taken_and_write_nothing(c: Any) -> None:
+    from celery_lockguard._keys import slot_fence_name
+    from celery_lockguard.exceptions import CorruptFence
+
+    slots(c, limit=2, task_id="t1")
+    c.set(slot_fence_name(P, "e", 1), "garbage")
+    with pytest.raises(CorruptFence) as err:
+        slots(c, limit=2, rate=(5, 60_000))
+    assert err.value.args[0] == slot_fence_name(P, "e", 1)
+    assert not c.exists(f"{P}:v1:{{e}}:lock:1") and not c.exists(f"{P}:v1:{{e}}:rate")
+
+
+def test_slots_noscript_after_script_flush_reloads(c: Any) -> None:
+    slots(c, limit=2, rate=(5, 60_000))
+    c.script_flush()
+    assert c.script_exists(scripts.acquire_slots.sha) == [False]
+    assert isinstance(slots(c, limit=2, rate=(5, 60_000)), L.Lease)
+    assert c.script_exists(scripts.acquire_slots.sha) == [True]
+
+
+def test_slots_never_over_admit_under_a_race_of_threads(own_redis: RedisServer) -> None:
+    """Admission is one script: 16 threads racing for 3 slots and 5 starts per window never get more."""
+    held: list[Any] = []
+    barrier = threading.Barrier(16)
+
+    def racer() -> None:
+        c = own_redis.client()
+        barrier.wait()
+        for _ in range(10):
+            got = slots(c, limit=3, rate=(5, 60_000), key="race")
+            if isinstance(got, L.Lease):
+                held.append(got)
+
+    threads = [threading.Thread(target=racer) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(held) == 3  # slots never released: exactly N holders, whatever the race
+    assert sorted(x.slot for x in held) == [0, 1, 2]
+
+
+def test_rate_never_over_admits_under_a_race_of_threads(own_redis: RedisServer) -> None:
+    """Every start released at once, so only the window bounds them: 16 racing threads, exactly N starts."""
+    admitted: list[Any] = []
+    barrier = threading.Barrier(16)
+
+    def racer() -> None:
+        c = own_redis.client()
+        barrier.wait()
+        for _ in range(10):
+            got = slots(c, limit=16, rate=(5, 60_000), key="rate-race")
+            if isinstance(got, L.Lease):
+                admitted.append(got)
+                L.release(c, got, P)
+
+    threads = [threading.Thread(target=racer) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(admitted) == 5
+
+
+# -- debounce: DEBOUNCE_PUBLISH, DEBOUNCE_SETTLE, DEBOUNCE_TAKE, DEBOUNCE_START-------------------------------------
+
+DREC = debounce_name(P, "k", "n")
+
+
+def dpublish(c: Any, task_id: str, delay_ms: int = 0, ttl_ms: int = 60_000, digest: str = "d") -> list[str]:
+    return [str(x) for x in scripts.debounce_publish(c, [DREC], [task_id, digest, delay_ms, ttl_ms])]
+
+
+def dsettle(c: Any, task_id: str, how: str) -> int:
+    return int(scripts.debounce_settle(c, [DREC], [task_id, how]))
+
+
+def dtake(c: Any, task_id: str, burst: str, grace_ms: int = 15_000, ttl_ms: int = 60_000) -> list[str]:
+    run = debounce_run_name(P, "k", "n", burst)
+    return [str(x) for x in scripts.debounce_take(c, [DREC, run], [task_id, burst, grace_ms, ttl_ms])]
+
+
+def test_debounce_publish_starts_a_burst_then_replaces_the_pending_run(c: Any) -> None:
+    assert dpublish(c, "t1", delay_ms=5000) == ["t1", ""]  # nothing pending: a new burst named after itself
+    assert dpublish(c, "t2", delay_ms=5000, digest="d2") == ["t1", "t1"]  # same burst, replaces t1
+    rec = c.hgetall(DREC)
+    assert (rec["task_id"], rec["digest"], rec["state"], rec["burst"], rec["superseded"]) == (
+        "t2",
+        "d2",
+        "publishing",
+        "t1",
+        "1",
+    )
+    assert (rec["prev_id"], rec["prev_digest"]) == ("t1", "d")
+    assert int(rec["due_ms"]) - int(rec["at_ms"]) == 5000
+
+
+def test_debounce_publish_extends_the_record_ttl_never_shortens_it(c: Any) -> None:
+    dpublish(c, "t1", ttl_ms=60_000)
+    dpublish(c, "t2", ttl_ms=1000)
+    assert c.pttl(DREC) > 50_000
+
+
+def test_debounce_settle_published_confirms_only_its_own_publish(c: Any) -> None:
+    assert dsettle(c, "t1", "published") == 0 and not c.exists(DREC)  # missing key: nothing written
+    dpublish(c, "t1")
+    assert dsettle(c, "other", "published") == 0  # wrong id
+    assert c.hget(DREC, "state") == "publishing"
+    dpublish(c, "t2")
+    assert dsettle(c, "t1", "published") == 1 and c.hget(DREC, "prev_state") == "queued"  # its reply came late
+    assert dsettle(c, "t2", "published") == 1 and c.hget(DREC, "state") == "queued"
+
+
+def test_debounce_settle_failed_puts_back_the_run_it_replaced(c: Any) -> None:
+    dpublish(c, "t1", delay_ms=5000)
+    dsettle(c, "t1", "published")
+    due = c.hget(DREC, "due_ms")
+    dpublish(c, "t2", delay_ms=9000)
+    assert dsettle(c, "t2", "failed") == 1
+    rec = c.hgetall(DREC)
+    assert (rec["task_id"], rec["state"], rec["due_ms"], rec["superseded"]) == ("t1", "queued", due, "0")
+    assert "prev_id" not in rec
+    assert dsettle(c, "t2", "failed") == 0  # not named any more: nothing written
+
+
+def test_debounce_settle_failed_without_a_replaced_run_clears_the_pending_one(c: Any) -> None:
+    dpublish(c, "t1")
+    assert dsettle(c, "t1", "failed") == 1
+    assert c.hget(DREC, "task_id") == ""
+    assert dpublish(c, "t2") == ["t2", ""]  # nothing pending: a new burst
+
+
+def test_debounce_settle_failed_of_a_replaced_publish_is_forgotten_as_prev(c: Any) -> None:
+    dpublish(c, "t1")
+    dpublish(c, "t2")
+    dpublish(c, "t3")  # prev is t2
+    assert dsettle(c, "t2", "failed") == 1 and c.hget(DREC, "prev_id") is None
+    assert dsettle(c, "t3", "failed") == 1 and c.hget(DREC, "task_id") == ""
+    # The burst now has no pending run and no run: its older messages find nothing and run (never lost).
+    assert dtake(c, "t1", "t1") == ["missing", ""]
+
+
+def test_debounce_take_early_then_due_then_taken(c: Any) -> None:
+    dpublish(c, "t1", delay_ms=60_000)
+    answer, ms = dtake(c, "t1", "t1")
+    assert answer == "early" and 0 < int(ms) <= 60_000
+    c.hset(DREC, "due_ms", 0)
+    assert dtake(c, "t1", "t1", ttl_ms=30_000) == ["take", ""]
+    run = debounce_run_name(P, "k", "n", "t1")
+    assert c.get(run) == "t1" and 0 < c.pttl(run) <= 30_000
+    assert (c.hget(DREC, "task_id"), c.hget(DREC, "last_run")) == ("", "t1")
+    assert dtake(c, "t1", "t1") == ["taken", ""]  # a redelivery of the burst's run
+    assert dpublish(c, "t9") == ["t9", ""]  # a publish after the take starts a new burst
+
+
+def test_debounce_take_superseded_names_the_pending_run_then_the_run_it_became(c: Any) -> None:
+    dpublish(c, "t1")
+    dpublish(c, "t2")
+    dsettle(c, "t2", "published")
+    assert dtake(c, "t1", "t1") == ["superseded", "t2"]
+    assert dtake(c, "t2", "t1") == ["take", ""]
+    dpublish(c, "t3")  # a new burst is pending now
+    assert dtake(c, "t1", "t1") == ["superseded", "t2"]  # late: still the run of its own burst
+
+
+def test_debounce_take_awaits_a_replacing_publish_in_flight_until_the_grace(c: Any) -> None:
+    dpublish(c, "t1")
+    dsettle(c, "t1", "published")
+    dpublish(c, "t2")  # publishing, not yet settled
+    assert dtake(c, "t1", "t1") == ["await", "t2"]
+    assert dtake(c, "t1", "t1", grace_ms=0) == ["superseded", "t2"]  # past the grace: taken as published
+
+
+def test_debounce_take_wrong_id_or_burst_and_missing_keys(c: Any) -> None:
+    assert dtake(c, "t1", "t1") == ["missing", ""]  # no record, no run
+    assert not c.exists(DREC) and not c.exists(debounce_run_name(P, "k", "n", "t1"))
+    dpublish(c, "t5")
+    assert dtake(c, "t1", "other-burst") == ["missing", ""]  # a burst the record does not know
+    assert c.hget(DREC, "task_id") == "t5"  # and nothing written
+
+
+def test_debounce_take_after_the_record_expired_reads_the_run_key(c: Any) -> None:
+    dpublish(c, "t1")
+    dpublish(c, "t2")
+    dsettle(c, "t2", "published")
+    assert dtake(c, "t2", "t1") == ["take", ""]
+    c.delete(DREC)  # expired or evicted
+    assert dtake(c, "t1", "t1") == ["superseded", "t2"]
+    assert dtake(c, "t2", "t1") == ["taken", ""]
+    c.delete(debounce_run_name(P, "k", "n", "t1"))
+    assert dtake(c, "t1", "t1") == ["missing", ""]
+
+
+def dstart(c: Any, task_id: str, burst: str, grace_ms: int = 15_000) -> list[str]:
+    run = debounce_run_name(P, "k", "n", burst)
+    return [str(x) for x in scripts.debounce_start(c, [DREC, run], [task_id, grace_ms])]
+
+
+def test_debounce_start_runs_the_taken_run_once_marked_started(c: Any) -> None:
+    dpublish(c, "t1")
+    dsettle(c, "t1", "published")
+    assert dtake(c, "t1", "t1") == ["take", ""]
+    assert dstart(c, "t1", "t1") == ["run", ""]
+    assert c.hget(DREC, "started") == "t1"
+    dpublish(c, "t2")  # a publish once the body started: one more run after it, this one still runs
+    assert dstart(c, "t1", "t1") == ["run", ""]  # a redelivery of the started run
+
+
+def test_debounce_start_a_taken_run_waiting_for_the_lease_is_replaced_by_a_later_publish(c: Any) -> None:
+    dpublish(c, "t1")
+    dsettle(c, "t1", "published")
+    assert dtake(c, "t1", "t1") == ["take", ""]
+    dpublish(c, "t2")  # while t1 waited for the lease: still in flight
+    assert dstart(c, "t2", "t1") == ["run", ""]  # not the burst's taken run: nothing to check
+    assert dstart(c, "t1", "t1") == ["await", "t2"]
+    assert dstart(c, "t1", "t1", grace_ms=0) == ["superseded", "t2"]
+    dsettle(c, "t2", "published")
+    assert dstart(c, "t1", "t1") == ["superseded", "t2"]
+    assert dtake(c, "t2", "t2") == ["take", ""]  # t2's burst taken too: t1 is replaced by the newer run
+    assert dstart(c, "t1", "t1") == ["superseded", "t2"]
+    assert dstart(c, "t2", "t2") == ["run", ""]
+    assert c.hget(DREC, "started") == "t2"
+
+
+def test_debounce_start_wrong_id_missing_record_or_run_key_runs(c: Any) -> None:
+    assert dstart(c, "t1", "t1") == ["run", ""]  # nothing at all: run, never lose one
+    dpublish(c, "t1")
+    dsettle(c, "t1", "published")
+    dtake(c, "t1", "t1")
+    dpublish(c, "t2")
+    dsettle(c, "t2", "published")
+    assert dstart(c, "tX", "t1") == ["run", ""]  # not the run its burst took
+    c.delete(DREC)
+    assert dstart(c, "t1", "t1") == ["run", ""]  # record gone: run
+    assert not c.exists(DREC), "nothing written without a record"
+
+
+def dkeep(c: Any, task_id: str, burst: str, ttl_ms: int) -> int:
+    return int(scripts.debounce_keep(c, [DREC, debounce_run_name(P, "k", "n", burst)], [task_id, ttl_ms]))
+
+
+def test_debounce_keep_extends_the_taken_runs_keys_never_shortens_and_ignores_others(c: Any) -> None:
+    run = debounce_run_name(P, "k", "n", "t1")
+    assert dkeep(c, "t1", "t1", 60_000) == 0  # missing keys: nothing written
+    assert not c.exists(DREC) and not c.exists(run)
+    dpublish(c, "t1")
+    dsettle(c, "t1", "published")
+    dtake(c, "t1", "t1")
+    assert dkeep(c, "tX", "t1", 60_000) == 0  # not the burst's run (wrong id): nothing written
+    assert c.pttl(run) <= 60_000
+    assert dkeep(c, "t1", "t1", 3_600_000) == 1
+    assert 3_500_000 < c.pttl(run) <= 3_600_000 and 3_500_000 < c.pttl(DREC) <= 3_600_000
+    assert dkeep(c, "t1", "t1", 1_000) == 1  # never shortened
+    assert c.pttl(run) > 3_500_000 and c.pttl(DREC) > 3_500_000
+    c.delete(DREC)  # the record expired: only the run key is kept, no record made
+    assert dkeep(c, "t1", "t1", 7_200_000) == 1 and not c.exists(DREC) and c.pttl(run) > 7_000_000
+    c.delete(run)  # expired run key: nothing to keep
+    assert dkeep(c, "t1", "t1", 60_000) == 0 and not c.exists(run)
+
+
+@pytest.mark.parametrize(
+    "name", ["debounce_publish", "debounce_settle", "debounce_take", "debounce_start", "debounce_keep"]
+)
+def test_noscript_after_script_flush_reloads_the_debounce_scripts(c: Any, name: str) -> None:
+    dpublish(c, "t1")
+    c.script_flush()
+    if name == "debounce_publish":
+        assert dpublish(c, "t2") == ["t1", "t1"]
+    elif name == "debounce_settle":
+        assert dsettle(c, "t1", "published") == 1
+    elif name == "debounce_take":
+        assert dtake(c, "t1", "t1") == ["take", ""]
+    elif name == "debounce_keep":
+        assert dkeep(c, "t1", "t1", 60_000) == 0  # not taken yet: answered, after the reload
+    else:
+        assert dstart(c, "t1", "t1") == ["run", ""]
     assert c.script_exists(getattr(scripts, name).sha) == [True]

@@ -78,3 +78,19 @@ def test_prometheus_text_has_counters_and_a_cumulative_histogram(r: redis.Redis,
     assert 'lockguard_hold_seconds_sum{task="odd\\"name"} 0.705' in lines
     assert 'lockguard_hold_seconds_count{task="odd\\"name"} 2' in lines
     assert any(x.startswith("lockguard_metrics_last_flush_timestamp_seconds ") for x in lines)
+
+
+def test_superseded_and_recordless_debounced_messages_are_counted_and_read_out(r: redis.Redis, prefix: str) -> None:
+    now = time.time()
+    write_minute(
+        r,
+        prefix,
+        int(now // 60),
+        "search.reindex",
+        {"lock.acquired": 2, "lock.superseded": 49, "lock.debounce_missing": 1},
+    )
+    task = summary(r, prefix, now, first=now - 60)["tasks"]["search.reindex"]
+    assert task["windows"]["total"]["superseded"] == 49
+    readings = task["readings"]
+    assert any(x.startswith("49 debounced messages superseded") for x in readings)
+    assert any(x.startswith("1 debounced message ran without its debounce record") for x in readings)

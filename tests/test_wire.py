@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from typing import Any
@@ -78,6 +79,20 @@ def test_a_plain_client_gets_one_channel_per_thread_and_others_get_none(c: Any, 
         pass
 
     assert wire.channel(redis.Redis(connection_pool=OtherPool(port=own_redis.port))) is None
+
+
+def test_a_client_of_another_kind_under_a_collected_clients_id_gets_none(c: Any) -> None:
+    """``id`` is reused once a client is collected: a client with no ``connection_pool`` (Cluster) found
+    under a plain client's channel is served by redis-py, not failed with an AttributeError (CI, test_cluster)."""
+
+    class PoolLess:
+        pass
+
+    mine = wire.channel(c)
+    assert mine is not None
+    other = PoolLess()
+    wire._local.channels[id(other)] = mine  # what a collected client's id, reused, leaves behind
+    assert wire.channel(other) is None
 
 
 def test_a_deferred_release_frees_the_lease_at_once_and_its_reply_comes_with_the_next_call(
@@ -263,6 +278,128 @@ def test_a_callback_that_blocks_never_holds_up_renewal(c: Any) -> None:
         renewer().untrack(held)
 
 
+def test_settle_waits_for_callbacks_the_renewer_handed_to_the_replies_thread(c: Any) -> None:
+    """The renewer read the reply first: ``settle()`` (and worker shutdown) return only once its callback ran."""
+    started, finish = threading.Event(), threading.Event()
+    ran: list[Any] = []
+
+    def slow(reply: Any) -> None:
+        started.set()
+        finish.wait(10)
+        ran.append(reply)
+
+    assert L.release_later(c, take(c, "handed"), P, slow)
+    wait_for(started.is_set, 2, what="the renewer to read the reply and hand its callback over")
+    settled = threading.Event()
+    waiter = threading.Thread(target=lambda: (settle(), settled.set()))
+    waiter.start()
+    try:
+        assert not settled.wait(0.3)  # the callback is still running: settle() must not have returned
+        assert ran == []
+    finally:
+        finish.set()
+        waiter.join(5)
+    assert settled.is_set() and len(ran) == 1
+    assert settle() == 0  # nothing left to read or to wait for
+
+
+def test_a_callback_that_raises_leaves_the_replies_thread_serving_and_settle_not_waiting(c: Any) -> None:
+    """A time limit or an error raised in a handed-over callback: the thread lives on and nothing stays pending."""
+    from billiard.exceptions import SoftTimeLimitExceeded
+
+    def raising(reply: Any) -> None:
+        raise SoftTimeLimitExceeded()
+
+    replies = Replies()
+    for callback in (raising, replies):
+        assert L.release_later(c, take(c, f"raise-{id(callback)}"), P, callback)
+        wait_for(lambda: wire.channel(c).pending == 0, 2, what="the renewer to read the reply")
+    settle()
+    assert len(replies.got) == 1 and replies.threads == ["lockguard-replies"]
+    assert wire._replies.get().pending == 0
+
+
+def test_settle_waits_for_a_stuck_callback_no_longer_than_idle_wait(c: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wake-up publish stuck on a dead broker must not hold a worker's shutdown for ever."""
+    import time
+
+    monkeypatch.setattr(wire, "IDLE_WAIT", 0.2)
+    started, finish = threading.Event(), threading.Event()
+
+    def stuck(reply: Any) -> None:
+        started.set()
+        finish.wait(10)
+
+    try:
+        assert L.release_later(c, take(c, "stuck"), P, stuck)
+        wait_for(started.is_set, 2, what="the stuck callback to start")
+        t0 = time.monotonic()
+        settle()
+        assert time.monotonic() - t0 < 5  # bounded by IDLE_WAIT (0.2 s), not by the callback
+    finally:
+        finish.set()
+
+
+def test_a_dropped_client_takes_its_channel_along(own_redis: RedisServer) -> None:
+    """A client collected (an app's settings reset) leaves no channel behind in its thread or in drain_all's walk."""
+    gc.collect()
+    before = len(wire._all)
+    for i in range(5):
+        client = own_redis.client()
+        lease = take(client, f"dropped-{i}")
+        release_later(client, lease, Replies())
+        del client, lease
+        gc.collect()
+    assert len(wire._all) == before
+    assert settle() == 0
+
+
+def test_a_thread_that_ends_frees_its_channel_while_the_client_lives(own_redis: RedisServer) -> None:
+    """Short-lived threads on a long-lived app client: each ended thread gives its connection back to the pool."""
+    pool = redis.BlockingConnectionPool(
+        host="127.0.0.1", port=own_redis.port, max_connections=2, timeout=1, decode_responses=True
+    )
+    client = redis.Redis(connection_pool=pool)
+    gc.collect()
+    before = len(wire._all)
+    failures: list[BaseException] = []
+
+    def job(i: int) -> None:
+        try:
+            L.release(client, take(client, f"thread-{i}"), P)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            failures.append(exc)
+
+    for i in range(5):  # more threads than the pool has connections
+        t = threading.Thread(target=job, args=(i,))
+        t.start()
+        t.join(10)
+        gc.collect()
+    assert failures == [] and len(wire._all) == before  # a kept connection: the third thread found the pool empty
+
+
+def test_the_renewer_hands_callbacks_over_before_the_channel_is_free_again(
+    c: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Counted as pending while the renewer still holds the channel: a drain_all taking the lock next waits for them."""
+    ch = wire.channel(c)
+    assert ch is not None
+    seen: list[bool] = []
+    real = wire._dispatch
+
+    def watching(done: list[Any]) -> None:
+        seen.append(ch._lock.locked())
+        real(done)
+
+    monkeypatch.setattr(wire, "_dispatch", watching)
+    replies = Replies()
+    release_later(c, take(c, "counted"), replies)
+    assert ch.drain(block=False) == 1  # as the renewer reads it
+    assert seen == [True]
+    settle()
+    assert len(replies.got) == 1
+
+
 def test_after_noscript_only_the_commands_that_did_not_run_are_sent_again(c: Any, own_redis: RedisServer) -> None:
     """A deferred CONFIRM_CLAIM meets NOSCRIPT, the RELEASE after it ran: re-sending both ran RELEASE twice."""
     lease = take(c)
@@ -308,3 +445,37 @@ def test_a_confirm_claim_that_fails_is_logged_whether_waited_for_or_deferred(
     assert len([x for x in reasons if x.startswith("confirm claim:") and "NOREPLICAS" in x]) == 2
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     assert {m.task_id for m in published(r, app)} == {first.id, second.id}
+
+
+def test_closing_a_channel_waits_for_a_reader_and_forgets_the_unread_replies(
+    c: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At interpreter exit the channel's finalizer closed the socket under the renewer reading a deferred
+    reply: a release and a completion record the server had were reported failed (found by the perf work)."""
+    monkeypatch.setattr(wire, "DRAIN_DELAY", 60.0)  # no drain by the renewer in this window
+    lease = take(c)
+    replies = Replies()
+    release_later(c, lease, replies, scope="s-exit")
+    ch = wire.channel(c)
+    assert ch is not None and ch.pending == 1
+    reading, closed = threading.Event(), threading.Event()
+
+    def reader() -> None:  # the renewer, mid-read: it holds the channel's lock
+        with ch._lock:
+            reading.set()
+            closed.wait(0.3)  # the finalizer must not close the socket before this returns
+
+    holder = threading.Thread(target=reader)
+    holder.start()
+    reading.wait(5)
+    closer = threading.Thread(
+        target=lambda: (wire._give_back(ch._pool, ch._made, ch._lock, ch._inflight), closed.set())
+    )
+    closer.start()
+    assert not closed.wait(0.1), "the socket was closed while a reader held the channel"
+    holder.join(5)
+    closer.join(5)
+    assert closed.is_set() and ch.pending == 0
+    assert ch.drain(block=False) == 0 and replies.got == []  # nothing read, nothing reported as failed
+    other = redis.Redis(port=c.connection_pool.connection_kwargs["port"], decode_responses=True)
+    assert other.exists(done_name(P, "s-exit"))  # the server had the release and its record all along

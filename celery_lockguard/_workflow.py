@@ -1,0 +1,937 @@
+"""One lease across a workflow: a chain whose members hold one entity from the first to the last.
+
+``workflow(chain(fetch.s(t), transform.s(), load.s()), lock_key="tenant:{tenant_id}:pipeline",
+tenant_id=t).apply_async()`` publishes the chain with a header on every member (:class:`Spec`: the
+entity key, a workflow id, the TTLs and policies). No lease is taken at publish; the members carry
+it out between them, one Lua script per step (``_scripts.WORKFLOW_*``):
+
+* the **first** member *starts* the workflow: WORKFLOW_ENTER takes the free lease (a fresh token and
+  fence, the holder named after the workflow, ``workflow`` = its id). Contention is the usual rules
+  (``_decision.decide_member``): an identical workflow running is skipped whole, different work is
+  waited for, ``raise`` raises;
+* a member that ends hands the lease **on** (WORKFLOW_PASS): state ``gap``, ``next`` = the *slot* of
+  the member that runs next (``#<index>`` in the chain: the next step's, or its own for a retry), for
+  the *gap TTL*. No process renews during the queue gap; the next member's renewer takes over when it
+  enters. Slots, not task ids, so the hand-over works the same in eager mode (``task_always_eager``,
+  where members get no frozen ids) and a stale copy of an earlier member is told apart;
+* a later member *enters* (WORKFLOW_ENTER finds ``gap`` and ``next`` = its slot): same token, same
+  fence, so ``self.lock`` is the workflow lease in every member and ``advance_fence`` accepts its
+  writes in each. Finding the lease gone or held by someone else means the gap outlived its TTL:
+  the member fails with ``LockLost`` and the chain stops (running on would interleave);
+* the **last** member (its slot is the chain's last) releases (RELEASE by token, waking a parked
+  waiter); a member that fails, gives up or is ignored releases at once (``workflow.released_on_error``);
+* a chord's header members share one slot and run in parallel: the first to enter takes the lease
+  over, the others join it (``active`` counts them); each leaves with WORKFLOW_LEAVE, and the last
+  one out hands the lease to the slot for the gap TTL, where the chord's callback (admitted *after*
+  its header: Celery runs it only once every header result is in) enters;
+* the worker's main process ends the lease of a member revoked while queued (freed at once) or
+  terminated while running (cut to the shorten grace): WORKFLOW_ABORT, by workflow id and task id.
+
+The token and fence are read from the lease hash by workflow id and member task id, not carried in
+the messages: a member that dies is taken over by its redelivery with a *fresh* token and a new
+fence (a paused earlier delivery then can neither renew nor write past the fence), and later
+members still find their workflow.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Signature, current_app, group, states
+from celery.canvas import _chain, _chord, chain, chord
+from celery.exceptions import Ignore, Reject, Retry
+
+from . import _connection as connection
+from . import _errors as errors
+from . import _headers as headers
+from . import _keys as keys
+from . import _lease as lease_ops
+from . import _republish as republish
+from . import _scripts as scripts
+from ._config import Settings, TaskOptions, settings
+from ._decision import HolderFacts, Member, MemberAction, MemberDecision, OnLocked, OnUnavailable, decide_member
+from ._events import emit
+from ._lease import Lease
+from ._metrics import observe_hold
+from ._renewer import renewer
+from .exceptions import BackendUnavailable, ConfigurationError, LockContended, LockLost
+
+#: Default seconds a handed-on lease waits for the next member (the longest queue gap it survives).
+DEFAULT_GAP_TTL = 60.0
+#: Seconds an ended workflow's id is remembered (``WORKFLOW_END``): a redelivered copy of one of its members
+#: within this window is dropped rather than starting the workflow again (Redis broker: ``visibility_timeout``,
+#: 1 h by default, bounds how late such a copy comes).
+ENDED_WINDOW = 6 * 3600.0
+#: Request attribute holding the workflow lease of the running member (beside ``self.lock``).
+WORKFLOW_LEASE = "_lockguard_workflow_lease"
+
+_POLICIES = ("skip", "retry", "raise")
+_OUTAGE = ("fail_closed", "fail_open")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What every member's header says about its workflow (JSON in the message)."""
+
+    #: The workflow id (a uuid): the lease hash's ``workflow`` field.
+    id: str
+    #: The rendered entity key K (no prefix).
+    key: str
+    #: The holder's ``task_name`` in the lease (``lockguard locks`` shows it) and, with ``digest``, the
+    #: identity an identical workflow is recognised by.
+    name: str
+    digest: str
+    ttl_ms: int
+    gap_ms: int
+    on_locked: OnLocked
+    on_unavailable: OnUnavailable
+    max_waits: int
+    max_hold: float
+    #: This member's place in the chain (0 = the first, which may start the workflow) and the chain's length.
+    index: int = 0
+    count: int = 1
+    #: A chord's header member: it runs beside the others of its slot, sharing the lease (WORKFLOW_LEAVE).
+    parallel: bool = False
+    #: A chord's callback: the slot of its header, which admits it too (-1: none).
+    after: int = -1
+    #: An earlier member ran without the lease (``fail_open``): this one runs unlocked too, rather than be
+    #: dropped or fail with ``LockLost`` on a lease the workflow no longer keeps.
+    unlocked: bool = False
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index >= self.count - 1
+
+    @property
+    def slot(self) -> str:
+        """This member's slot, the ``next`` a hand-over to it writes (its retries and redeliveries share it)."""
+        return slot(self.index)
+
+    def header(self, index: int | None = None, parallel: bool = False, after: int = -1) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "key": self.key,
+            "name": self.name,
+            "digest": self.digest,
+            "ttl_ms": self.ttl_ms,
+            "gap_ms": self.gap_ms,
+            "index": self.index if index is None else index,
+            "count": self.count,
+            "parallel": parallel or self.parallel,
+            "after": after if after >= 0 else self.after,
+            "on_locked": self.on_locked,
+            "on_unavailable": self.on_unavailable,
+            "max_waits": self.max_waits,
+            "max_hold": self.max_hold,
+            "unlocked": self.unlocked,
+        }
+
+    @classmethod
+    def from_header(cls, value: Any, task_name: str) -> Spec:
+        """Parse a member's header; a header no ``workflow()`` wrote is a ``ConfigurationError`` (never unlocked)."""
+        try:
+            spec = cls(
+                id=str(value["id"]),
+                key=str(value["key"]),
+                name=str(value["name"]),
+                digest=str(value["digest"]),
+                ttl_ms=int(value["ttl_ms"]),
+                gap_ms=int(value["gap_ms"]),
+                index=int(value["index"]),
+                count=int(value["count"]),
+                parallel=bool(value.get("parallel", False)),
+                after=int(value.get("after", -1)),
+                on_locked=value["on_locked"],
+                on_unavailable=value["on_unavailable"],
+                max_waits=int(value["max_waits"]),
+                max_hold=float(value["max_hold"]),
+                unlocked=bool(value.get("unlocked", False)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigurationError(
+                f"task {task_name!r}: header {headers.WORKFLOW}={value!r} is not a workflow header ({exc!r})"
+            ) from None
+        valid = spec.ttl_ms > 0 and spec.gap_ms > 0 and 0 <= spec.index < spec.count
+        if spec.on_locked not in _POLICIES or spec.on_unavailable not in _OUTAGE or not valid:
+            raise ConfigurationError(f"task {task_name!r}: header {headers.WORKFLOW}={value!r} is not valid")
+        return spec
+
+
+def slot(index: int) -> str:
+    """The slot of the member at ``index``: what a hand-over to it writes as ``next``."""
+    return f"#{index}"
+
+
+def claims_own_entity(options: dict[str, Any], key: str) -> bool:
+    """Whether a publish with ``options`` is a workflow member whose own entity is the workflow's ``key``."""
+    value = (options.get("headers") or {}).get(headers.WORKFLOW)
+    return isinstance(value, dict) and value.get("key") == key
+
+
+def member_of(request: Any, task_name: str) -> Spec | None:
+    """The workflow the delivered message is a member of, or ``None``."""
+    value = headers.read(request, headers.WORKFLOW)
+    return None if value is None else Spec.from_header(value, task_name)
+
+
+# -- publishing ---------------------------------------------------------------------------
+
+
+class Workflow:
+    """A canvas that runs under one entity lease; made by :func:`workflow`, published like the canvas.
+
+    ``apply_async`` / ``delay`` return what the chain's own would: the ``AsyncResult`` of its last
+    member. Members are ``LockGuard`` tasks (``LockedTask``), with or without a ``lock_key`` of
+    their own: one that locks another entity takes that lease inside the workflow's; one on the
+    workflow's own entity runs under the workflow lease.
+    """
+
+    def __init__(self, sig: Signature, spec_fields: dict[str, Any], app: Any) -> None:
+        self.sig = sig
+        self.app = app
+        self._fields = spec_fields
+
+    @property
+    def members(self) -> list[Signature]:
+        """Every task signature of the workflow in order (nested chains flattened; a chord's header, then its body)."""
+        return [m for step in _steps(self.sig) for m in (*step.tasks, *([step.body] if step.body else []))]
+
+    def spec(self, args: Any = None, kwargs: Any = None) -> Spec:
+        """A fresh :class:`Spec` (new workflow id) for one publish with these first-member arguments.
+
+        The arguments a publish passes to the first member are part of the workflow's identity: the same
+        workflow published with other arguments is different work (waited for, never skipped).
+        """
+        count = sum(2 if step.body is not None else 1 for step in _steps(self.sig))
+        fields = dict(self._fields)
+        if args or kwargs:
+            fields["digest"] = keys.digest(
+                {"members": fields["digest"], "args": list(args or ()), "kwargs": dict(kwargs or {})}
+            )
+        return Spec(id=uuid.uuid4().hex, count=count, **fields)
+
+    def _canvas(self, args: Any, kwargs: Any, options: dict[str, Any]) -> Signature:
+        """The canvas to publish: every member carrying the workflow header (and the caller's ``headers``).
+
+        Slots: a task takes one; a chord two, its header members sharing the first (they run in
+        parallel under the one lease) and its callback the second. ``headers`` passed to the publish
+        go on every member beside the workflow's: Celery would otherwise put them over the first
+        member's, dropping its workflow header.
+        """
+        spec = self.spec(args, kwargs)
+        theirs = dict(options.pop("headers", None) or {})
+        theirs.pop(headers.WORKFLOW, None)
+
+        def marked(sig: Signature, header: dict[str, Any]) -> Signature:
+            return _marked(sig, header, theirs)
+
+        canvas_steps: list[Signature] = []
+        index = 0
+        for step in _steps(self.sig):
+            if step.body is None:
+                canvas_steps.append(marked(step.tasks[0], spec.header(index=index)))
+                index += 1
+                continue
+            header = [marked(t, spec.header(index=index, parallel=True)) for t in step.tasks]
+            body = marked(step.body, spec.header(index=index + 1, after=index))
+            canvas_steps.append(chord(group(header, app=self.app), body, app=self.app))
+            index += 2
+        extra = {k: v for k, v in self.sig.options.items() if k != "headers"}
+        if len(canvas_steps) == 1:
+            return canvas_steps[0].set(**extra) if extra else canvas_steps[0]
+        return chain(*canvas_steps, app=self.app, **extra)
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        """Publish every member carrying the workflow header; the first one starts the workflow."""
+        return self._canvas(args, kwargs, options).apply_async(args, kwargs, **options)
+
+    def apply(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        """Run the workflow eagerly in this process (as ``chain.apply``), under the same lease rules."""
+        return self._canvas(args, kwargs, options).apply(args, kwargs, **options)
+
+    def delay(self, *args: Any, **kwargs: Any) -> Any:
+        return self.apply_async(args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<Workflow {self._fields['key']!r} {self.sig!r}>"
+
+
+def workflow(
+    sig: Signature,
+    lock_key: str,
+    *,
+    name: str | None = None,
+    lock_ttl: float | None = None,
+    gap_ttl: float = DEFAULT_GAP_TTL,
+    on_locked: str = "skip",
+    on_unavailable: str = "fail_closed",
+    lock_max_waits: int | None = None,
+    lock_max_hold: float = 3600.0,
+    app: Any = None,
+    **fields: Any,
+) -> Workflow:
+    """Run the chain ``sig`` under one lease on the entity ``lock_key`` (a template over ``fields``).
+
+    ``workflow(chain(fetch.s(t), load.s()), lock_key="tenant:{tenant_id}:pipeline", tenant_id=t)``.
+    ``lock_ttl``: the lease TTL while a member runs (renewed every third, as for a task; default
+    ``lockguard_default_ttl``); ``gap_ttl``: how long a handed-on lease waits for the next member
+    (the longest queue gap the workflow survives, and how long a workflow that died between
+    members holds the entity); ``on_locked``/``on_unavailable``: the first member's policies
+    (``skip`` skips an identical workflow running, different work is waited for); ``name``: the
+    holder name shown by ``lockguard locks`` (default ``workflow:<first member's task>``).
+    Bad input raises ``ConfigurationError`` naming the option and the value.
+    """
+    app = app or getattr(sig, "app", None) or current_app
+    label = name or f"workflow:{_first_name(sig)}"
+    where = f"workflow {label!r}"
+    members = _members(sig)
+    if not members:
+        raise ConfigurationError(f"{where}: the chain has no members")
+    for member in members:
+        task = app.tasks.get(member.task)
+        from ._task import LockGuard
+
+        if not isinstance(task, LockGuard):
+            raise ConfigurationError(
+                f"{where}: member {member.task!r} must be a LockGuard task (base=LockedTask) to run under "
+                "the workflow lease" + ("" if task is not None else " (it is not registered in this app)")
+            )
+    if on_locked not in _POLICIES:
+        raise ConfigurationError(f"{where}: option on_locked={on_locked!r} must be one of {_POLICIES}")
+    if on_unavailable not in _OUTAGE:
+        raise ConfigurationError(f"{where}: option on_unavailable={on_unavailable!r} must be one of {_OUTAGE}")
+    s = settings(app)
+    ttl = _seconds(where, "lock_ttl", s.default_ttl if lock_ttl is None else lock_ttl)
+    gap = _seconds(where, "gap_ttl", gap_ttl)
+    hold = _seconds(where, "lock_max_hold", lock_max_hold)
+    waits = s.max_waits if lock_max_waits is None else lock_max_waits
+    if not isinstance(waits, int) or isinstance(waits, bool) or waits < 0:
+        raise ConfigurationError(f"{where}: option lock_max_waits={waits!r} must be an int >= 0")
+    key = _render_key(where, lock_key, fields)
+    digest = keys.digest(
+        {str(i): [m.task, list(m.args or ()), dict(m.kwargs or {})] for i, m in enumerate(members)} | {"key": key}
+    )
+    spec_fields = {
+        "key": key,
+        "name": keys.meta(label),
+        "digest": digest,
+        "ttl_ms": int(ttl * 1000),
+        "gap_ms": int(gap * 1000),
+        "on_locked": on_locked,
+        "on_unavailable": on_unavailable,
+        "max_waits": waits,
+        "max_hold": hold,
+    }
+    return Workflow(sig, spec_fields, app)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One step of the workflow: a task, or a chord (its header's tasks run in parallel, then its body)."""
+
+    tasks: tuple[Signature, ...]
+    body: Signature | None = None
+
+
+def _steps(sig: Signature) -> list[_Step]:
+    """The workflow's steps in order: nested chains flattened; a group followed by a task is a chord.
+
+    A group with no callback is refused (no member can tell it is the last to end, so nothing would
+    end the lease; the error says to add a callback), and so is a canvas nested inside a chord's
+    header or body.
+    """
+    if isinstance(sig, _chain):
+        items, out, i = list(sig.tasks), [], 0
+        while i < len(items):
+            item = items[i]
+            if isinstance(item, group) and i + 1 < len(items) and type(items[i + 1]) is Signature:
+                out.append(_Step(tuple(_task(t) for t in item.tasks), items[i + 1]))
+                i += 2
+                continue
+            out.extend(_steps(item))
+            i += 1
+        return out
+    if isinstance(sig, _chord):
+        # chain(a, chord(g, b), c) is folded by Celery into chord(g, b | c): the callback is the body's first task
+        after = _steps(sig.body)
+        if not after or after[0].body is not None:
+            raise ConfigurationError(f"workflow: a chord's callback must start with a task ({sig.body!r})")
+        return [_Step(tuple(_task(t) for t in sig.tasks), after[0].tasks[0]), *after[1:]]
+    if isinstance(sig, group):
+        # Not supported rather than released by "the last member out": pages run in parallel and one may
+        # leave (WORKFLOW_LEAVE) before a sibling has even entered, so no member can tell it is the last;
+        # in a chord the callback, which Celery publishes only after every header result, ends it.
+        raise ConfigurationError(
+            f"workflow: a group with no callback ({sig!r}) is not supported: none of its members can tell "
+            "it is the last to end, so nothing would end the lease. Give the group a LockedTask callback "
+            "that ends the workflow: write chord(group(...), done.s()), or chain(..., group(...), done.s()), "
+            "with `@app.task(base=LockedTask)` `def done(results): return results` (the workflow's result "
+            "is then the list of the group's results)"
+        )
+    return [_Step((_task(sig),))]
+
+
+def _task(sig: Any) -> Signature:
+    if type(sig) is not Signature:
+        kind = getattr(sig, "subtask_type", None) or type(sig).__name__
+        raise ConfigurationError(
+            f"workflow: a {kind} ({sig!r}) inside a chord is not supported: a chord's header and body are tasks"
+        )
+    return sig
+
+
+def _marked(sig: Signature, header: dict[str, Any], extra: dict[str, Any] | None = None) -> Signature:
+    clone = sig.clone()
+    clone.set(headers={**(extra or {}), **(clone.options.get("headers") or {}), headers.WORKFLOW: header})
+    return clone
+
+
+def _members(sig: Signature) -> list[Signature]:
+    return [m for step in _steps(sig) for m in (*step.tasks, *([step.body] if step.body else []))]
+
+
+def _first_name(sig: Signature) -> str:
+    try:
+        return str(_members(sig)[0].task)
+    except (ConfigurationError, IndexError):
+        return "canvas"
+
+
+def _seconds(where: str, option: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0.001 or value != value:
+        raise ConfigurationError(f"{where}: option {option}={value!r} must be a number of seconds >= 0.001")
+    return float(value)
+
+
+def _render_key(where: str, template: Any, fields: dict[str, Any]) -> str:
+    """``lock_key`` rendered over ``fields`` with the task keys' rules (escaped, bounded, no empty field)."""
+    params = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in fields]
+    renderer = keys.KeyRenderer(template, inspect.Signature(params), where.split(" ", 1)[-1].strip("'"), "lock_key")
+    try:
+        return renderer.render(fields, (), fields)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{where}: {exc}") from None
+
+
+# -- the member's delivery ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Entry:
+    """WORKFLOW_ENTER's answer, parsed."""
+
+    kind: str
+    token: str = ""
+    fence: int = 0
+    held_ms: int = 0
+    holder: lease_ops.Holder | None = None
+
+
+def enter(client: Any, s: Settings, spec: Spec, request: Any, token: str, take_over: bool) -> Entry:
+    """One WORKFLOW_ENTER round trip for this member's delivery."""
+    keys_ = [
+        keys.lock_name(s.key_prefix, spec.key),
+        keys.fence_name(s.key_prefix, spec.key),
+        keys.workflows_ended_name(s.key_prefix, spec.key),
+    ]
+    args: list[Any] = [
+        spec.id,
+        keys.meta(str(request.id)),
+        keys.meta(str(request.task or "")),
+        token,
+        spec.ttl_ms,
+        spec.name,
+        spec.digest,
+        keys.meta(lease_ops.HOST),
+        os.getpid(),
+        keys.meta(request.hostname or ""),
+        int(s.fence_ttl * 1000),
+        "1" if spec.first else "",
+        "1" if take_over else "",
+        spec.slot,
+        slot(spec.after) if spec.after >= 0 else "",
+        "1" if spec.parallel else "",
+    ]
+    try:
+        reply = scripts.workflow_enter(client, keys_, args)
+    except Exception as exc:
+        corrupt = scripts.corrupt_fence(exc, keys_[1])
+        if corrupt is not None:
+            raise corrupt from exc
+        raise
+    kind = str(reply[0])
+    if kind in ("started", "entered"):
+        return Entry(kind, str(reply[1]), int(reply[2]), int(reply[3]))
+    if kind == "self":
+        holder = lease_ops.Holder(
+            task_id=str(request.id),
+            task_name=spec.name,
+            digest=spec.digest,
+            host=str(reply[4]),
+            pid=int(reply[5] or 0),
+            state="running",
+            pttl_ms=0,
+            ms_since_renewal=int(reply[6]),
+            token=str(reply[1]),
+            ttl_ms=int(reply[7]),
+        )
+        return Entry(kind, str(reply[1]), int(reply[2] or 0), int(reply[3]), holder)
+    if kind == "held":
+        holder = lease_ops.held_reply(reply)
+        return Entry(kind, holder=holder)
+    return Entry(kind)
+
+
+def facts(spec: Spec, entry: Entry) -> HolderFacts | None:
+    """What the member knows of the holder WORKFLOW_ENTER met (``self``: its own running delivery)."""
+    h = entry.holder
+    if h is None:
+        return None
+    here = h.host == lease_ops.HOST
+    renewed = h.ms_since_renewal < (h.ttl_ms or spec.ttl_ms) * 0.6
+    if entry.kind == "self":
+        # Alive only while still renewed, also on this host: a process that lived on after its member stopped
+        # renewing (a hand-over to its retry that failed) is not running it. A wrong "dead" is safe: the take-over
+        # has a fresh token and a new fence, so the earlier delivery can neither renew nor write past it.
+        pid_gone = here and not lease_ops.pid_alive(h.pid)
+        return HolderFacts(own_id=True, duplicate=True, alive=renewed and not pid_gone, dead_here=pid_gone)
+    if h.state in ("queued", "publishing", "gap"):
+        alive = True  # its next message is in the broker
+    elif here:
+        alive = lease_ops.pid_alive(h.pid)
+    else:
+        alive = renewed
+    return HolderFacts(own_id=False, duplicate=h.task_name == spec.name and h.digest == spec.digest, alive=alive)
+
+
+def deliver(
+    task: Any, s: Settings, opts: TaskOptions, spec: Spec, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Carry out one member's delivery: enter the workflow lease, decide, run, hand on or release."""
+    req = task.request
+    fields = {"lock_key": spec.key, "task_id": req.id, "workflow_id": spec.id, "workflow": spec.name}
+    if spec.unlocked or spec.id in _failed_open:
+        emit("lock.fail_open", task.name, **fields, policy="fail_open", reason="an earlier member ran unlocked")
+        return _run_unlocked(task, s, opts, spec, args, kwargs)
+    client = connection.client(s)
+    take_over = False
+    while True:
+        token = lease_ops.new_token()
+        failure: BaseException | None = None
+        sent_at = time.monotonic()
+        try:
+            entry = enter(client, s, spec, req, token, take_over)
+        except Exception as exc:
+            kind = errors.classify(exc)
+            if kind is None:
+                raise
+            entry, failure = Entry(kind), exc
+        holder = entry.holder
+        decision = decide_member(
+            Member(
+                entry=entry.kind,  # type: ignore[arg-type]
+                first=spec.first,
+                on_locked=spec.on_locked,
+                on_unavailable=spec.on_unavailable,
+                holder=facts(spec, entry),
+                waits=headers.read_int(req, headers.WAITS),
+                max_waits=spec.max_waits,
+            )
+        )
+        action = decision.action
+        if action is MemberAction.RUN:
+            lease = Lease(spec.key, s.key_prefix, entry.token, entry.fence, spec.ttl_ms, sent_at, req.id, spec.name)
+            event = "workflow.started" if entry.kind == "started" else "workflow.entered"
+            emit(event, task.name, **fields, fence=lease.fence, reason=decision.reason)
+            return _run(task, s, opts, spec, client, lease, sent_at - entry.held_ms / 1000, args, kwargs)
+        if action is MemberAction.ADOPT:
+            emit("workflow.taken_over", task.name, **fields, reason=decision.reason)
+            take_over = True
+            continue
+        if action is MemberAction.DROP:
+            emit("workflow.member_dropped", task.name, **fields, reason=decision.reason)
+            raise Ignore()
+        if action is MemberAction.SKIP_WORKFLOW:
+            assert holder is not None
+            emit(
+                "lock.skipped_duplicate",
+                task.name,
+                **fields,
+                holder_task_id=holder.task_id,
+                policy="skip",
+                reason="identical_workflow_running",
+            )
+            _skip_rest(task, req)
+            return None
+        if action is MemberAction.WAIT:
+            _wait(task, s, spec, decision, holder, fields)
+            continue  # waited in this process (the publish failed)
+        if action is MemberAction.LOST:
+            emit("workflow.lost", task.name, **fields, reason=decision.reason)
+            raise LockLost(spec.key)
+        if action is MemberAction.FAIL_OPEN:
+            emit("lock.fail_open", task.name, **fields, policy="fail_open", reason=_describe(failure))
+            return _run_unlocked(task, s, opts, spec, args, kwargs, ending=True)
+        if action is MemberAction.MISCONFIGURED:
+            assert failure is not None
+            raise errors.configuration_error(failure, task.name, "WORKFLOW_ENTER") from failure
+        if action is MemberAction.GIVE_UP:
+            emit("lock.wait_budget_exhausted", task.name, **fields, reason=decision.reason, policy=spec.on_locked)
+        raise _contention_error(task, spec, holder, failure)
+
+
+#: Workflows a member in this process ran unlocked (fail_open), for eager chains, whose later members are
+#: run from the signatures as published rather than from the request's chain (bounded, oldest dropped).
+_failed_open: dict[str, None] = {}
+_FAILED_OPEN_KEPT = 1024
+
+
+def _run_unlocked(
+    task: Any,
+    s: Settings,
+    opts: TaskOptions,
+    spec: Spec,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    ending: bool = False,
+) -> Any:
+    """``fail_open``: run this member without the workflow lease, and every later member likewise.
+
+    The later members' headers (in ``request.chain`` and ``request.chord``, which Celery publishes
+    next) are marked ``unlocked``: they would otherwise find the lease gone or still waiting for this
+    member, and be dropped or fail with ``LockLost``, losing the rest of the workflow; so is this
+    member's own header, which its ``retry()`` carries on. ``ending`` (the member that met the
+    outage, in a chain): once the body ran, the lease, if it still waits for this member, is freed
+    and the workflow marked ended (best effort: Redis may still be down; then it frees within the gap
+    TTL). A chord's page leaves the lease to its sibling pages, published before it failed open. A
+    member on another entity still takes its own lease. An unlocked member has no lease to tell a
+    redelivered copy of it by: like any ``fail_open`` run, such a copy runs again.
+    """
+    req = task.request
+    _failed_open[spec.id] = None
+    while len(_failed_open) > _FAILED_OPEN_KEPT:
+        del _failed_open[next(iter(_failed_open))]
+    _mark_unlocked(req.chain, spec.id)
+    _mark_unlocked(req.chord, spec.id)
+    own = headers.read(req, headers.WORKFLOW)
+    if isinstance(own, dict):
+        own["unlocked"] = True  # this member's own retry (on_retry copies the header) runs unlocked too
+    try:
+        if opts.locked and task.lock_key_for(*args, **kwargs) != spec.key:
+            return task._deliver(s, opts, args, kwargs)
+        return task._body(args, kwargs)
+    finally:
+        if ending and not spec.parallel:
+            # A chord's other pages were published unmarked: they still join the lease (it waits in the gap for
+            # their slot), so a page leaves it to them; a chain member frees what only it could have used.
+            _end_unlocked(task, s, spec)
+
+
+def _mark_unlocked(node: Any, workflow_id: str) -> None:
+    """Mark every workflow header of ``workflow_id`` in a request's chain/chord (signature dicts) ``unlocked``."""
+    for options in _signature_options(node):
+        value = (options.get("headers") or {}).get(headers.WORKFLOW)
+        if isinstance(value, dict) and value.get("id") == workflow_id:
+            value["unlocked"] = True
+
+
+def _signature_options(node: Any, depth: int = 0) -> Iterator[dict[str, Any]]:
+    """The ``options`` of every signature dict nested in ``node`` (a chain's steps, a chord's header and body)."""
+    if depth > 64:
+        return
+    if isinstance(node, dict):
+        if isinstance(node.get("options"), dict):
+            yield node["options"]
+        for child in node.values():
+            if isinstance(child, (dict, list, tuple)):
+                yield from _signature_options(child, depth + 1)
+    elif isinstance(node, (list, tuple)):
+        for child in node:
+            yield from _signature_options(child, depth + 1)
+
+
+def _end_unlocked(task: Any, s: Settings, spec: Spec) -> None:
+    req = task.request
+    fields = {"lock_key": spec.key, "task_id": req.id, "workflow_id": spec.id, "workflow": spec.name}
+    try:
+        if abort(connection.client(s), s, spec, req.id):
+            emit("workflow.released_on_error", task.name, **fields, reason="fail_open")
+    except Exception as exc:  # the lease, no longer renewed, frees within the gap TTL
+        if errors.classify(exc) is None:
+            raise
+        emit("lock.backend_unavailable", task.name, **fields, reason=f"end after fail_open: {_describe(exc)}")
+
+
+def _contention_error(task: Any, spec: Spec, holder: lease_ops.Holder | None, failure: BaseException | None) -> Any:
+    if holder is not None:
+        return LockContended(spec.key, holder.task_id, holder.pttl_ms)
+    return BackendUnavailable(f"task {task.name!r}: lock store unavailable for {spec.key!r}: {_describe(failure)}")
+
+
+def _wait(
+    task: Any,
+    s: Settings,
+    spec: Spec,
+    decision: MemberDecision,
+    holder: lease_ops.Holder | None,
+    fields: dict[str, Any],
+) -> None:
+    """Re-deliver this member later with its place in the chain (``Retry``), or wait here if the publish fails."""
+    req = task.request
+    waits = headers.read_int(req, headers.WAITS)
+    holder_ttl = holder.pttl_ms / 1000 if holder is not None else None
+    countdown = min(republish.wait_countdown(waits, holder_ttl), republish.max_countdown(s))
+    countdown_s = round(countdown, 3)
+    emit("lock.retry_scheduled", task.name, **fields, reason=decision.reason, waits=waits, countdown=countdown_s)
+    hdrs = {**republish.wait_headers(req, None), headers.WORKFLOW: spec.header()}
+    if not req.is_eager:
+        try:
+            sig = republish.publish(task, req.args or (), req.kwargs or {}, countdown, hdrs)
+        except Exception as exc:  # noqa: BLE001 - a failed publish must not lose the member: wait here
+            emit("lock.backend_unavailable", task.name, **fields, reason=f"publish failed: {_describe(exc)}")
+        else:
+            raise Retry(exc=_contention_error(task, spec, holder, None), when=None, sig=sig)
+    time.sleep(countdown)
+    req.headers = hdrs
+
+
+def _skip_rest(task: Any, req: Any) -> None:
+    """An identical workflow runs: end this one here; every member it would have run answers ``None``.
+
+    The rest of the chain (``request.chain``) and, for a chord's header member, the chord's callback
+    and what follows it (``request.chord``) are not published; their results are stored as ``None``.
+    """
+    rest = list(req.chain or ())
+    body = req.chord if isinstance(req.chord, dict) else None
+    if body is not None:
+        rest += [body, *((body.get("options") or {}).get("chain") or ())]
+    req.chain = None
+    req.chord = None
+    for task_id in _task_ids(rest):  # a chord's callback and header too: the caller may wait on its callback
+        try:
+            task.backend.store_result(task_id, None, states.SUCCESS)
+        except Exception:  # noqa: BLE001 - no result backend (DisabledBackend): nobody waits on the results
+            pass
+
+
+def _task_ids(node: Any) -> list[str]:
+    """Every ``task_id`` of the signature dicts nested in ``node``, once each."""
+    found = (options.get("task_id") for options in _signature_options(node))
+    return list(dict.fromkeys(t for t in found if isinstance(t, str) and t))
+
+
+def _run(
+    task: Any,
+    s: Settings,
+    opts: TaskOptions,
+    spec: Spec,
+    client: Any,
+    lease: Lease,
+    started_at: float,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Run the body under the workflow lease; on the way out hand it on, or release it.
+
+    The member's own lock nests: a ``lock_key`` on another entity takes that lease too (the usual
+    delivery, inside this one); a ``lock_key`` on the workflow's own entity runs under the workflow
+    lease (acquiring it again would wait on ourselves).
+    """
+    from ._task import _CALL, _CHECKPOINTS, _LEASE
+
+    req = task.request
+    setattr(req, WORKFLOW_LEASE, lease)
+    setattr(req, _LEASE, lease)
+    renewer().track(lease, client, spec.max_hold)
+    nested = opts.locked and task.lock_key_for(*args, **kwargs) != spec.key
+    outcome = "failed"
+    try:
+        if nested:
+            result = task._deliver(s, opts, args, kwargs)
+        else:
+            # checkpoints work in every member (scoped by its own lock_key / idempotency_key, else its task id,
+            # which its retries and redeliveries share)
+            setattr(req, _CALL, task._names(opts, req.id, args, kwargs))
+            setattr(req, _CHECKPOINTS, set())
+            result = task._body(args, kwargs)
+        outcome = "success"
+        return result
+    except Retry:
+        outcome = "retry"
+        raise
+    except Reject as exc:
+        outcome = "retry" if exc.requeue else "failed"
+        raise
+    finally:
+        renewer().untrack(lease)
+        _finish(task, s, spec, client, lease, started_at, outcome)
+
+
+def _finish(task: Any, s: Settings, spec: Spec, client: Any, lease: Lease, started_at: float, outcome: str) -> None:
+    """Every exit of a member: hand the lease on (success with a next step, a retry) or release it."""
+    req = task.request
+    fields = {"lock_key": spec.key, "task_id": req.id, "workflow_id": spec.id, "workflow": spec.name}
+    handed = getattr(lease, "handed_to", None)
+    if outcome == "retry":
+        if handed is None:
+            hand_on(task, s, spec, client, lease, spec.index)
+        return
+    if outcome == "success" and not spec.last:
+        hand_on(task, s, spec, client, lease, spec.index + 1, strict=True)
+        return
+    hold_ms = (time.monotonic() - started_at) * 1000
+    try:
+        mark_ended(client, s, spec)  # before the release: a stale copy never finds the lease free and W unknown
+        released, _recorded, woken = lease_ops.release_token(
+            client, s.key_prefix, spec.key, lease.token, reserve_ms=_reserve_ms()
+        )
+    except Exception as exc:  # noqa: BLE001 - the body's outcome stands; the lease expires by its TTL
+        lease.released = True
+        emit("lock.backend_unavailable", task.name, **fields, reason=f"release: {_describe(exc)}")
+        return
+    lease.released = True
+    observe_hold(spec.name, hold_ms)
+    if outcome == "success":
+        event = "workflow.released" if released == 1 else "lock.expired_before_release"
+    else:
+        event = "workflow.released_on_error" if released == 1 else "lock.expired_before_release"
+    emit(event, task.name, **fields, fence=lease.fence, hold_ms=round(hold_ms), reason=outcome)
+    from . import _handoff as handoff
+
+    handoff.wake(task.app, s, woken, task.name, req.id)
+
+
+def abort(client: Any, s: Settings, spec: Spec, task_id: Any) -> bool:
+    """WORKFLOW_ABORT for the member ``task_id`` (a gap waiting for its slot freed, its running lease cut to the
+    shorten grace), then WORKFLOW_END if it ended the lease: True if it did."""
+    args = [spec.id, keys.meta(str(task_id)), int(s.shorten_grace * 1000), spec.slot]
+    ended = bool(scripts.workflow_abort(client, [keys.lock_name(s.key_prefix, spec.key)], args))
+    if ended:
+        mark_ended(client, s, spec)
+    return ended
+
+
+def mark_ended(client: Any, s: Settings, spec: Spec) -> None:
+    """WORKFLOW_END: remember that workflow ``spec.id`` ended, so a stale copy of a member is dropped, not re-run."""
+    scripts.workflow_end(
+        client, [keys.workflows_ended_name(s.key_prefix, spec.key)], [spec.id, int(ENDED_WINDOW * 1000)]
+    )
+
+
+def _reserve_ms() -> int:
+    from . import _handoff as handoff
+
+    return int(handoff.RESERVATION_TTL * 1000)
+
+
+def hand_on(task: Any, s: Settings, spec: Spec, client: Any, lease: Lease, index: int, strict: bool = False) -> bool:
+    """WORKFLOW_PASS: the lease waits ``gap_ttl`` for the member at ``index``; False (and said) if no longer ours.
+
+    ``strict``: the caller is about to publish the member at ``index`` (the chain's next step, or a
+    retry). If Redis could not be reached, that member would find the lease still ``running`` at
+    this one and be dropped as a stale copy, leaving the chain hanging with no result: raise
+    ``BackendUnavailable`` instead, so this member fails and the chain stops visibly (the lease, no
+    longer renewed, frees within its TTL).
+    """
+    req = task.request
+    fields = {"lock_key": spec.key, "task_id": req.id, "workflow_id": spec.id, "workflow": spec.name}
+    renewer().untrack(lease)
+    name = [keys.lock_name(s.key_prefix, spec.key)]
+    try:
+        if spec.parallel:  # one of a chord's header: leave the slot; the last one out hands it on
+            handed = int(scripts.workflow_leave(client, name, [lease.token, spec.slot, spec.gap_ms])) >= 0
+            index = spec.index
+        else:
+            handed = bool(scripts.workflow_pass(client, name, [lease.token, slot(index), spec.gap_ms]))
+    except Exception as exc:  # the lease is no longer renewed: it frees within its TTL
+        emit("lock.backend_unavailable", task.name, **fields, reason=f"hand on: {_describe(exc)}")
+        lease.released = True
+        lease.handed_to = index  # type: ignore[attr-defined]
+        if strict:
+            raise BackendUnavailable(
+                f"task {task.name!r}: lock store unavailable handing {spec.key!r} on to member {index} of "
+                f"workflow {spec.name!r}: {_describe(exc)}"
+            ) from exc
+        handed = False
+    lease.released = True
+    lease.handed_to = index  # type: ignore[attr-defined]
+    if handed:
+        emit("workflow.handed_over", task.name, **fields, fence=lease.fence, next_member=index)
+    else:
+        emit("workflow.lost", task.name, **fields, reason="lease_gone_at_hand_over")
+    return handed
+
+
+def before_self_republish(task: Any, strict: bool = False) -> None:
+    """A member publishing its own next copy (a retry, a wait): hand the workflow lease to that copy first.
+
+    Before, not after: the copy may be delivered at once, and it must find ``gap`` with ``next`` = its
+    slot, not its own id still running (it would be dropped as a duplicate of a running delivery).
+    """
+    lease: Lease | None = getattr(task.request, WORKFLOW_LEASE, None)
+    if lease is None or lease.released:
+        return
+    spec = member_of(task.request, task.name)
+    if spec is None:
+        return
+    s = settings(task.app)
+    hand_on(task, s, spec, connection.client(s), lease, spec.index, strict=strict)
+
+
+def on_retry(task: Any, options: dict[str, Any]) -> None:
+    """``retry()`` of a member: the retry message keeps the workflow header, and gets the lease first."""
+    req = task.request
+    try:
+        spec = member_of(req, task.name)
+    except ConfigurationError:  # not a header workflow() wrote: the delivery itself refused it (or never read it)
+        return
+    if spec is None:
+        return
+    options["headers"] = {**(options.get("headers") or {}), headers.WORKFLOW: spec.header()}
+    # strict: a retry published after a failed hand-over would find its own id still running and be dropped
+    before_self_republish(task, strict=True)
+
+
+def abort_from_main(task: Any, request: Any, terminated: bool, reason: str | None = None) -> bool:
+    """The worker's main process: a member revoked while queued, or terminated while running, ends its workflow's lease.
+
+    Queued (waiting in the gap for it): freed at once. Running (terminated, or past its hard time
+    limit): cut to the shorten grace, since the child may not be dead yet. ``reason`` names the exit
+    in the event (default ``terminated`` / ``revoked``). True if it did either.
+    """
+    found = getattr(request, "request_dict", None) or {}
+    value = headers.read(request, headers.WORKFLOW) or found.get(headers.WORKFLOW)
+    if value is None:
+        return False
+    try:
+        spec = Spec.from_header(value, getattr(task, "name", "?"))
+    except ConfigurationError:
+        return False
+    s = settings(task.app)
+    grace_ms = int(s.shorten_grace * 1000)
+    fields = {"lock_key": spec.key, "task_id": request.id, "workflow_id": spec.id, "workflow": spec.name}
+    try:
+        ended = abort(connection.client(s), s, spec, request.id)
+    except Exception as exc:
+        if errors.classify(exc) is None:
+            raise
+        emit("lock.backend_unavailable", task.name, **fields, reason=f"abort: {_describe(exc)}")
+        return False
+    if ended:
+        reason = reason or ("terminated" if terminated else "revoked")
+        emit("workflow.released_on_error", task.name, **fields, reason=reason, grace_ms=grace_ms if terminated else 0)
+    return ended
+
+
+def _describe(exc: BaseException | None) -> str:
+    return f"{exc.__class__.__name__}: {exc}" if exc is not None else ""

@@ -1,0 +1,114 @@
+"""lock_limit / lock_rate as an operator sees them: `locks` (slots held N/M, window use), `release --slot`,
+`describe` and `stats`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.bin.base import CLIContext
+from click.testing import CliRunner, Result
+
+from celery_lockguard import LockedTask
+from celery_lockguard import _connection as connection
+from celery_lockguard import _lease as L
+from celery_lockguard import _metrics as metrics
+from celery_lockguard._config import reset
+from celery_lockguard._keys import slot_lock_name
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def app(redis_url: str, prefix: str) -> Iterator[Celery]:
+    a = Celery("limitscli", broker=redis_url, set_as_current=False)
+    a.conf.update(lockguard_redis_url=redis_url, lockguard_key_prefix=prefix)
+
+    @a.task(base=LockedTask, shared=False, name="exports.run", lock_key="tenant:{t}", lock_limit=3, lock_rate="10/m")
+    def run(t: str) -> None: ...
+
+    yield a
+    reset(a)
+    connection.forget_clients()
+
+
+def invoke(app: Celery, *args: str) -> Result:
+    from celery_lockguard._cli import lockguard
+
+    return CliRunner().invoke(lockguard, list(args), obj=CLIContext(app=app, no_color=True, workdir=None, quiet=True))
+
+
+def take(r: redis.Redis, prefix: str, task_id: str) -> Any:
+    got = L.acquire(
+        r, prefix, "tenant:a", ttl_ms=30_000, task_id=task_id, task_name="exports.run", digest=task_id,
+        worker="w@h", fence_ttl_ms=60_000, limit=3, rate=(10, 60_000),
+    )  # fmt: skip
+    assert isinstance(got, L.Lease)
+    return got
+
+
+def test_locks_shows_every_slot_and_the_entity_use(app: Celery, r: redis.Redis, prefix: str) -> None:
+    first, second = take(r, prefix, "t-1"), take(r, prefix, "t-2")
+    L.release(r, first, prefix)
+    third = take(r, prefix, "t-3")  # slot 0 again
+    out = invoke(app, "locks")
+    assert out.exit_code == 0, out.output
+    assert "tenant:a (slot 1)" in out.stdout and "t-2" in out.stdout and "t-3" in out.stdout
+    assert "tenant:a: 2/3 slots held, 3/10 starts in the last 60s" in out.stdout
+    rows = json.loads(invoke(app, "locks", "--json").stdout)
+    assert sorted((x["slot"], x["task_id"], x["limit"]) for x in rows) == [(0, "t-3", 3), (1, "t-2", 3)]
+    assert third.slot == 0 and second.slot == 1
+
+
+def test_release_slot_evicts_that_slot_only_and_bumps_its_own_fence(app: Celery, r: redis.Redis, prefix: str) -> None:
+    zero, one = take(r, prefix, "t-1"), take(r, prefix, "t-2")
+    out = invoke(app, "release", "tenant:a", "--slot", "1", "--yes")
+    assert out.exit_code == 0, out.output
+    assert "released 'tenant:a' slot 1 (was t-2)" in out.stdout
+    assert not r.exists(slot_lock_name(prefix, "tenant:a", 1)) and r.exists(one.redis_key) == 0
+    assert r.hget(zero.redis_key, "token") == zero.token  # the other slot's holder is untouched
+    assert int(r.get(f"{prefix}:v1:{{tenant:a}}:fence:1") or 0) > one.fence
+    full = invoke(app, "release", slot_lock_name(prefix, "tenant:a", 0), "--yes")  # a full key names its slot
+    assert full.exit_code == 0 and not r.exists(zero.redis_key)
+    clash = invoke(app, "release", slot_lock_name(prefix, "tenant:a", 2), "--slot", "1", "--yes")
+    assert clash.exit_code != 0 and "contradicts" in clash.output
+
+
+def test_describe_and_stats_show_limit_rate_admitted_and_throttled(app: Celery, r: redis.Redis, prefix: str) -> None:
+    rows = json.loads(invoke(app, "describe", "--json").stdout)
+    (row,) = [x for x in rows if x["task"] == "exports.run"]
+    assert (row["lock_limit"], row["lock_rate"]) == (3, "10/m")
+    assert "while_running, 3 slots, 10/m starts" in invoke(app, "describe").stdout
+    metrics.count("exports.run", "lock.admitted", 3)
+    metrics.count("exports.run", "lock.throttled", 1)
+    metrics.flush(r, prefix)
+    summary = json.loads(invoke(app, "stats", "--json").stdout)
+    total = summary["tasks"]["exports.run"]["windows"]["total"]
+    assert (total["admitted"], total["throttled"], total["throttle_rate"]) == (3, 1, 0.25)
+    assert any("throttled by lock_rate" in x for x in summary["tasks"]["exports.run"]["readings"])
+    text = invoke(app, "stats", "--prometheus").stdout
+    assert 'lockguard_events_total{task="exports.run",event="lock.throttled"} 1' in text
+
+
+def test_locks_shows_a_window_that_holds_starts_while_no_slot_is_held(app: Celery, r: redis.Redis, prefix: str) -> None:
+    """A throttled entity between bodies: no lease row carries its rate, so `locks` said nothing (review)."""
+    for i in range(2):
+        L.release(r, take(r, prefix, f"t-{i}"), prefix)
+    # A window left by a task this app does not know: its starts, without a rate to measure them against.
+    L.release(r, L.acquire(r, prefix, "other:1", ttl_ms=30_000, task_id="o", task_name="gone.task", digest="d",
+                           worker="w@h", fence_ttl_ms=60_000, rate=(5, 60_000)), prefix)  # fmt: skip
+    out = invoke(app, "locks")
+    assert out.exit_code == 0, out.output
+    assert "tenant:a: 0/3 slots held, 2/10 starts in the last 60s" in out.stdout.splitlines()
+    assert "other:1: 0/? slots held, 1 start recorded (no task of this app names its lock_rate)" in out.stdout
+    rows = {row["key"]: row for row in json.loads(invoke(app, "locks", "--json").stdout)}
+    assert rows["tenant:a"] == {
+        "key": "tenant:a", "redis_key": f"{prefix}:v1:{{tenant:a}}:rate", "state": "window", "held": 0,
+        "limit": 3, "rate": 10, "window_ms": 60_000, "starts": 2,
+    }  # fmt: skip
+    assert rows["other:1"]["rate"] is None and rows["other:1"]["starts"] == 1
+    assert invoke(app, "locks", "--match", "other:*").stdout.count("start recorded") == 1
