@@ -46,6 +46,8 @@ MAX_WAITERS = 1000
 RESERVATION_TTL = 5.0
 #: Seconds a safety copy leaves a ``waking`` entry to its releaser before it takes over.
 WAKE_GRACE = 2.0
+#: A grace no ``waking`` entry ever reaches (seconds): a discarded safety copy never takes over.
+NEVER = 10.0**9
 #: Seconds a parked entry outlives its safety copy's countdown before it counts as stale (never woken).
 ENTRY_SLACK = 30.0
 #: Seconds the waiter keys outlive the longest entry in them (woken entries wait for their safety copy).
@@ -185,6 +187,25 @@ def publish(app: Any, spec: dict[str, Any]) -> None:
         task.apply_async(sig.args, sig.kwargs, **opts)
     else:
         app.send_task(sig.task, sig.args, sig.kwargs, **opts)
+
+
+def withdraw(s: Settings, key: str, park_token: str, task_name: str, task_id: str) -> bool:
+    """A safety copy the worker discards (revoked, expired) before it ran: its entry leaves the waiter queue.
+
+    From the worker's main process; best effort. CHECK_PARKED as the copy would have run it on
+    arrival, except that a ``waking`` entry is never taken over (its woken copy is on the way and is
+    discarded in turn if revoked). Without it the next release hands the entity to a message that
+    is gone: a reservation nobody adopts for :data:`RESERVATION_TTL`, or a woken copy re-publishing
+    a revoked task that a worker which forgot the revoke (a restart) would run.
+    """
+    try:
+        state, _ = check(connection.client(s), s.key_prefix, key, park_token, "safety", grace=NEVER)
+    except Exception as exc:  # noqa: BLE001 - the entry then goes stale at its deadline; a release skips it
+        emit("lock.backend_unavailable", task_name, lock_key=key, task_id=task_id, reason=f"withdraw: {exc}")
+        return False
+    if state == "parked":
+        emit("lock.released", task_name, lock_key=key, task_id=task_id, reason="waiter withdrawn")
+    return state == "parked"
 
 
 def abandon(app: Any, s: Settings, key: str, park_token: str, task_name: str, task_id: str) -> bool:

@@ -170,7 +170,11 @@ def _workflow_member_aborted(task: Any, request: Any, terminated: bool, reason: 
 
 
 def free_reservation_from_main(task: Any, request: Any, args: Any, kwargs: Any) -> bool:
-    """A woken copy discarded before it ran: free the reservation RELEASE made for it, wake the next waiter."""
+    """A parked delivery's copy discarded before it ran: free what the waiter queue holds for it.
+
+    A woken copy: the reservation RELEASE made for it goes, and the next waiter is woken. A safety
+    copy: its entry leaves the queue, so no release hands the entity to a message that is gone.
+    """
     from . import _handoff as handoff
     from . import _headers as headers
     from ._config import settings
@@ -182,12 +186,14 @@ def free_reservation_from_main(task: Any, request: Any, args: Any, kwargs: Any) 
     park_token = headers.read_str(request, headers.PARK) or str(found.get(headers.PARK) or "")
     woken = headers.read(request, headers.WOKEN) or found.get(headers.WOKEN)
     s, opts = settings(task.app), task.lockguard_options
-    if not park_token or not woken or not s.enabled or not opts.locked or opts.mode != "while_running":
+    if not park_token or not s.enabled or not opts.locked or opts.mode != "while_running":
         return False
     try:
         key = task._names(opts, request.id, tuple(args), dict(kwargs)).key
     except Exception:  # noqa: BLE001 - a key that cannot render never parked
         return False
+    if not woken:
+        return handoff.withdraw(s, key, park_token, task.name, request.id)
     return handoff.abandon(task.app, s, key, park_token, task.name, request.id)
 
 

@@ -295,6 +295,62 @@ def test_a_revoked_woken_copy_frees_its_reservation_and_wakes_the_next(
     assert messages(r, app, second.task_id)[-1].headers.get(headers.WOKEN) == 1
 
 
+def test_a_revoked_safety_copy_leaves_the_waiter_queue(
+    app: Celery, r: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A parked delivery revoked before anyone woke it: the release hands the entity to the next live waiter.
+
+    Before, its entry stayed: the release reserved the entity for a message that was gone and
+    re-published the revoked task (its woken copy), which a worker that forgot the revoke would run.
+    """
+    from celery_lockguard import _signals
+
+    runs: list[str] = []
+    t = waiter(app, runs)
+    lease = hold(r, prefix, "inv:16")
+    gone, live = deliver(t, (16, 100)), deliver(t, (16, 200))
+    (safety,) = messages(r, app, gone.task_id)
+
+    class Discarded:  # the request task_revoked hands the main process: the safety copy, never woken
+        id = gone.task_id
+        headers = safety.custom()
+        request_dict = safety.custom()
+
+    with caplog.at_level(logging.DEBUG, logger="celery_lockguard"):
+        assert _signals.free_reservation_from_main(t, Discarded(), [16, 100], {})
+    assert [ln["reason"] for ln in lines(caplog, "lock.released")] == ["waiter withdrawn"]
+    assert r.llen(wait_name(prefix, "inv:16")) == 1
+    assert not _signals.free_reservation_from_main(t, Discarded(), [16, 100], {}), "withdrawn once"
+    assert release(app, r, prefix, lease)
+    assert r.hget(lock_name(prefix, "inv:16"), "task_id") == live.task_id, "the live waiter holds the reservation"
+    assert len(messages(r, app, gone.task_id)) == 1, "the revoked task was never re-published"
+    assert messages(r, app, live.task_id)[-1].headers.get(headers.WOKEN) == 1
+
+
+def test_a_revoked_safety_copy_leaves_a_waking_entry_to_its_woken_copy(
+    app: Celery, r: redis.Redis, prefix: str
+) -> None:
+    """Discarded after the release woke it: the woken copy is on its way; the safety copy never takes over."""
+    from celery_lockguard import _signals
+
+    runs: list[str] = []
+    t = waiter(app, runs)
+    lease = hold(r, prefix, "inv:17")
+    out = deliver(t, (17, 100))
+    (safety,) = messages(r, app, out.task_id)
+    _, _, woken = L.release_and_wake(r, lease, prefix, reserve_ms=5000)  # woken, not yet published
+    assert woken is not None
+
+    class Discarded:
+        id = out.task_id
+        headers = safety.custom()
+        request_dict = safety.custom()
+
+    assert not _signals.free_reservation_from_main(t, Discarded(), [17, 100], {})
+    assert r.hget(waiters_name(prefix, "inv:17"), f"s:{woken.park_token}") == "waking"
+    assert r.hget(lock_name(prefix, "inv:17"), "state") == "handed"
+
+
 def test_a_woken_copy_whose_reservation_lapsed_decides_as_any_delivery(
     app: Celery, r: redis.Redis, prefix: str
 ) -> None:
