@@ -18,6 +18,7 @@ onto), or failed visibly — and that no lease or claim is left behind.
 from __future__ import annotations
 
 import itertools
+import os
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +28,7 @@ import redis
 from billiard.einfo import ExceptionInfo
 from celery import Celery
 from celery.exceptions import Retry
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -52,6 +53,9 @@ DOWN = "redis://127.0.0.1:1/0"
 #: Keys per SCAN call in the invariants (checked after every step): a shared server holding other tests' keys
 #: must not turn each check into thousands of round trips.
 SCAN_COUNT = 1000
+PHASES = [Phase.explicit, Phase.reuse, Phase.generate] + (
+    [Phase.shrink] if os.environ.get("LOCKGUARD_MODEL_SHRINK") else []
+)
 #: Deliveries made across all examples: the model must have exercised the runtime, not only published.
 STEPS = {"deliveries": 0, "woken": 0, "releaser_died": 0, "superseded": 0}
 ENTITIES = (1, 2)
@@ -333,8 +337,9 @@ def machine(mode: str, policy: str, redis_url: str, store: str = "redis") -> typ
                 if store != "redis":
                     import psycopg
 
-                    with psycopg.connect(store, autocommit=True) as conn:
-                        conn.execute("DELETE FROM lockguard_completions WHERE scope LIKE %s", (f"{self.prefix}:%",))
+                    with psycopg.connect(store, autocommit=True) as conn:  # the store makes its table on first use
+                        if conn.execute("SELECT to_regclass('lockguard_completions')").fetchone() != (None,):
+                            conn.execute("DELETE FROM lockguard_completions WHERE scope LIKE %s", (f"{self.prefix}:%",))
                 connection.forget_clients()
 
     Model.__name__ = f"Model_{mode}_{policy}"
@@ -393,6 +398,9 @@ def run(
         Model.TestCase.settings = settings(
             max_examples=n,
             derandomize=True,  # the same examples every run: CI stays deterministic, the model stays broad
+            # No shrinking unless asked (LOCKGUARD_MODEL_SHRINK=1): real time decides which rules are enabled, so
+            # a shrink's hundreds of replays are slow and end in FlakyFailure; the failure prints its steps.
+            phases=PHASES,
             stateful_step_count=steps,
             deadline=None,
             database=None,
