@@ -204,7 +204,7 @@ def withdraw(s: Settings, key: str, park_token: str, task_name: str, task_id: st
         emit("lock.backend_unavailable", task_name, lock_key=key, task_id=task_id, reason=f"withdraw: {exc}")
         return False
     if state == "parked":
-        emit("lock.released", task_name, lock_key=key, task_id=task_id, reason="waiter withdrawn")
+        emit("lock.handoff_dropped", task_name, lock_key=key, task_id=task_id, reason="discarded_while_parked")
     return state == "parked"
 
 

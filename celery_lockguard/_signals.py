@@ -143,9 +143,11 @@ def _on_revoked(
 ) -> None:
     if request is None:
         return
-    if _workflow_member_aborted(sender, request, terminated):
-        return
     args, kwargs = request.args or (), request.kwargs or {}
+    if _workflow_member_aborted(sender, request, terminated):
+        if not terminated:  # its own lock on another entity may have parked it: the entry goes too
+            free_reservation_from_main(sender, request, args, kwargs)
+        return
     if terminated:  # the request knows its child: a same-id holder in another process is left alone
         shorten_from_main(sender, request.id, args, kwargs, "terminated", getattr(request, "worker_pid", None))
     else:  # discarded before it ran: its queue claim will never be adopted, its reservation never used

@@ -318,13 +318,51 @@ def test_a_revoked_safety_copy_leaves_the_waiter_queue(
 
     with caplog.at_level(logging.DEBUG, logger="celery_lockguard"):
         assert _signals.free_reservation_from_main(t, Discarded(), [16, 100], {})
-    assert [ln["reason"] for ln in lines(caplog, "lock.released")] == ["waiter withdrawn"]
+    assert [ln["reason"] for ln in lines(caplog, "lock.handoff_dropped")] == ["discarded_while_parked"]
+    assert lines(caplog, "lock.released") == [], "it never held a lease: no release is counted"
     assert r.llen(wait_name(prefix, "inv:16")) == 1
     assert not _signals.free_reservation_from_main(t, Discarded(), [16, 100], {}), "withdrawn once"
     assert release(app, r, prefix, lease)
     assert r.hget(lock_name(prefix, "inv:16"), "task_id") == live.task_id, "the live waiter holds the reservation"
     assert len(messages(r, app, gone.task_id)) == 1, "the revoked task was never re-published"
     assert messages(r, app, live.task_id)[-1].headers.get(headers.WOKEN) == 1
+
+
+def test_a_revoked_workflow_member_parked_on_its_own_entity_leaves_the_waiter_queue(
+    app: Celery, r: redis.Redis, prefix: str
+) -> None:
+    """A member revoked while parked ends its workflow's lease, and its entry on its own entity goes too."""
+    from celery import chain
+    from celery.app.task import Context
+
+    from celery_lockguard import _signals, workflow
+    from celery_lockguard._headers import WORKFLOW
+
+    runs: list[str] = []
+    step = waiter(app, runs, name="h.step")
+
+    @app.task(base=LockedTask, bind=True, name="h.done", shared=False)
+    def done(task: Any, x: Any) -> Any:
+        return x
+
+    spec = workflow(chain(step.si(18, 100), done.s()), lock_key="wf:18", app=app).spec()
+    lease = hold(r, prefix, "inv:18")
+    out = deliver(
+        step,
+        (18, 100),
+        headers={WORKFLOW: spec.header(index=0)},
+        chain=[done.s().set(headers={WORKFLOW: spec.header(index=1)})],
+    )
+    (safety,) = messages(r, app, out.task_id)
+    assert out.state == "RETRY" and r.llen(wait_name(prefix, "inv:18")) == 1
+    request = Context(
+        {"id": out.task_id, "args": [18, 100], "kwargs": {}, "headers": safety.custom(), **safety.custom()}
+    )
+    _signals._on_revoked(sender=step, request=request, terminated=False, expired=False)
+    assert not r.exists(lock_name(prefix, "wf:18")), "the workflow's lease ended"
+    assert r.llen(wait_name(prefix, "inv:18")) == 0, "its entry left the waiter queue"
+    assert not release(app, r, prefix, lease), "nobody is woken"
+    assert not r.exists(lock_name(prefix, "inv:18")) and len(messages(r, app, out.task_id)) == 1
 
 
 def test_a_revoked_safety_copy_leaves_a_waking_entry_to_its_woken_copy(
