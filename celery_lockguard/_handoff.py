@@ -189,20 +189,24 @@ def publish(app: Any, spec: dict[str, Any]) -> None:
         app.send_task(sig.task, sig.args, sig.kwargs, **opts)
 
 
-def withdraw(s: Settings, key: str, park_token: str, task_name: str, task_id: str) -> bool:
+def withdraw(app: Any, s: Settings, key: str, park_token: str, task_name: str, task_id: str) -> bool:
     """A safety copy the worker discards (revoked, expired) before it ran: its entry leaves the waiter queue.
 
     From the worker's main process; best effort. CHECK_PARKED as the copy would have run it on
-    arrival, except that a ``waking`` entry is never taken over (its woken copy is on the way and is
-    discarded in turn if revoked). Without it the next release hands the entity to a message that
-    is gone: a reservation nobody adopts for :data:`RESERVATION_TTL`, or a woken copy re-publishing
-    a revoked task that a worker which forgot the revoke (a restart) would run.
+    arrival, except that a ``waking`` entry is never taken over. A ``waking`` entry's reservation is
+    freed instead and the next waiter woken (:func:`abandon`): the woken copy carries the same id
+    and the same absolute ``expires``, so it is discarded too, and a releaser that died before
+    publishing it would otherwise leave the entity reserved for :data:`RESERVATION_TTL`. Without
+    this the next release would hand the entity to a message that is gone, or re-publish a revoked
+    task that a worker which forgot the revoke (a restart) would run.
     """
     try:
         state, _ = check(connection.client(s), s.key_prefix, key, park_token, "safety", grace=NEVER)
     except Exception as exc:  # noqa: BLE001 - the entry then goes stale at its deadline; a release skips it
         emit("lock.backend_unavailable", task_name, lock_key=key, task_id=task_id, reason=f"withdraw: {exc}")
         return False
+    if state == "waking":
+        return abandon(app, s, key, park_token, task_name, task_id)
     if state == "parked":
         emit("lock.handoff_dropped", task_name, lock_key=key, task_id=task_id, reason="discarded_while_parked")
     return state == "parked"

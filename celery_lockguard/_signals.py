@@ -195,7 +195,7 @@ def free_reservation_from_main(task: Any, request: Any, args: Any, kwargs: Any) 
     except Exception:  # noqa: BLE001 - a key that cannot render never parked
         return False
     if not woken:
-        return handoff.withdraw(s, key, park_token, task.name, request.id)
+        return handoff.withdraw(task.app, s, key, park_token, task.name, request.id)
     return handoff.abandon(task.app, s, key, park_token, task.name, request.id)
 
 

@@ -365,28 +365,33 @@ def test_a_revoked_workflow_member_parked_on_its_own_entity_leaves_the_waiter_qu
     assert not r.exists(lock_name(prefix, "inv:18")) and len(messages(r, app, out.task_id)) == 1
 
 
-def test_a_revoked_safety_copy_leaves_a_waking_entry_to_its_woken_copy(
+def test_a_revoked_safety_copy_of_a_waking_entry_frees_the_reservation_for_the_next_waiter(
     app: Celery, r: redis.Redis, prefix: str
 ) -> None:
-    """Discarded after the release woke it: the woken copy is on its way; the safety copy never takes over."""
+    """Discarded after a release woke it, whose releaser died before publishing: the next waiter is woken.
+
+    Its woken copy (same id, same ``expires``) would be discarded in turn; without this the entity
+    stayed reserved for a message that was gone until the reservation's TTL.
+    """
     from celery_lockguard import _signals
 
     runs: list[str] = []
     t = waiter(app, runs)
     lease = hold(r, prefix, "inv:17")
-    out = deliver(t, (17, 100))
+    out, nxt = deliver(t, (17, 100)), deliver(t, (17, 200))
     (safety,) = messages(r, app, out.task_id)
-    _, _, woken = L.release_and_wake(r, lease, prefix, reserve_ms=5000)  # woken, not yet published
-    assert woken is not None
+    _, _, woken = L.release_and_wake(r, lease, prefix, reserve_ms=5000)  # ... and the releaser dies here
+    assert woken is not None and r.hget(lock_name(prefix, "inv:17"), "task_id") == out.task_id
 
     class Discarded:
         id = out.task_id
         headers = safety.custom()
         request_dict = safety.custom()
 
-    assert not _signals.free_reservation_from_main(t, Discarded(), [17, 100], {})
-    assert r.hget(waiters_name(prefix, "inv:17"), f"s:{woken.park_token}") == "waking"
-    assert r.hget(lock_name(prefix, "inv:17"), "state") == "handed"
+    assert _signals.free_reservation_from_main(t, Discarded(), [17, 100], {})
+    assert r.hget(lock_name(prefix, "inv:17"), "task_id") == nxt.task_id, "the next waiter holds the reservation"
+    assert messages(r, app, nxt.task_id)[-1].headers.get(headers.WOKEN) == 1
+    assert len(messages(r, app, out.task_id)) == 1, "the discarded task was never re-published"
 
 
 def test_a_woken_copy_whose_reservation_lapsed_decides_as_any_delivery(
