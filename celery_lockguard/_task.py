@@ -25,6 +25,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from celery import Task, states, uuid
+from celery._state import _task_stack
 from celery.exceptions import Ignore, Reject, Retry
 
 from . import _calls as calls
@@ -339,7 +340,7 @@ class LockGuard(Task):
             setattr(req, _ENTERED, True)
             return workflow.deliver(self, s, opts, member, args, kwargs)
         if not s.enabled or not opts.locked:
-            return super().__call__(*args, **kwargs)
+            return self._body(args, kwargs)
         setattr(req, _ENTERED, True)
         if opts.debounce is not None:
             answered, result = debounce.arrive(self, s, opts, args, kwargs)
@@ -348,7 +349,20 @@ class LockGuard(Task):
         return self._deliver(s, opts, args, kwargs)
 
     def _body(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run the body through the other task classes' ``__call__`` (a workflow member under its lease)."""
+        """Run the body under the delivery's own request, through the other task classes' ``__call__``.
+
+        Where the next ``__call__`` in the MRO is Celery's own, the body runs as the tracer runs a
+        plain task's: ``run`` under the request the tracer pushed (the lease, names and checkpoints
+        are already on it). ``Task.__call__`` would push a copy of that request first -- a second
+        ``Context`` per task, a tenth of the lock's CPU, for a body that reads the same fields. Any
+        other ``__call__`` (Django's task class, a user's base) is kept and runs as before.
+        """
+        if _runs_plainly(type(self)):
+            _task_stack.push(self)
+            try:
+                return self.run(*args, **kwargs)
+            finally:
+                _task_stack.pop()
         return super().__call__(*args, **kwargs)
 
     def _call_direct(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -788,7 +802,7 @@ class LockGuard(Task):
                 replaced = debounce.start(self, s, opts, client, call.key)
                 if replaced is not None:  # taken while waiting for the lease, then replaced: release unrun
                     return replaced
-            result = super().__call__(*args, **kwargs)
+            result = self._body(args, kwargs)
             done = call
             return result
         finally:
@@ -986,13 +1000,13 @@ class LockGuard(Task):
         store = self._store(s) if opts.completion else None
         try:
             if store is None or store.in_scripts:  # the records live in the Redis that is down
-                return super().__call__(*args, **kwargs)
+                return self._body(args, kwargs)
             record = self._lookup(store, call)
             if record is not None:
                 return self._completed(call, record)
             setattr(req, _CALL, call)
             setattr(req, _CHECKPOINTS, set())
-            result = super().__call__(*args, **kwargs)
+            result = self._body(args, kwargs)
             self._record_elsewhere(store, call, req.id, *self._record_for(call, req.id, result))
             return result
         finally:
@@ -1547,6 +1561,20 @@ class _ReleaseReport:
             self._emit("lock.expired_before_release", **fields, hold_ms=hold_ms, reason=reason)
         # The one place the releaser's part of park and wake runs, on RELEASE's reply (never raises).
         handoff.wake(self.app, self.settings, woken, self.task_name, lease.task_id)
+
+
+def _runs_plainly(cls: type) -> bool:
+    """Whether the ``__call__`` after ``LockGuard``'s in ``cls``'s MRO is Celery's own ``Task.__call__``.
+
+    Kept in the class's own ``__dict__`` (never inherited: a subclass may add a ``__call__``).
+    """
+    known = cls.__dict__.get("_lockguard_plain_call")
+    if known is None:
+        mro = cls.__mro__
+        after = mro[mro.index(LockGuard) + 1 :]
+        known = next((k for k in after if "__call__" in k.__dict__), None) is Task
+        type.__setattr__(cls, "_lockguard_plain_call", known)
+    return bool(known)
 
 
 def _describe(exc: BaseException | None) -> str:
