@@ -56,6 +56,7 @@ from billiard.exceptions import SoftTimeLimitExceeded
 from redis.exceptions import NoScriptError
 
 from ._process import PerProcess
+from ._resp import Reader
 
 #: Seconds within which the renewer thread reads a deferred reply nobody else read.
 DRAIN_DELAY = 0.02
@@ -141,6 +142,7 @@ class Channel:
         # deferred (a deferred NOSCRIPT would hold the release back until its reply is read).
         self._loaded: set[bytes] = set()
         self._polled: tuple[Any, select.poll] | None = None  # the socket polled for staleness, and its poller
+        self._reader: Reader | None = None  # replies read off the socket (_resp), made with the first connection
         self.pid = os.getpid()
         #: Commands sent whose reply is read later (tests and the bench count them).
         self.deferred = 0
@@ -151,6 +153,7 @@ class Channel:
         if conn is None:
             conn = self._conn = self._pool.get_connection()
             self._made.append(conn)
+            self._reader = Reader(conn)
         elif not self._inflight and self._stale(conn):
             # As the pool does at every checkout: data (or EOF) on an idle connection means the server
             # closed it (a restart, a timeout): reconnect now, before the command goes out on a dead link.
@@ -269,9 +272,7 @@ class Channel:
         while self._inflight:
             sent = self._inflight.popleft()
             try:
-                reply: Any = conn.read_response()
-            except redis.ResponseError as exc:
-                reply = exc
+                reply: Any = self._read(conn)
             except BaseException as exc:  # noqa: BLE001 - a timeout, a dropped link or an interrupt mid-read
                 # The connection is gone (or the read timed out): nothing more can be read on it.
                 self._inflight.appendleft(sent)
@@ -303,7 +304,9 @@ class Channel:
         try:
             for script in {id(s.script): s.script for s in batch}.values():
                 conn.send_packed_command([_pack_load(script.source)], False)
-                conn.read_response()
+                loaded = self._read(conn)
+                if isinstance(loaded, Exception):
+                    raise loaded
             conn.send_packed_command([b"".join(pack_evalsha(s.script.sha_bytes, s.keys, s.args) for s in batch)], False)
         except BaseException as exc:  # noqa: BLE001 - the stream is unusable: every reply of the batch is lost
             self._conn_lost(conn, exc, [])
@@ -311,20 +314,24 @@ class Channel:
         out: list[tuple[_Sent, Any]] = []
         for i, s in enumerate(batch):
             try:
-                r: Any = conn.read_response()
-            except NoScriptError as exc:
-                # The message starts with the code: errors.classify calls a NOSCRIPT that survives a reload
-                # misconfigured (a proxy spreading calls over nodes, a flush racing every load).
-                r = NoScriptError(f"NOSCRIPT {s.script.name}: again right after SCRIPT LOAD ({exc})")
-            except redis.ResponseError as exc:
-                r = exc
+                r: Any = self._read(conn)
             except BaseException as exc:  # noqa: BLE001 - as above
                 self._conn_lost(conn, exc, [])
                 return out + [(x, exc) for x in batch[i:]]
+            if isinstance(r, NoScriptError):
+                # The message starts with the code: errors.classify calls a NOSCRIPT that survives a reload
+                # misconfigured (a proxy spreading calls over nodes, a flush racing every load).
+                r = NoScriptError(f"NOSCRIPT {s.script.name}: again right after SCRIPT LOAD ({r})")
             if not isinstance(r, NoScriptError):
                 self._loaded.add(s.script.sha_bytes)
             out.append((s, r))
         return out
+
+    def _read(self, conn: Any) -> Any:
+        """The next reply on ``conn`` (an error reply as its exception, returned), off the socket (``_resp``)."""
+        if self._reader is None:
+            self._reader = Reader(conn)
+        return self._reader.read(conn)
 
     def _conn_lost(self, conn: Any, exc: BaseException, done: list[tuple[OnReply, Any]]) -> None:
         """Close ``conn``; every reply still expected on it is lost (``exc``). The next command reconnects."""
