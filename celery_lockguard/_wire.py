@@ -86,21 +86,25 @@ def _encode(value: Any) -> bytes:
 
 def pack_evalsha(sha: bytes, keys: list[str], args: list[Any]) -> bytes:
     """``EVALSHA sha numkeys keys... args...`` as RESP bytes."""
-    # The usual call: ASCII text and ints only, whose byte length is their length: formatted as text
-    # and encoded once. Anything else (non-ASCII text, bytes, a type to refuse) takes the general path.
+    # The usual call: text and ints only, formatted as text and encoded once. Lengths are counted in
+    # characters, which are bytes only if the whole text is ASCII (one check at the end); anything else
+    # (non-ASCII text, bytes, a type to refuse) takes the general path.
     parts = []
     for value in (*keys, *args):
         kind = type(value)
-        if kind is str and value.isascii():
+        if kind is str:
             parts.append(f"${len(value)}\r\n{value}\r\n")
         elif kind is int:
             text = str(value)
             parts.append(f"${len(text)}\r\n{text}\r\n")
         else:
             return _pack_any(sha, keys, args)
+    body = "".join(parts)
+    if not body.isascii():
+        return _pack_any(sha, keys, args)
     numkeys = b"%d" % len(keys)
     head = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%s\r\n" % (len(parts) + 3, sha, len(numkeys), numkeys)
-    return head + "".join(parts).encode()
+    return head + body.encode()
 
 
 def _pack_any(sha: bytes, keys: list[str], args: list[Any]) -> bytes:
