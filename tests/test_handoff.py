@@ -55,6 +55,15 @@ def lines(caplog: pytest.LogCaptureFixture, event: str) -> list[dict[str, Any]]:
     return [rec.lockguard for rec in caplog.records if getattr(rec, "lockguard", {}).get("event") == event]
 
 
+class _Discarded:
+    """The request ``task_revoked`` hands the worker's main process for a discarded copy."""
+
+    def __init__(self, msg: Message) -> None:
+        self.id = msg.task_id
+        self.headers = msg.custom()
+        self.request_dict = msg.custom()
+
+
 def test_a_waiter_parks_once_and_the_release_wakes_it_with_a_reservation(
     app: Celery, r: redis.Redis, prefix: str
 ) -> None:
@@ -285,12 +294,7 @@ def test_a_revoked_woken_copy_frees_its_reservation_and_wakes_the_next(
     assert release(app, r, prefix, lease)
     woken = messages(r, app, first.task_id)[-1]
 
-    class Discarded:  # what the worker's main process hands task_revoked: the request of the discarded message
-        id = first.task_id
-        args, kwargs = [13, 100], {}
-        headers = woken.custom()
-
-    assert _signals.free_reservation_from_main(t, Discarded(), [13, 100], {})
+    assert _signals.free_reservation_from_main(t, _Discarded(woken), [13, 100], {})
     assert r.hget(lock_name(prefix, "inv:13"), "task_id") == second.task_id, "the next waiter holds the reservation"
     assert messages(r, app, second.task_id)[-1].headers.get(headers.WOKEN) == 1
 
@@ -311,17 +315,12 @@ def test_a_revoked_safety_copy_leaves_the_waiter_queue(
     gone, live = deliver(t, (16, 100)), deliver(t, (16, 200))
     (safety,) = messages(r, app, gone.task_id)
 
-    class Discarded:  # the request task_revoked hands the main process: the safety copy, never woken
-        id = gone.task_id
-        headers = safety.custom()
-        request_dict = safety.custom()
-
     with caplog.at_level(logging.DEBUG, logger="celery_lockguard"):
-        assert _signals.free_reservation_from_main(t, Discarded(), [16, 100], {})
+        assert _signals.free_reservation_from_main(t, _Discarded(safety), [16, 100], {})
     assert [ln["reason"] for ln in lines(caplog, "lock.handoff_dropped")] == ["discarded_while_parked"]
     assert lines(caplog, "lock.released") == [], "it never held a lease: no release is counted"
     assert r.llen(wait_name(prefix, "inv:16")) == 1
-    assert not _signals.free_reservation_from_main(t, Discarded(), [16, 100], {}), "withdrawn once"
+    assert not _signals.free_reservation_from_main(t, _Discarded(safety), [16, 100], {}), "withdrawn once"
     assert release(app, r, prefix, lease)
     assert r.hget(lock_name(prefix, "inv:16"), "task_id") == live.task_id, "the live waiter holds the reservation"
     assert len(messages(r, app, gone.task_id)) == 1, "the revoked task was never re-published"
@@ -383,15 +382,80 @@ def test_a_revoked_safety_copy_of_a_waking_entry_frees_the_reservation_for_the_n
     _, _, woken = L.release_and_wake(r, lease, prefix, reserve_ms=5000)  # ... and the releaser dies here
     assert woken is not None and r.hget(lock_name(prefix, "inv:17"), "task_id") == out.task_id
 
-    class Discarded:
-        id = out.task_id
-        headers = safety.custom()
-        request_dict = safety.custom()
-
-    assert _signals.free_reservation_from_main(t, Discarded(), [17, 100], {})
+    assert _signals.free_reservation_from_main(t, _Discarded(safety), [17, 100], {})
     assert r.hget(lock_name(prefix, "inv:17"), "task_id") == nxt.task_id, "the next waiter holds the reservation"
     assert messages(r, app, nxt.task_id)[-1].headers.get(headers.WOKEN) == 1
     assert len(messages(r, app, out.task_id)) == 1, "the discarded task was never re-published"
+
+
+def test_a_discarded_safety_copy_whose_entry_was_already_woken_leaves_the_woken_run_alone(
+    app: Celery, r: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The release woke it and the woken copy is out: discarding the safety copy frees nothing the woken copy needs."""
+    from celery_lockguard import _signals
+
+    runs: list[str] = []
+    t = waiter(app, runs)
+    lease = hold(r, prefix, "inv:19")
+    out = deliver(t, (19, 100))
+    (safety,) = messages(r, app, out.task_id)
+    assert release(app, r, prefix, lease)  # woken copy published, entry 'woken'
+    woken = messages(r, app, out.task_id)[-1]
+    with caplog.at_level(logging.DEBUG, logger="celery_lockguard"):
+        assert not _signals.free_reservation_from_main(t, _Discarded(safety), [19, 100], {})
+    assert lines(caplog, "lock.handoff_dropped") == [] and lines(caplog, "lock.released") == []
+    assert r.hget(lock_name(prefix, "inv:19"), "token") == woken.headers[headers.PARK], "the reservation stands"
+    assert redeliver(t, woken).state == "SUCCESS" and runs == [f"{out.task_id}:100"]
+    assert len(messages(r, app, out.task_id)) == 2, "nothing re-published for the discarded copy"
+
+
+def test_a_discarded_safety_copy_with_no_entry_changes_nothing(
+    app: Celery, r: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its entry already gone (its woken copy ran and cleaned up, or it expired): no key is written, nobody woken."""
+    from celery_lockguard import _signals
+
+    runs: list[str] = []
+    t = waiter(app, runs)
+    lease = hold(r, prefix, "inv:20")
+    out = deliver(t, (20, 100))
+    (safety,) = messages(r, app, out.task_id)
+    assert release(app, r, prefix, lease)
+    assert redeliver(t, messages(r, app, out.task_id)[-1]).state == "SUCCESS"
+    assert redeliver(t, safety).state == "SUCCESS" and len(runs) == 1  # the safety copy dropped its entry
+    before = sorted(r.scan_iter(f"{prefix}:*"))
+    with caplog.at_level(logging.DEBUG, logger="celery_lockguard"):
+        assert not _signals.free_reservation_from_main(t, _Discarded(safety), [20, 100], {})
+    assert sorted(r.scan_iter(f"{prefix}:*")) == before
+    assert lines(caplog, "lock.handoff_dropped") == [] and lines(caplog, "lock.backend_unavailable") == []
+
+
+def test_a_discarded_safety_copy_during_a_redis_outage_says_so_and_its_entry_goes_stale(
+    app: Celery, r: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The main process cannot reach Redis: logged as an outage; the entry is left for a release to skip."""
+    from celery_lockguard import _config, _signals
+
+    runs: list[str] = []
+    t = waiter(app, runs)
+    lease = hold(r, prefix, "inv:21")
+    gone = deliver(t, (21, 100))
+    (safety,) = messages(r, app, gone.task_id)
+    with monkeypatch.context() as m:
+        m.setitem(app.conf, "lockguard_redis_url", "redis://127.0.0.1:1/0")  # nothing listens on port 1
+        _config.reset(app)
+        with caplog.at_level(logging.DEBUG, logger="celery_lockguard"):
+            assert not _signals.free_reservation_from_main(t, _Discarded(safety), [21, 100], {})
+    _config.reset(app)
+    (outage,) = lines(caplog, "lock.backend_unavailable")
+    assert outage["reason"].startswith("withdraw:") and outage["lock_key"] == "inv:21"
+    assert r.llen(wait_name(prefix, "inv:21")) == 1, "the entry is still queued"
+    entry = f"d:{safety.headers[headers.PARK]}"
+    r.hset(waiters_name(prefix, "inv:21"), entry, 0)  # its deadline passes (as for any dead waiter)
+    live = deliver(t, (21, 200))
+    assert release(app, r, prefix, lease)
+    assert messages(r, app, live.task_id)[-1].headers.get(headers.WOKEN) == 1, "the release skipped the stale entry"
+    assert len(messages(r, app, gone.task_id)) == 1, "the discarded task was never re-published"
 
 
 def test_a_woken_copy_whose_reservation_lapsed_decides_as_any_delivery(
