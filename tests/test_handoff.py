@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -388,18 +389,36 @@ def test_a_revoked_safety_copy_of_a_waking_entry_frees_the_reservation_for_the_n
     assert len(messages(r, app, out.task_id)) == 1, "the discarded task was never re-published"
 
 
+@dataclass
+class Parked:
+    """A waiter parked behind a live holder of other work (its task, runs, the lease, the delivery, its safety copy)."""
+
+    task: Any
+    runs: list[str]
+    lease: L.Lease
+    out: Any
+    safety: Message
+
+
+def parked(app: Celery, r: redis.Redis, prefix: str, n: int) -> Parked:
+    """Park one delivery of ``h.charge(n, 100)`` on ``inv:<n>`` behind a lease held in this process."""
+    runs: list[str] = []
+    t = waiter(app, runs)
+    lease = hold(r, prefix, f"inv:{n}")
+    out = deliver(t, (n, 100))
+    (safety,) = messages(r, app, out.task_id)
+    return Parked(t, runs, lease, out, safety)
+
+
 def test_a_discarded_safety_copy_whose_entry_was_already_woken_leaves_the_woken_run_alone(
     app: Celery, r: redis.Redis, prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The release woke it and the woken copy is out: discarding the safety copy frees nothing the woken copy needs."""
     from celery_lockguard import _signals
 
-    runs: list[str] = []
-    t = waiter(app, runs)
-    lease = hold(r, prefix, "inv:19")
-    out = deliver(t, (19, 100))
-    (safety,) = messages(r, app, out.task_id)
-    assert release(app, r, prefix, lease)  # woken copy published, entry 'woken'
+    p = parked(app, r, prefix, 19)
+    t, runs, out, safety = p.task, p.runs, p.out, p.safety
+    assert release(app, r, prefix, p.lease)  # woken copy published, entry 'woken'
     woken = messages(r, app, out.task_id)[-1]
     with caplog.at_level(logging.DEBUG, logger="celery_lockguard"):
         assert not _signals.free_reservation_from_main(t, _Discarded(safety), [19, 100], {})
@@ -415,12 +434,9 @@ def test_a_discarded_safety_copy_with_no_entry_changes_nothing(
     """Its entry already gone (its woken copy ran and cleaned up, or it expired): no key is written, nobody woken."""
     from celery_lockguard import _signals
 
-    runs: list[str] = []
-    t = waiter(app, runs)
-    lease = hold(r, prefix, "inv:20")
-    out = deliver(t, (20, 100))
-    (safety,) = messages(r, app, out.task_id)
-    assert release(app, r, prefix, lease)
+    p = parked(app, r, prefix, 20)
+    t, runs, out, safety = p.task, p.runs, p.out, p.safety
+    assert release(app, r, prefix, p.lease)
     assert redeliver(t, messages(r, app, out.task_id)[-1]).state == "SUCCESS"
     assert redeliver(t, safety).state == "SUCCESS" and len(runs) == 1  # the safety copy dropped its entry
     before = sorted(r.scan_iter(f"{prefix}:*"))
@@ -436,11 +452,8 @@ def test_a_discarded_safety_copy_during_a_redis_outage_says_so_and_its_entry_goe
     """The main process cannot reach Redis: logged as an outage; the entry is left for a release to skip."""
     from celery_lockguard import _config, _signals
 
-    runs: list[str] = []
-    t = waiter(app, runs)
-    lease = hold(r, prefix, "inv:21")
-    gone = deliver(t, (21, 100))
-    (safety,) = messages(r, app, gone.task_id)
+    p = parked(app, r, prefix, 21)
+    t, lease, gone, safety = p.task, p.lease, p.out, p.safety
     with monkeypatch.context() as m:
         m.setitem(app.conf, "lockguard_redis_url", "redis://127.0.0.1:1/0")  # nothing listens on port 1
         _config.reset(app)
