@@ -28,6 +28,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 READ_SIZE = 65536
 
 
+#: What a RESP3 push frame (an invalidation, a server notice) parses to: skipped, as redis-py's reader
+#: hands it to a push handler and reads on for the reply.
+_PUSH: Any = object()
+
+
 class _Short(Exception):
     """The buffer ends inside the reply: more bytes are needed."""
 
@@ -65,6 +70,8 @@ class Reader:
                 except _Short:
                     pass
                 else:
+                    if value is _PUSH:  # out-of-band (RESP3 push): not a reply, read on
+                        continue
                     if pos >= len(buf):
                         self._buf, self._pos = b"", 0
                     else:
@@ -103,7 +110,7 @@ class Reader:
             return (value.decode(self._encoding, self._errors) if self._decode else value), stop + 2
         if kind == 58:  # : integer
             return int(buf[pos + 1 : end]), end + 2
-        if kind == 42 or kind == 126:  # * array, ~ set (a list, as redis-py's RESP3 reader gives for scripts)
+        if kind == 42 or kind == 126 or kind == 62:  # * array, ~ set (a list, as redis-py gives it), > push
             n = int(buf[pos + 1 : end])
             if n < 0:
                 return None, end + 2
@@ -112,7 +119,7 @@ class Reader:
             for _ in range(n):
                 item, pos = self._parse(buf, pos)
                 out.append(item)
-            return out, pos
+            return (_PUSH if kind == 62 else out), pos
         line = buf[pos + 1 : end]
         if kind == 43:  # + simple string
             return (line.decode(self._encoding, self._errors) if self._decode else line), end + 2

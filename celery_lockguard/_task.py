@@ -26,6 +26,7 @@ from typing import Any
 
 from celery import Task, states, uuid
 from celery._state import _task_stack
+from celery.app import trace as _trace
 from celery.exceptions import Ignore, Reject, Retry
 
 from . import _calls as calls
@@ -351,13 +352,17 @@ class LockGuard(Task):
     def _body(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run the body under the delivery's own request, through the other task classes' ``__call__``.
 
-        Where the next ``__call__`` in the MRO is Celery's own, the body runs as the tracer runs a
-        plain task's: ``run`` under the request the tracer pushed (the lease, names and checkpoints
-        are already on it). ``Task.__call__`` would push a copy of that request first -- a second
-        ``Context`` per task, a tenth of the lock's CPU, for a body that reads the same fields. Any
-        other ``__call__`` (Django's task class, a user's base) is kept and runs as before.
+        Where the next ``__call__`` in the MRO is Celery's own, the body runs as a worker runs it
+        (``celery.app.trace``'s stack protection): ``run`` under the request the tracer pushed (the
+        lease, names and checkpoints are already on it), which is marked ``_protected`` so that a
+        direct call inside the body pushes a request of its own (and runs unlocked, see
+        :meth:`push_request`). Outside a worker (``apply()``, eager mode) ``Task.__call__`` would
+        push a copy of that request first: a second ``Context`` per call. Any other ``__call__``
+        (Django's task class, a user's base, a wrapper patched onto ``Task.__call__``) is kept.
         """
         if _runs_plainly(type(self)):
+            req = self.request
+            req._protected = 1
             _task_stack.push(self)
             try:
                 return self.run(*args, **kwargs)
@@ -1563,10 +1568,15 @@ class _ReleaseReport:
         handoff.wake(self.app, self.settings, woken, self.task_name, lease.task_id)
 
 
+_CELERY_CALL = Task.__dict__["__call__"]
+
+
 def _runs_plainly(cls: type) -> bool:
     """Whether the ``__call__`` after ``LockGuard``'s in ``cls``'s MRO is Celery's own ``Task.__call__``.
 
-    Kept in the class's own ``__dict__`` (never inherited: a subclass may add a ``__call__``).
+    The MRO part is kept in the class's own ``__dict__`` (never inherited: a subclass may add a
+    ``__call__``); whether ``Task.__call__`` is still Celery's -- or the worker's stack protection
+    around it, whose fast path this is -- is asked every time (a wrapper may be patched on later).
     """
     known = cls.__dict__.get("_lockguard_plain_call")
     if known is None:
@@ -1574,7 +1584,13 @@ def _runs_plainly(cls: type) -> bool:
         after = mro[mro.index(LockGuard) + 1 :]
         known = next((k for k in after if "__call__" in k.__dict__), None) is Task
         type.__setattr__(cls, "_lockguard_plain_call", known)
-    return bool(known)
+    if not known:
+        return False
+    current = Task.__dict__["__call__"]
+    if current is _CELERY_CALL:
+        return True
+    protected = getattr(Task, "_stackprotected", False) and getattr(current, "__name__", "") == "__protected_call__"
+    return bool(protected and _trace._patched.get("BaseTask.__call__") is _CELERY_CALL)
 
 
 def _describe(exc: BaseException | None) -> str:

@@ -312,17 +312,43 @@ def test_a_watch_copy_meeting_an_unreachable_store_does_not_record_failure(
 # -- 7. a direct call inside the task's own body ---------------------------------------------------
 
 
-def test_a_direct_call_inside_the_body_runs_unlocked_and_leaves_the_outer_run_alone(
-    app: Celery, r: redis.Redis, prefix: str
-) -> None:
-    seen: list[tuple[int, Any, Any]] = []
+@pytest.fixture(params=["tracer", "worker"])
+def worker_optimized(request: pytest.FixtureRequest, app: Celery) -> Iterator[str]:
+    """The tracer alone, or with what every ``celery worker`` installs first (Celery's stack protection).
 
-    @app.task(base=LockedTask, bind=True, name="p.walk", lock_key="node:{n}")
+    Under the protection the first ``Task.__call__`` on a request runs ``run`` without pushing one; a
+    direct call inside the body must still get a request of its own.
+    """
+    if request.param == "tracer":
+        yield "tracer"
+        return
+    from celery import _state
+    from celery.app.trace import reset_worker_optimizations, setup_worker_optimizations
+
+    default, current = _state.default_app, _state.get_current_app()
+    setup_worker_optimizations(app, "tracer@lockguard-test")
+    try:
+        yield "worker"
+    finally:
+        reset_worker_optimizations(app)
+        _state.set_default_app(default)
+        _state._set_current_app(current)
+
+
+def test_a_direct_call_inside_the_body_runs_unlocked_and_leaves_the_outer_run_alone(
+    app: Celery, r: redis.Redis, prefix: str, worker_optimized: str
+) -> None:
+    seen: list[tuple[int, Any, Any, Any]] = []
+    steps: list[Any] = []
+
+    @app.task(base=LockedTask, bind=True, name="p.walk", lock_key="node:{n}", shared=False)
     def walk(self: Any, n: int) -> int:
         lease_before = self.lock
         inner = walk(n - 1) if n > 0 else 0
-        seen.append((n, self.lock, self.request.id))
+        seen.append((n, self.lock, self.request.id, self.completion_scope))
         assert self.lock is lease_before, "the inner call clobbered the outer request"
+        if self.lock is not None:  # the outer run: its checkpoint names are its own, the inner calls used none
+            steps.append(self.checkpoint("step", lambda: f"step-{n}"))
         return n + inner
 
     tid = uuid()
@@ -330,11 +356,34 @@ def test_a_direct_call_inside_the_body_runs_unlocked_and_leaves_the_outer_run_al
     assert (out.state, out.retval) == ("SUCCESS", 3)
     inner = [x for x in seen if x[0] < 2]
     outer = [x for x in seen if x[0] == 2]
-    assert all(lease is None for _, lease, _ in inner), "a direct call must run unlocked"
-    assert outer[0][1] is not None and outer[0][1].key == "node:2"
+    assert all(lease is None and scope is None for _, lease, _, scope in inner), "a direct call must run unlocked"
+    assert outer[0][1] is not None and outer[0][1].key == "node:2" and outer[0][3] == f"task:{tid}"
+    assert steps == ["step-2"]
     # The outer task id's completion record holds the outer result.
     assert deliver(walk, (2,), task_id=tid).retval == 3
     assert not r.keys(f"{prefix}:v1:{{node:1}}*"), "the inner call took a lock"
+
+
+def test_a_wrapper_patched_onto_task_call_still_runs_around_a_locked_body(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celery import Task
+
+    around: list[str] = []
+    original = Task.__call__
+
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        around.append(self.name)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Task, "__call__", wrapped)
+
+    @app.task(base=LockedTask, bind=True, name="p.wrapped", lock_key="w:{a}", shared=False)
+    def t(self: Any, a: int) -> Any:
+        return self.lock is not None
+
+    out = deliver(t, (1,))
+    assert (out.state, out.retval) == ("SUCCESS", True) and around == ["p.wrapped"]
 
 
 def test_release_errors_never_fail_a_successful_body(app: Celery, r: redis.Redis, prefix: str) -> None:

@@ -176,3 +176,20 @@ def test_a_new_socket_starts_with_an_empty_buffer(redis_url: str) -> None:
     conn.disconnect()
     with pytest.raises(ConnectionError):
         reader.read(conn)  # not connected: nothing to read
+
+
+def test_a_resp3_push_frame_before_a_reply_is_skipped(redis_url: str, prefix: str) -> None:
+    """Out-of-band data (here a client-side-caching invalidation) is not a reply: the next reply is read."""
+    conn = connection(redis_url, 3)
+    reader = Reader(conn)
+    key = f"{prefix}:tracked"
+    try:
+        conn.send_command("CLIENT", "TRACKING", "ON")
+        assert reader.read(conn) == "OK"
+        conn.send_command("GET", key)
+        assert reader.read(conn) is None
+        redis.Redis.from_url(redis_url).set(key, "changed")  # the server pushes an invalidation to conn
+        conn.send_command("ECHO", "after the push")
+        assert reader.read(conn) == "after the push"
+    finally:
+        conn.disconnect()
