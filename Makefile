@@ -21,8 +21,15 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
+# The suite in PYTEST_WORKERS pytest-xdist processes (most of its time is spent waiting on real worker
+# subprocesses, so more processes than cores pays). --dist loadgroup: tests run wherever a process is free,
+# except modules marked xdist_group (a module fixture they share: a Cluster, a build, a fleet), which run
+# whole in one. PYTEST_WORKERS=0 runs it serially; PYTEST_ARGS adds arguments (a file, -k ...).
+PYTEST_WORKERS ?= 3
+PYTEST_ARGS ?=
+
 unit: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict --site-dir build/site

@@ -34,6 +34,46 @@ pytest_plugins = ["celery_lockguard.pytest_plugin"]
 REQUIRE = env_flag("LOCKGUARD_REQUIRE_SERVICES")
 AMQP_URL = os.environ.get("LOCKGUARD_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
+#: Modules that run whole in one pytest-xdist worker under ``make unit`` (``-n N --dist loadgroup``): their
+#: tests share a module fixture that is expensive (a private Cluster, a fleet per pool, a migrated Django
+#: project and its worker) or must not be set up twice at once (test_package builds in the work tree, and two
+#: concurrent ``python -m build`` runs there remove each other's sdist tree). Each is also marked
+#: ``xdist_group`` in the module; the collection check below keeps the two lists the same.
+XDIST_WHOLE_MODULES = frozenset(
+    {"tests/test_cluster.py", "tests/test_django.py", "tests/test_package.py", "tests/test_pools.py"}
+)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` that groups by :data:`XDIST_WHOLE_MODULES` (every other test is its own unit).
+
+    pytest-xdist 3.8 groups by renaming each marked item's ``_nodeid``, which pytest 9.2 no longer reads
+    (its node ids come from ``_id``): the marks alone group nothing. The controller, which sees only node
+    ids, groups by module path instead. Tests are still scheduled largest unit first.
+    """
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class ModuleGroupScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in XDIST_WHOLE_MODULES else super()._split_scope(nodeid)
+
+    return ModuleGroupScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Fail the run if a module's ``xdist_group`` mark and :data:`XDIST_WHOLE_MODULES` disagree."""
+    modules = {item.nodeid.split("::", 1)[0] for item in items}
+    marked = {item.nodeid.split("::", 1)[0] for item in items if item.get_closest_marker("xdist_group")}
+    if marked != modules & XDIST_WHOLE_MODULES:
+        raise pytest.UsageError(
+            f"xdist_group marks ({sorted(marked)}) and conftest.XDIST_WHOLE_MODULES"
+            f" ({sorted(modules & XDIST_WHOLE_MODULES)}) disagree"
+        )
+
 
 @pytest.fixture(scope="session")
 def redis_url(lockguard_redis: str) -> str:

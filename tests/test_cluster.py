@@ -27,7 +27,9 @@ from celery_lockguard._renewer import Renewer
 from .harness import wait_for
 from .topologies import LocalCluster
 
-pytestmark = pytest.mark.cluster
+# The module's tests share one private Cluster (a module fixture): under pytest-xdist they run in one
+# worker, which starts it once (make unit runs --dist loadgroup).
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("test_cluster")]
 
 
 OLD_REDIS_PY = connection.redis_py_version() < connection.CLUSTER_MIN_REDIS_PY

@@ -42,6 +42,10 @@ pytest.importorskip("celery.contrib.django.task")
 from .conftest import REQUIRE
 from .harness import wait_for
 
+# The module's tests share the migrated project and its worker (module fixtures): under pytest-xdist they
+# run in one worker, which sets them up once (make unit runs --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("test_django")
+
 PROJECT = Path(__file__).resolve().parent / "djangoproject"
 
 

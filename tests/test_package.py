@@ -25,7 +25,9 @@ import pytest
 import celery_lockguard
 from celery_lockguard.testing import RedisServer
 
-pytestmark = pytest.mark.package
+# One build per run: `python -m build` writes build/ and *.egg-info in the work tree, so two pytest-xdist
+# workers must not each set up this module's fixtures (make unit runs --dist loadgroup).
+pytestmark = [pytest.mark.package, pytest.mark.xdist_group("test_package")]
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

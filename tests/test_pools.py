@@ -38,7 +38,9 @@ from celery_lockguard.testing import Worker, delete_prefix, start_all, stop_all
 from .harness import wait_for
 from .poolapp import create_app
 
-pytestmark = pytest.mark.integration
+# The module's tests share a fleet per pool (a module fixture): under pytest-xdist they run in one worker,
+# which starts each fleet once (make unit runs --dist loadgroup).
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("test_pools")]
 
 ROOT = Path(__file__).resolve().parent.parent
 POOLS = ["prefork", "threads", "solo", "gevent", "eventlet"]
