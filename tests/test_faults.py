@@ -185,3 +185,33 @@ def test_terminate_of_a_dead_child_leaves_a_same_id_holder_in_another_child(serv
         sender=t, request=SimpleNamespace(id="same", args=(1,), kwargs={}, worker_pid=os.getpid()), terminated=True
     )
     assert 0 < c.pttl(name) <= 2000  # its own child: shortened to the grace
+
+
+def test_a_private_server_whose_port_is_taken_before_it_binds_moves_to_a_free_one() -> None:
+    """Parallel test processes pick ports too: a first start must neither fail nor talk to someone else's server."""
+    import socket
+
+    from celery_lockguard.testing import RedisServer
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        taken = listener.getsockname()[1]
+        moved = RedisServer()
+        moved.port = taken  # as if another process bound the port between free_port() and the server's bind
+        other = RedisServer().start()
+        fooled = RedisServer()
+        fooled.port = other.port  # another process's server answers on the port picked
+        try:
+            moved.start()
+            fooled.start()
+            assert moved.port != taken and moved.client().ping()
+            assert fooled.port != other.port
+            assert int(fooled.client().info("server")["process_id"]) == fooled.proc.pid  # type: ignore[union-attr]
+            port = moved.port
+            moved.stop()
+            moved.start()
+            assert moved.port == port, "a restart keeps its port"
+        finally:
+            for srv in (moved, fooled, other):
+                srv.stop()
