@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -133,7 +135,8 @@ class RedisServer:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                client = self.client(socket_timeout=0.5)
+                # No retries: a port someone else only listens on must not hold the loop for seconds.
+                client = self.client(socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
                 if client.ping():
                     if int(client.info("server").get("process_id", proc.pid)) != proc.pid:
                         # Someone else's server answers on this port: ours cannot bind it.
