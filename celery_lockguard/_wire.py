@@ -146,7 +146,7 @@ class Channel:
         # deferred (a deferred NOSCRIPT would hold the release back until its reply is read).
         self._loaded: set[bytes] = set()
         self._polled: tuple[Any, select.poll] | None = None  # the socket polled for staleness, and its poller
-        self._reader: Reader | None = None  # replies read off the socket (_resp), made with the first connection
+        self._reader: Reader | None = None  # replies read off the socket (_resp), made by the first read
         self.pid = os.getpid()
         #: Commands sent whose reply is read later (tests and the bench count them).
         self.deferred = 0
@@ -157,7 +157,6 @@ class Channel:
         if conn is None:
             conn = self._conn = self._pool.get_connection()
             self._made.append(conn)
-            self._reader = Reader(conn)
         elif not self._inflight and self._stale(conn):
             # As the pool does at every checkout: data (or EOF) on an idle connection means the server
             # closed it (a restart, a timeout): reconnect now, before the command goes out on a dead link.
