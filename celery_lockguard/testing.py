@@ -99,14 +99,16 @@ class RedisServer:
         for _ in range(5):
             try:
                 self._start_once(timeout)
-            except _PortTaken:
+            except _PortTaken as taken:
                 if not self._may_move:
                     raise RuntimeError(f"port {self.port} is taken by another process") from None
+                last = taken
                 self.port = free_port()
                 continue
             self._may_move = False  # restarts keep the port (and the clients pointed at it)
             return self
-        raise RuntimeError("no free port for a private redis server after 5 tries")
+        # Five servers in a row exited or found the port taken: most likely not the port (bad arguments).
+        raise RuntimeError(f"a private redis server did not start on 5 free ports; the last: {last}")
 
     def _start_once(self, timeout: float) -> None:
         args = [
@@ -138,17 +140,18 @@ class RedisServer:
                 # No retries: a port someone else only listens on must not hold the loop for seconds.
                 client = self.client(socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
                 if client.ping():
-                    if int(client.info("server").get("process_id", proc.pid)) != proc.pid:
+                    answering = int(client.info("server").get("process_id", proc.pid))
+                    if answering != proc.pid:
                         # Someone else's server answers on this port: ours cannot bind it.
                         self.stop()
-                        raise _PortTaken
+                        raise _PortTaken(f"port {self.port}: another server (pid {answering}) answers")
                     return
             except redis.exceptions.RedisError:
                 pass
             if proc.poll() is not None:
                 self.proc = None
-                if self._may_move:
-                    raise _PortTaken  # most likely the bind failed; a real failure fails every try
+                if self._may_move:  # most likely the bind failed; a real failure fails every try
+                    raise _PortTaken(f"port {self.port}: the server exited with {proc.returncode}")
                 raise RuntimeError(f"redis server on port {self.port} exited with {proc.returncode}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"redis server on port {self.port} did not answer within {timeout}s")
