@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +20,7 @@ from celery_lockguard.exceptions import ConfigurationError, CorruptFence
 from celery_lockguard.testing import RedisServer, busy, free_port
 
 from .harness import wait_for
+from .loading import loading_server
 
 P = "lg"
 
@@ -186,32 +186,9 @@ def test_misconf_when_snapshots_fail() -> None:
 
 
 def test_loading_while_the_dataset_loads() -> None:
-    server = RedisServer(extra=["--key-load-delay", "2000", "--loading-process-events-interval-bytes", "1024"])
-    server.start()
-    try:
-        c = bare(server)
-        c.mset({f"fill:{i}": "x" * 1000 for i in range(1000)})
-        c.save()
-        server.stop()
-        starting = threading.Thread(target=server.start, kwargs={"timeout": 60}, daemon=True)
-        starting.start()
-        seen: list[BaseException] = []
-
-        def loading() -> bool:
-            try:
-                bare(server).get("fill:1")
-            except redis.exceptions.BusyLoadingError as exc:
-                seen.append(exc)
-                return True
-            except redis.exceptions.ConnectionError:
-                pass  # not listening yet
-            return False
-
-        wait_for(loading, 30, interval=0.01, what="a LOADING reply")
-        assert errors.classify(seen[0]) == "unavailable"
-        starting.join(60)
-    finally:
-        server.close()
+    with loading_server(keys=1000) as (server, _):
+        exc = refusal(lambda: bare(server).get("fill:1"))
+        assert isinstance(exc, redis.exceptions.BusyLoadingError) and errors.classify(exc) == "unavailable"
 
 
 def test_oom_under_noeviction() -> None:

@@ -19,6 +19,7 @@ from celery_lockguard._renewer import renewer
 from celery_lockguard.testing import RedisServer
 
 from .harness import wait_for
+from .loading import loading_server
 from .proxy import DelayProxy
 
 
@@ -215,3 +216,41 @@ def test_a_private_server_whose_port_is_taken_before_it_binds_moves_to_a_free_on
         finally:
             for srv in (moved, fooled, other):
                 srv.stop()
+
+
+def test_a_server_still_loading_its_dataset_follows_on_unavailable(prefix: str) -> None:
+    """Pass: ACQUIRE answered ``LOADING`` (read by the lease channel's own reader) is an outage, not an error.
+
+    fail_closed gives up visibly (``BackendUnavailable``, nothing run); fail_open runs the body and says so;
+    once loading ends the same task takes its lease.
+    """
+    try:
+        with loading_server() as (server, starting):
+            app = make_app(server.url, prefix, lockguard_max_waits=0)
+            ran: list[str] = []
+
+            @task(app, lock_key="k:{a}")
+            def closed(self: Any, a: int) -> None:
+                ran.append("closed")
+
+            @task(app, lock_key="k:{a}", on_unavailable="fail_open")
+            def open_(self: Any, a: int) -> None:
+                ran.append("open")
+
+            with capture_logs() as logs:
+                with pytest.raises(BackendUnavailable):
+                    closed.apply(args=(1,), throw=True)
+                open_.apply(args=(2,), throw=True).get()
+            assert ran == ["open"]
+            by = {e["event"]: e for e in logs}
+            loading_reason = "BusyLoadingError: Redis is loading the dataset in memory"
+            assert by["lock.backend_unavailable"]["reason"] == loading_reason
+            assert by["lock.backend_unavailable"]["policy"] == "fail_closed"
+            assert by["lock.wait_budget_exhausted"]["reason"] == "backend_unavailable"
+            assert by["lock.fail_open"]["reason"] == loading_reason and by["lock.fail_open"]["lock_key"] == "k:2"
+            starting.join(60)
+            assert not starting.is_alive()
+            closed.apply(args=(1,), throw=True).get()
+            assert ran == ["open", "closed"] and not server.client().exists(lock_name(prefix, "k:1"))
+    finally:
+        conn_mod.forget_clients()

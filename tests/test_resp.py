@@ -11,10 +11,12 @@ from typing import Any
 
 import pytest
 import redis
-from redis.exceptions import ConnectionError, NoScriptError, ResponseError, TimeoutError
+from redis.exceptions import BusyLoadingError, ConnectionError, NoScriptError, ResponseError, TimeoutError
 
 from celery_lockguard import _resp
 from celery_lockguard._resp import Reader
+
+from .loading import loading_server
 
 
 def connection(url: str, protocol: int, decode: bool = True, **kw: Any) -> Any:
@@ -193,3 +195,20 @@ def test_a_resp3_push_frame_before_a_reply_is_skipped(redis_url: str, prefix: st
         assert reader.read(conn) == "after the push"
     finally:
         conn.disconnect()
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_loading_reads_as_redis_pys_busy_loading_error(protocol: int) -> None:
+    """``LOADING`` is a ``ConnectionError`` subclass, as redis-py's reader raises it: the channel drops the socket."""
+    with loading_server(keys=1000) as (server, _):
+        mine, twin = connection(server.url, protocol), connection(server.url, protocol)
+        try:
+            with pytest.raises(BusyLoadingError) as got:
+                ours(mine, "EVAL", "return 1", 0)
+            with pytest.raises(BusyLoadingError) as expected:
+                twin.send_command("EVAL", "return 1", 0)
+                twin.read_response()
+            assert str(got.value) == str(expected.value) and isinstance(got.value, ConnectionError)
+        finally:
+            mine.disconnect()
+            twin.disconnect()
