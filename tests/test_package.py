@@ -13,6 +13,7 @@ import ast
 import configparser
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -25,11 +26,14 @@ import pytest
 import celery_lockguard
 from celery_lockguard.testing import RedisServer
 
-# One build per run: `python -m build` writes build/ and *.egg-info in the work tree, so two pytest-xdist
-# workers must not each set up this module's fixtures (make unit runs --dist loadgroup).
+# One build per run: each build costs a minute (make unit runs --dist loadgroup). It runs on a copy of the
+# tree: `python -m build` writes build/ and *.egg-info beside the sources, where other tests' celery
+# subprocesses import the package from.
 pytestmark = [pytest.mark.package, pytest.mark.xdist_group("test_package")]
 
 ROOT = Path(__file__).resolve().parent.parent
+#: What the build's copy of the tree leaves out: environments, caches and earlier build output.
+_NOT_SOURCES = (".git", ".venv", ".bench", ".chaos", "build", "dist", "site", "*.egg-info", "__pycache__", ".*_cache")
 DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
@@ -42,7 +46,9 @@ def _run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("dist")
-    _run([sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", str(out), str(ROOT)])
+    src = tmp_path_factory.mktemp("src") / "celery-lockguard"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*_NOT_SOURCES))
+    _run([sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", str(out), str(src)])
     (wheel,) = out.glob("*.whl")
     (sdist,) = out.glob("*.tar.gz")
     return {"wheel": wheel, "sdist": sdist}
