@@ -6,24 +6,36 @@ own cost is not buried under a millisecond of Celery. Each variant switches
 one feature off; paired differences against the default, per round, give
 what that feature costs in wall time and in process CPU (both threads: the
 renewer's wake-ups included).
+
+Two *floors* run beside them, no lockguard in either: the lock a user writes
+by hand (redis-py ``SET NX PX`` with a uuid4 token, then ``DEL``, around the
+body) and the same two round trips as pre-packed bytes on a bare socket. They
+say what two round trips cost on this host before any library code, so a CPU
+target can be read against what is physically left.
 """
 
 from __future__ import annotations
 
 import itertools
 import resource
+import socket
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
-from celery import Celery
+import redis
+from celery import Celery, Task
 
 from celery_lockguard import LockedTask
 
 from .stats import Summary, paired, run_rounds
 
 DEFAULT = "LockedTask (default)"
+RAW_FLOOR = "floor: SET NX PX + DEL by hand (redis-py, no lockguard)"
+BARE_FLOOR = "floor: the same two round trips, pre-packed bytes on a bare socket"
+PLAIN = "plain task (no lock)"
 
 
 @dataclass
@@ -58,12 +70,80 @@ def _app(url: str) -> tuple[Celery, dict[str, Any]]:
     def bd_nocompletion(i: int) -> None:
         return None
 
+    raw = redis.Redis.from_url(url, decode_responses=True)
+
+    class ByHand(Task):  # type: ignore[misc]
+        """The two-command lock users write before a library: SET NX PX with a random token, DEL after."""
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            key = f"{prefix}:raw:{args[0]}"
+            if not raw.set(key, uuid.uuid4().hex, nx=True, px=30_000):
+                raise RuntimeError(f"{key} is held: the floor's keys are distinct")
+            try:
+                return self.run(*args, **kwargs)
+            finally:
+                raw.delete(key)
+
+    @app.task(name="bd_raw", base=ByHand, shared=False)
+    def bd_raw(i: int) -> None:
+        return None
+
+    bare = _BareCycle(url, prefix)
+
+    class Bare(Task):  # type: ignore[misc]
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            bare.cycle(args[0])
+            return self.run(*args, **kwargs)
+
+    @app.task(name="bd_bare", base=Bare, shared=False)
+    def bd_bare(i: int) -> None:
+        return None
+
     return app, {
         DEFAULT: bd_locked,
         "without renewal tracking (lock_renew=False)": bd_norenew,
         "without completion record (completion=False)": bd_nocompletion,
-        "plain task (no lock)": bd_plain,
+        RAW_FLOOR: bd_raw,
+        BARE_FLOOR: bd_bare,
+        PLAIN: bd_plain,
     }
+
+
+class _BareCycle:
+    """``SET key token NX PX 30000`` then ``DEL key``, each sent and its reply read on one plain socket.
+
+    No parser, no pool, no encoding beyond one ``%`` format: the least any client pays for two round
+    trips (the socket has a timeout, as every real client's has). Only a plain ``redis://`` URL.
+    """
+
+    def __init__(self, url: str, prefix: str) -> None:
+        u = urlsplit(url)
+        if u.scheme != "redis" or u.password:
+            raise ValueError(f"the bare floor needs a plain redis:// URL without AUTH, not {url!r}")
+        self._sock = socket.create_connection((u.hostname or "127.0.0.1", u.port or 6379), timeout=5.0)
+        db = (u.path or "/0").lstrip("/") or "0"
+        self._call(b"*2\r\n$6\r\nSELECT\r\n$%d\r\n%s\r\n" % (len(db), db.encode()), b"+OK\r\n")
+        self._prefix = f"{prefix}:bare:".encode()
+
+    def _call(self, packed: bytes, expect: bytes) -> None:
+        self._sock.sendall(packed)
+        reply = self._sock.recv(64)
+        while len(reply) < len(expect) and not reply.startswith(b"-"):  # a reply split in two: rare
+            more = self._sock.recv(64)
+            if not more:
+                break
+            reply += more
+        if reply != expect:
+            raise RuntimeError(f"bare floor: {packed!r} answered {reply!r}, not {expect!r}")
+
+    def cycle(self, i: int) -> None:
+        k = self._prefix + str(i).encode()
+        n = len(k)
+        self._call(
+            b"*6\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$5\r\ntoken\r\n$2\r\nNX\r\n$2\r\nPX\r\n$5\r\n30000\r\n" % (n, k),
+            b"+OK\r\n",
+        )
+        self._call(b"*2\r\n$3\r\nDEL\r\n$%d\r\n%s\r\n" % (n, k), b":1\r\n")
 
 
 def measure(url: str, rounds: int, n: int) -> list[BreakdownRow]:

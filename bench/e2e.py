@@ -28,6 +28,7 @@ run fails.
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -74,6 +75,10 @@ class E2EResult:
     child_waited: float = 0.0
     #: Commands the children's renewer threads sent per task (ticks finding a lease held): not in ``child_rt``.
     renewer_rt: float = 0.0
+    #: CPU µs per task while the worker drains: its main process, its pool children, the server(s) given.
+    cpu_main_us: Summary | None = None
+    cpu_child_us: Summary | None = None
+    cpu_server_us: Summary | None = None
 
     @property
     def round_trips(self) -> float:
@@ -98,6 +103,16 @@ class Variant:
 def default_variants() -> list[Variant]:
     """Every throughput task of the main table, in one group."""
     return [Variant(name, task) for name, task in TP_TASKS.items()]
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu(pid: int) -> float:
+    """Seconds of CPU (user + system, every thread) process ``pid`` used so far, from ``/proc``: clock-tick steps."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
 class BenchFailure(AssertionError):
@@ -133,12 +148,14 @@ def measure(
     groups: list[dict[str, Any]] | None = None,
     stats_clients: list[Any] | None = None,
     base: str = BASE,
+    server_pids: list[int] | None = None,
 ) -> list[E2EResult]:
     """Alternate the variants ``rounds`` times with ``n`` tasks each, on ``-c concurrency`` workers.
 
     ``groups`` are config overrides (``bench.workerapp``), one worker each, ``[{}]`` by
     default; ``stats_clients`` are further servers whose commandstats count as the task's
-    (the masters of a lock cluster). Why one function for every table: the same gates,
+    (the masters of a lock cluster); ``server_pids`` are the local servers whose CPU is read from
+    ``/proc`` over each drain. Why one function for every table: the same gates,
     markers and checks measure each figure, so the figures compare.
     """
     variants = variants or default_variants()
@@ -196,9 +213,11 @@ def measure(
         mid = counting.commandstats(admin, *more)
         for _ in range(c):
             mark.delay("end", None, barrier)
+        main0, srv0 = proc_cpu(g.worker.pid), sum(proc_cpu(p) for p in server_pids or ())
         admin.rpush(gate, *(["go"] * c))
         starts = marks_of(g, "start", 60)
         ends = marks_of(g, "end", max(60, n * 0.05))
+        main1, srv1 = proc_cpu(g.worker.pid), sum(proc_cpu(p) for p in server_pids or ())
         admin.rpush(barrier, *(["go"] * c))
         after = counting.commandstats(admin, *more)
         if {m["pid"] for m in starts} != {m["pid"] for m in ends}:
@@ -224,7 +243,11 @@ def measure(
         k["cmds"] += (sum(pub.values()) + sum(run.values())) / n
         for key, x in (pub + run).items():
             breakdown[variant][key] = breakdown[variant].get(key, 0) + x / n
+        child_cpu = sum(m["cpu"] - by_pid[m["pid"]]["cpu"] for m in ends)
         return {
+            "cpu_main": (main1 - main0) / n * 1e6,
+            "cpu_child": child_cpu / n * 1e6,
+            "cpu_server": (srv1 - srv0) / n * 1e6,
             "worker_rate": n / drain,
             "publish_us": publish / n * 1e6,
             "run_us": drain / n * 1e6,
@@ -262,6 +285,9 @@ def measure(
                 publish_waited=k["publish_waited"] / rounds,
                 child_waited=k["child_waited"] / rounds,
                 renewer_rt=k["renewer_rt"] / rounds,
+                cpu_main_us=res["cpu_main"],
+                cpu_child_us=res["cpu_child"],
+                cpu_server_us=res["cpu_server"] if server_pids else None,
                 server_cmds=k["cmds"] / rounds,
                 server_breakdown={
                     key: round(x / rounds, 2) for key, x in sorted(breakdown[v].items()) if x / rounds >= 0.01

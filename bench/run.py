@@ -139,7 +139,8 @@ def run(quick: bool, command: str) -> Results:
         )
 
     def do_e2e(srv: RedisServer) -> None:
-        res.e2e = e2e.measure(srv.url, p["e2e_rounds"], p["e2e_n"])
+        assert srv.proc is not None
+        res.e2e = e2e.measure(srv.url, p["e2e_rounds"], p["e2e_n"], server_pids=[srv.proc.pid])
         check_added("LockedTask", res.e2e)
         res.checks.append(("every throughput task ran exactly once", True, "checked per round"))
 

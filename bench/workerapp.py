@@ -12,6 +12,8 @@ with :func:`create_app` to publish.
   in-process; ``tp_mark`` reports those counts and this process's round trips
   (``bench.counting``) so the driver checks that every task ran exactly once
   and reads round trips per task at the client, without a round trip per task.
+  ``tp_by_hand`` is the floor: ``SET NX PX`` + ``DEL`` around the body through
+  redis-py, the least any lock taken in the worker costs.
 * Contention tasks (``hot_*``): one hot key, a 0.1 s body that records its
   start and end, so the driver checks that no two bodies overlapped. Their
   ``lock_ttl`` is 5 s: a waiter's back-off is capped by the holder's TTL, so
@@ -34,6 +36,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from collections import Counter
 from typing import Any
 
@@ -54,6 +57,9 @@ structlog.configure(
 #: Bodies run in this process, per throughput variant (read by ``tp_mark``).
 RUNS: Counter[str] = Counter()
 
+#: The floor of any lock taken in the worker: what users write by hand before a library.
+FLOOR = "floor: SET NX PX + DEL by hand in the worker"
+
 #: Throughput variants: display name -> task name.
 TP_TASKS = {
     "plain task": "tp_plain",
@@ -61,6 +67,7 @@ TP_TASKS = {
     "LockedTask until_done": "tp_until_done",
     "celery-once QueueOnce": "tp_once",
     "celery-singleton Singleton": "tp_singleton",
+    FLOOR: "tp_by_hand",
 }
 
 #: Contention variants: display name -> task name.
@@ -142,6 +149,19 @@ def create_app(cfg: dict[str, Any]) -> Celery:
     def tp_singleton(i: int) -> None:
         RUNS["tp_singleton"] += 1
 
+    by_hand = redis.Redis.from_url(cfg.get("lock_url", url), decode_responses=True)
+
+    @app.task(name="tp_by_hand", ignore_result=True, shared=False)
+    def tp_by_hand(i: int) -> None:
+        """SET NX PX with a uuid4 token, the body, DEL: two round trips, nothing checked, fenced or recorded."""
+        key = f"{prefix}:byhand:{i}"
+        if not by_hand.set(key, uuid.uuid4().hex, nx=True, px=30_000):
+            raise RuntimeError(f"{key} is held: the throughput keys are distinct")
+        try:
+            RUNS["tp_by_hand"] += 1
+        finally:
+            by_hand.delete(key)
+
     @app.task(name="tp_mark", ignore_result=True, shared=False)
     def tp_mark(tag: str, gate: str | None = None, barrier: str | None = None) -> None:
         """Report time, runs and round trips of this pool child to ``{marks}:{tag}``.
@@ -157,7 +177,9 @@ def create_app(cfg: dict[str, Any]) -> Celery:
             if rec.blpop([gate], timeout=120) is None:
                 raise RuntimeError(f"gate {gate} never opened")
         sent, deferred = counting.sent(), counting.deferred()  # read first: the marker's own push is not counted
+        cpu = os.times()  # this child's CPU, every thread (its renewer's too)
         mark = {"tag": tag, "t": time.time(), "sent": sent, "deferred": deferred, "runs": dict(RUNS)}
+        mark.update(cpu=cpu.user + cpu.system, sys=cpu.system)
         mark.update(pid=os.getpid(), background=counting.background())
         rec.rpush(f"{marks}:{tag}", json.dumps(mark))
         if barrier is not None and rec.blpop([barrier], timeout=120) is None:
