@@ -7,16 +7,19 @@ one feature off; paired differences against the default, per round, give
 what that feature costs in wall time and in process CPU (both threads: the
 renewer's wake-ups included).
 
-Two *floors* run beside them, no lockguard in either: the lock a user writes
-by hand (redis-py ``SET NX PX`` with a uuid4 token, then ``DEL``, around the
-body) and the same two round trips as pre-packed bytes on a bare socket. They
-say what two round trips cost on this host before any library code, so a CPU
-target can be read against what is physically left.
+*Floors* run beside them: lockguard's own ACQUIRE and RELEASE on its own
+channel with none of the task logic around them (so the default variant minus
+it is what that logic costs); the lock a user writes by hand (redis-py
+``SET NX PX`` with a uuid4 token, then ``DEL``, around the body); and those two
+round trips as pre-packed bytes on a bare socket: what two round trips cost
+on this host before any library code, so a CPU target can be read against
+what is physically left.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import resource
 import socket
 import time
@@ -28,12 +31,17 @@ from urllib.parse import urlsplit
 import redis
 from celery import Celery, Task
 
-from celery_lockguard import LockedTask
+from celery_lockguard import LockedTask, _wire
+from celery_lockguard import _completion as completion
+from celery_lockguard import _keys as keys
+from celery_lockguard import _lease as lease_ops
+from celery_lockguard import _scripts as scripts
 
 from .stats import Summary, paired, run_rounds
 
 DEFAULT = "LockedTask (default)"
 RAW_FLOOR = "floor: SET NX PX + DEL by hand (redis-py, no lockguard)"
+WIRE_FLOOR = "floor: lockguard's ACQUIRE and RELEASE on its own channel, no task logic"
 BARE_FLOOR = "floor: the same two round trips, pre-packed bytes on a bare socket"
 PLAIN = "plain task (no lock)"
 
@@ -99,10 +107,49 @@ def _app(url: str) -> tuple[Celery, dict[str, Any]]:
     def bd_bare(i: int) -> None:
         return None
 
+    wire_client = redis.Redis.from_url(url, decode_responses=True)
+
+    class WireOnly(Task):  # type: ignore[misc]
+        """The default variant's two scripts, same keys and values, sent on lockguard's own channel.
+
+        What remains is what the task logic costs (options, headers, decision, metrics, events,
+        renewal tracking, the release report): the default variant minus this one.
+        """
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            ch = _wire.channel(wire_client)
+            assert ch is not None
+            key, task_id = f"item:{args[0]}", self.request.id
+            lock, done = keys.lock_name(prefix, key), keys.done_name(prefix, f"task:{task_id}")
+            token = lease_ops.new_token()
+            acquire = [token, 30_000, task_id, self.name, "0" * 16, lease_ops.HOST, os.getpid(), "", "running"]
+            got = ch.call(
+                scripts.acquire,
+                [lock, keys.fence_name(prefix, key), keys.claim_name(prefix, key), done],
+                [*acquire, 30 * 86_400_000, "", ""],
+            )
+            if got[0] != "ok":
+                raise RuntimeError(f"{key}: {got!r}: the floor's keys are distinct")
+            try:
+                return self.run(*args, **kwargs)
+            finally:
+                record = completion.encode_record(task_id, None)[0]
+                ch.defer(
+                    scripts.release,
+                    [lock, keys.wait_name(prefix, key), keys.waiters_name(prefix, key), done],
+                    [token, record, 86_400_000, 30_000],
+                    lambda reply: None,
+                )
+
+    @app.task(name="bd_wire", base=WireOnly, shared=False)
+    def bd_wire(i: int) -> None:
+        return None
+
     return app, {
         DEFAULT: bd_locked,
         "without renewal tracking (lock_renew=False)": bd_norenew,
         "without completion record (completion=False)": bd_nocompletion,
+        WIRE_FLOOR: bd_wire,
         RAW_FLOOR: bd_raw,
         BARE_FLOOR: bd_bare,
         PLAIN: bd_plain,
