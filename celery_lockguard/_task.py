@@ -575,7 +575,7 @@ class LockGuard(Task):
                 **fields,
                 reason=decision.reason,
                 waits=headers.read_int(self.request, headers.WAITS),
-                policy=opts.on_locked,
+                policy=_policy(opts, decision.reason),
             )
             raise self._contention_error(call, holder, failure, throttled)
         if action is Action.MISCONFIGURED:
@@ -1044,7 +1044,13 @@ class LockGuard(Task):
         else:
             countdown = min(republish.wait_countdown(waits, holder_ttl), republish.max_countdown(s))
         fields = {**self._fields(call), "reason": decision.reason, "waits": waits}
-        emit("lock.retry_scheduled", self.name, **fields, countdown=round(countdown, 3), policy=opts.on_locked)
+        emit(
+            "lock.retry_scheduled",
+            self.name,
+            **fields,
+            countdown=round(countdown, 3),
+            policy=_policy(opts, decision.reason),
+        )
         hdrs = republish.wait_headers(req, attempt_token, claim_token, first_ms)
         if not req.is_eager:
             try:
@@ -1246,7 +1252,7 @@ class LockGuard(Task):
             def confirmed(reply: bool | BaseException) -> None:
                 # Read later (nothing waits on it: the message is out); a failed confirm lapses after the grace.
                 if isinstance(reply, BaseException):
-                    failed = {**fields, "reason": f"confirm claim: {_describe(reply)}"}
+                    failed = {**fields, "policy": opts.on_unavailable, "reason": f"confirm claim: {_describe(reply)}"}
                     events.emit_for("lock.backend_unavailable", name, failed, backend=backend, span=span)
 
             try:
@@ -1271,6 +1277,7 @@ class LockGuard(Task):
             )
             return self.AsyncResult(got.task_id)
         if failure is not None:
+            fields["policy"] = opts.on_unavailable
             emit("lock.backend_unavailable", self.name, **fields, reason=f"publish without claim: {_describe(failure)}")
         return super().apply_async(args, kwargs, task_id, link=link, **options)
 
@@ -1569,6 +1576,15 @@ class _ReleaseReport:
 
 
 _CELERY_CALL = Task.__dict__["__call__"]
+
+
+#: Decision reasons of an outage: their exits follow ``on_unavailable``; every other wait or give-up, ``on_locked``.
+_OUTAGE_REASONS = frozenset({"backend_unavailable", "acquire_slower_than_ttl"})
+
+
+def _policy(opts: TaskOptions, reason: str) -> str:
+    """The policy an exit's event names: the one that decided it."""
+    return opts.on_unavailable if reason in _OUTAGE_REASONS else opts.on_locked
 
 
 def _runs_plainly(cls: type) -> bool:

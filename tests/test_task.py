@@ -328,6 +328,51 @@ def test_fail_closed_never_runs_the_body(prefix: str) -> None:
         t.apply(args=(1,), throw=True)
     assert ran == []
     assert events(logs, "lock.backend_unavailable")[0]["policy"] == "fail_closed"
+    # The give-up names the policy that decided it (on_unavailable), not on_locked's "skip".
+    assert [e["policy"] for e in events(logs, "lock.wait_budget_exhausted")] == ["fail_closed"]
+
+
+def test_an_outage_wait_names_on_unavailable_as_its_policy(prefix: str) -> None:
+    """Waits and the give-up at the budget, in an outage: each event says ``fail_closed``."""
+    app = unreachable_app("fail_closed", prefix)
+    app.conf.lockguard_max_waits = 2
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="tt.15w", lock_key="k:{a}")
+    def t(self: Any, a: int) -> None:
+        raise AssertionError("ran without a lease under fail_closed")
+
+    with capture_logs() as logs, pytest.raises(BackendUnavailable):
+        t.apply(args=(1,), throw=True)
+    waits = events(logs, "lock.retry_scheduled")
+    assert len(waits) == 2 and {e["policy"] for e in waits} == {"fail_closed"}
+    assert {e["reason"] for e in waits} == {"backend_unavailable"}
+    assert [e["policy"] for e in events(logs, "lock.wait_budget_exhausted")] == ["fail_closed"]
+
+
+def test_a_publish_without_its_claim_names_on_unavailable(redis_url: str, prefix: str) -> None:
+    """until_done publishes without the claim when the lock Redis is down: the warning names ``on_unavailable``."""
+    app = Celery("pubdown", broker=redis_url, set_as_current=False)
+    app.conf.update(
+        lockguard_key_prefix=prefix,
+        lockguard_redis_url=f"redis://127.0.0.1:{free_port()}/0",
+        lockguard_socket_timeout=0.3,
+        lockguard_on_unavailable="fail_open",
+    )
+    queue = f"{prefix}.q"
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="tt.15p", lock_key="k:{a}", lock_mode="until_done")
+    def t(self: Any, a: int) -> None:
+        return None
+
+    r = redis.Redis.from_url(redis_url)
+    try:
+        with capture_logs() as logs:
+            t.apply_async((1,), queue=queue)
+        (down,) = events(logs, "lock.backend_unavailable")
+        assert down["reason"].startswith("publish without claim: ") and down["policy"] == "fail_open"
+        assert r.llen(queue) == 1  # published all the same: nothing dropped
+    finally:
+        r.delete(queue)
 
 
 def test_settings_reset_picks_up_changes(app: Celery) -> None:
