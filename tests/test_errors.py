@@ -186,7 +186,7 @@ def test_misconf_when_snapshots_fail() -> None:
 
 
 def test_loading_while_the_dataset_loads() -> None:
-    with loading_server(keys=1000) as (server, _):
+    with loading_server(keys=2000) as (server, _):
         exc = refusal(lambda: bare(server).get("fill:1"))
         assert isinstance(exc, redis.exceptions.BusyLoadingError) and errors.classify(exc) == "unavailable"
 

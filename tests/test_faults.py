@@ -225,7 +225,7 @@ def test_a_server_still_loading_its_dataset_follows_on_unavailable(prefix: str) 
     once loading ends the same task takes its lease.
     """
     try:
-        with loading_server() as (server, starting):
+        with loading_server() as (server, finish):
             app = make_app(server.url, prefix, lockguard_max_waits=0)
             ran: list[str] = []
 
@@ -247,9 +247,9 @@ def test_a_server_still_loading_its_dataset_follows_on_unavailable(prefix: str) 
             assert by["lock.backend_unavailable"]["reason"] == loading_reason
             assert by["lock.backend_unavailable"]["policy"] == "fail_closed"
             assert by["lock.wait_budget_exhausted"]["reason"] == "backend_unavailable"
+            assert by["lock.wait_budget_exhausted"]["policy"] == "fail_closed"
             assert by["lock.fail_open"]["reason"] == loading_reason and by["lock.fail_open"]["lock_key"] == "k:2"
-            starting.join(60)
-            assert not starting.is_alive()
+            finish()
             closed.apply(args=(1,), throw=True).get()
             assert ran == ["open", "closed"] and not server.client().exists(lock_name(prefix, "k:1"))
     finally:
