@@ -79,6 +79,9 @@ class E2EResult:
     cpu_main_us: Summary | None = None
     cpu_child_us: Summary | None = None
     cpu_server_us: Summary | None = None
+    #: Paired per round against the base: the child's CPU, and all three processes' together.
+    cpu_child_added_us: Summary | None = None
+    cpu_added_us: Summary | None = None
 
     @property
     def round_trips(self) -> float:
@@ -248,6 +251,7 @@ def measure(
             "cpu_main": (main1 - main0) / n * 1e6,
             "cpu_child": child_cpu / n * 1e6,
             "cpu_server": (srv1 - srv0) / n * 1e6,
+            "cpu_all": (main1 - main0 + child_cpu + srv1 - srv0) / n * 1e6,
             "worker_rate": n / drain,
             "publish_us": publish / n * 1e6,
             "run_us": drain / n * 1e6,
@@ -288,6 +292,8 @@ def measure(
                 cpu_main_us=res["cpu_main"],
                 cpu_child_us=res["cpu_child"],
                 cpu_server_us=res["cpu_server"] if server_pids else None,
+                cpu_child_added_us=paired(results, v, base, "cpu_child", lambda a, b: a - b),
+                cpu_added_us=paired(results, v, base, "cpu_all", lambda a, b: a - b) if server_pids else None,
                 server_cmds=k["cmds"] / rounds,
                 server_breakdown={
                     key: round(x / rounds, 2) for key, x in sorted(breakdown[v].items()) if x / rounds >= 0.01

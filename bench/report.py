@@ -174,7 +174,7 @@ def render(res: Results, plot_name: str | None) -> str:
         "them). Every round checks that each variant's bodies ran exactly N times.\n"
     )
     add(_e2e_table(res.e2e) + "\n")
-    add(_cpu_table(res.e2e))
+    add(_cpu_table(res.e2e, res.params["e2e_n"]))
     add(
         "Commands sent at publish include kombu's own (1 for a plain task); in the worker they are the pool "
         "child's (a plain task with `ignore_result` makes none: the main process fetches and acks). "
@@ -546,71 +546,64 @@ def _target_rows(res: Results) -> list[list[str]]:
     return rows
 
 
-def _cpu_table(results: list[E2EResult]) -> str:
+def _cpu_table(results: list[E2EResult], n: int) -> str:
     """CPU per task by process while the worker drains: where a variant's cost lands on the machine's cores."""
     if not results or results[0].cpu_main_us is None:
         return ""
-    by = {r.name: r for r in results}
-    base = by[e2e_mod.BASE]
-
-    def added(r: E2EResult) -> float:
-        parts = (r.cpu_main_us, r.cpu_child_us, r.cpu_server_us)
-        mine = sum(p.median for p in parts if p is not None)
-        theirs = sum(p.median for p in (base.cpu_main_us, base.cpu_child_us, base.cpu_server_us) if p is not None)
-        return mine - theirs
-
     rows = [
         [
             r.name,
             r.cpu_main_us.fmt(".0f") if r.cpu_main_us else "",
             r.cpu_child_us.fmt(".0f") if r.cpu_child_us else "",
             r.cpu_server_us.fmt(".0f") if r.cpu_server_us else "n/a",
-            f"{added(r):+.0f}",
+            r.cpu_added_us.fmt("+.0f") if r.cpu_added_us else "n/a",
         ]
         for r in results
     ]
     headers = ["variant", "worker main process", "pool child", "Redis (broker and locks)", "added, all three"]
     table = _table(headers, rows)
     return (
-        "**CPU per task while the worker drains** (µs, medians over rounds): the worker's main process and "
-        "pool child from `/proc` and the child's own `os.times()` (its renewer thread included), the private "
-        "server from `/proc`; clock-tick resolution, 10 ms per round. The main process fetches, hands over and "
-        "acks every message whatever the task; a lock's cost lands in the child and the server, on the same two "
-        "cores.\n\n" + table + "\n"
+        "**CPU per task while the worker drains** (µs, medians over rounds; *added* is paired per round against "
+        "the plain task): the worker's main process and the private server from `/proc`, the pool child from its "
+        "own `os.times()` (its renewer thread included), each read at the start and end markers. Resolution: one "
+        f"clock tick (10 ms) per round, {10_000 / n:.0f} µs per task at {n} tasks. The main process fetches, hands "
+        "over and acks every message whatever the task; a lock's cost lands in the child and the server, on the "
+        "same two cores.\n\n" + table + "\n"
     )
 
 
 def _floors(res: Results) -> str:
-    """The two floors measured in this run (no lockguard in them), against the targets they bound."""
+    """The floors measured in this run (no lockguard logic in them), against the targets they bound."""
     ee = {r.name: r for r in res.e2e}
     bd = {b.name: b for b in res.breakdown}
     if workerapp.FLOOR not in ee or breakdown_mod.BARE_FLOOR not in bd:
         return ""
-    hand, locked, plain = ee[workerapp.FLOOR], ee["LockedTask"], ee[e2e_mod.BASE]
+    hand, locked = ee[workerapp.FLOOR], ee["LockedTask"]
     plain_cpu = bd[breakdown_mod.PLAIN].cpu_us.median
     child = ""
-    if hand.cpu_child_us and locked.cpu_child_us and plain.cpu_child_us:
-        base_child = plain.cpu_child_us.median
+    if hand.cpu_child_added_us and locked.cpu_child_added_us:
         child = (
-            f" The hand-written lock adds {hand.cpu_child_us.median - base_child:.0f} µs of pool-child CPU per "
-            f"task over the plain task and LockedTask {locked.cpu_child_us.median - base_child:.0f} µs (section 2, "
-            "CPU by process). The child has slack under `-c 1`, where the main process, busiest of the three, "
+            f" The hand-written lock adds {hand.cpu_child_added_us.fmt('.0f')} µs of pool-child CPU per task over "
+            f"the plain task and LockedTask {locked.cpu_child_added_us.fmt('.0f')} µs (section 2, CPU by process, "
+            "paired per round). The child has slack under `-c 1`, where the main process, busiest of the three, "
             "sets the pace: what a lock adds in the child shows in the rate only past that slack."
         )
-    raw_cpu, bare_cpu = bd[breakdown_mod.RAW_FLOOR].cpu_us.median, bd[breakdown_mod.BARE_FLOOR].cpu_us.median
-    wire_cpu, default_cpu = bd[breakdown_mod.WIRE_FLOOR].cpu_us.median, bd[breakdown_mod.DEFAULT].cpu_us.median
+    raw, bare = bd[breakdown_mod.RAW_FLOOR], bd[breakdown_mod.BARE_FLOOR]
+    wire, default = bd[breakdown_mod.WIRE_FLOOR], bd[breakdown_mod.DEFAULT]
+    logic = Summary([-x for x in wire.cpu_vs_default.values])  # default minus the wire floor, per round
     return (
-        "**Floors, measured in this run with no lockguard code in them.** A lock written by hand in the "
+        "**Floors, measured in this run with no lockguard logic in them.** A lock written by hand in the "
         "worker (`SET NX PX` with a uuid4 token, the body, `DEL`, through redis-py: no owner check, fence or "
         f"record) drains at {hand.ratio_worker.fmt('.2f')}x of the plain task, where LockedTask drains at "
-        f"{locked.ratio_worker.fmt('.2f')}x.{child} In-process (the breakdown, section 2), the same hand-written lock "
-        f"costs {raw_cpu:.0f} µs of CPU per call and the same two round trips as pre-packed bytes on a bare "
-        f"socket {bare_cpu:.0f} µs, against {plain_cpu:.0f} µs for the plain task: the {CPU_TARGET_US:.0f} µs "
-        f"target leaves {CPU_TARGET_US - bare_cpu:.0f} µs above the bare socket for everything a lock "
-        f"library does in Python. lockguard's own ACQUIRE and RELEASE, sent on its channel with none of the "
-        f"task logic around them, cost {wire_cpu:.0f} µs; the default variant's {default_cpu:.0f} µs leaves "
-        f"{default_cpu - wire_cpu:.0f} µs for that logic (options, headers, the decision, metrics, events, "
-        "renewal tracking, the release report).\n"
+        f"{locked.ratio_worker.fmt('.2f')}x.{child} In-process (the breakdown, section 2), the same hand-written "
+        f"lock costs {raw.cpu_us.median:.0f} µs of CPU per call and the same two round trips as pre-packed bytes "
+        f"on a bare socket {bare.cpu_us.median:.0f} µs, against {plain_cpu:.0f} µs for the plain task (both wait "
+        "for both replies; LockedTask's RELEASE reply is read later, so read their wall times as no floor). The "
+        f"{CPU_TARGET_US:.0f} µs target leaves {CPU_TARGET_US - bare.cpu_us.median:.0f} µs above the bare socket, "
+        "in this run, for everything a lock library does in Python. lockguard's own ACQUIRE and RELEASE, sent on "
+        f"its channel with none of the task logic around them, cost {wire.cpu_us.median:.0f} µs, so the default "
+        f"variant ({default.cpu_us.median:.0f} µs) spends {logic.fmt('.0f')} µs (paired) on that logic: options, "
+        "headers, the decision, metrics, events, renewal tracking, the release report.\n"
     )
 
 
