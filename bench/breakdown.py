@@ -37,6 +37,7 @@ from celery_lockguard import _keys as keys
 from celery_lockguard import _lease as lease_ops
 from celery_lockguard import _scripts as scripts
 
+from . import peers
 from .stats import Summary, paired, run_rounds
 
 DEFAULT = "LockedTask (default)"
@@ -84,13 +85,8 @@ def _app(url: str) -> tuple[Celery, dict[str, Any]]:
         """The two-command lock users write before a library: SET NX PX with a random token, DEL after."""
 
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            key = f"{prefix}:raw:{args[0]}"
-            if not raw.set(key, uuid.uuid4().hex, nx=True, px=30_000):
-                raise RuntimeError(f"{key} is held: the floor's keys are distinct")
-            try:
+            with peers.by_hand(raw, f"{prefix}:raw:{args[0]}"):
                 return self.run(*args, **kwargs)
-            finally:
-                raw.delete(key)
 
     @app.task(name="bd_raw", base=ByHand, shared=False)
     def bd_raw(i: int) -> None:

@@ -28,7 +28,6 @@ run fails.
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -108,16 +107,6 @@ def default_variants() -> list[Variant]:
     return [Variant(name, task) for name, task in TP_TASKS.items()]
 
 
-_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def proc_cpu(pid: int) -> float:
-    """Seconds of CPU (user + system, every thread) process ``pid`` used so far, from ``/proc``: clock-tick steps."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
-
-
 class BenchFailure(AssertionError):
     """A real breakage (lost or double-run task, too many round trips): fails ``--quick`` too."""
 
@@ -195,6 +184,10 @@ def measure(
             raise BenchFailure(f"'{tag}' markers came from {len(pids)} children, expected {c}: {sorted(pids)}")
         return got
 
+    def cpu_now(g: _Group) -> tuple[float, float]:
+        """CPU seconds so far of ``g``'s worker main process and of the servers in ``server_pids``."""
+        return testing.process_cpu(g.worker.pid), sum(testing.process_cpu(p) for p in server_pids or ())
+
     def one(variant: str, r: int, n: int = n) -> dict[str, float]:
         v = spec[variant]
         g = gs[v.group]
@@ -216,11 +209,11 @@ def measure(
         mid = counting.commandstats(admin, *more)
         for _ in range(c):
             mark.delay("end", None, barrier)
-        main0, srv0 = proc_cpu(g.worker.pid), sum(proc_cpu(p) for p in server_pids or ())
+        main0, srv0 = cpu_now(g)
         admin.rpush(gate, *(["go"] * c))
         starts = marks_of(g, "start", 60)
         ends = marks_of(g, "end", max(60, n * 0.05))
-        main1, srv1 = proc_cpu(g.worker.pid), sum(proc_cpu(p) for p in server_pids or ())
+        main1, srv1 = cpu_now(g)
         admin.rpush(barrier, *(["go"] * c))
         after = counting.commandstats(admin, *more)
         if {m["pid"] for m in starts} != {m["pid"] for m in ends}:

@@ -12,8 +12,8 @@ with :func:`create_app` to publish.
   in-process; ``tp_mark`` reports those counts and this process's round trips
   (``bench.counting``) so the driver checks that every task ran exactly once
   and reads round trips per task at the client, without a round trip per task.
-  ``tp_by_hand`` is the floor: ``SET NX PX`` + ``DEL`` around the body through
-  redis-py, the least any lock taken in the worker costs.
+  ``tp_by_hand`` is a floor: ``SET NX PX`` + ``DEL`` around the body through
+  redis-py (``peers.by_hand``), a lock with nothing beyond those two commands.
 * Contention tasks (``hot_*``): one hot key, a 0.1 s body that records its
   start and end, so the driver checks that no two bodies overlapped. Their
   ``lock_ttl`` is 5 s: a waiter's back-off is capped by the holder's TTL, so
@@ -36,7 +36,6 @@ import json
 import logging
 import os
 import time
-import uuid
 from collections import Counter
 from typing import Any
 
@@ -57,7 +56,7 @@ structlog.configure(
 #: Bodies run in this process, per throughput variant (read by ``tp_mark``).
 RUNS: Counter[str] = Counter()
 
-#: The floor of any lock taken in the worker: what users write by hand before a library.
+#: A floor for a lock taken in the worker: the two commands users write by hand before a library.
 FLOOR = "floor: SET NX PX + DEL by hand in the worker"
 
 #: Throughput variants: display name -> task name.
@@ -154,13 +153,8 @@ def create_app(cfg: dict[str, Any]) -> Celery:
     @app.task(name="tp_by_hand", ignore_result=True, shared=False)
     def tp_by_hand(i: int) -> None:
         """SET NX PX with a uuid4 token, the body, DEL: two round trips, nothing checked, fenced or recorded."""
-        key = f"{prefix}:byhand:{i}"
-        if not by_hand.set(key, uuid.uuid4().hex, nx=True, px=30_000):
-            raise RuntimeError(f"{key} is held: the throughput keys are distinct")
-        try:
+        with peers.by_hand(by_hand, f"{prefix}:byhand:{i}"):
             RUNS["tp_by_hand"] += 1
-        finally:
-            by_hand.delete(key)
 
     @app.task(name="tp_mark", ignore_result=True, shared=False)
     def tp_mark(tag: str, gate: str | None = None, barrier: str | None = None) -> None:

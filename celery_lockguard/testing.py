@@ -384,6 +384,13 @@ def parent_pid(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[1])
 
 
+def process_cpu(pid: int) -> float:
+    """Seconds of CPU (user + system, every thread) process ``pid`` has used (Linux ``/proc``, clock-tick steps)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def child_pids(pid: int) -> list[int]:
     """Pids of the children of ``pid``: a prefork worker's pool processes (to kill or pause one)."""
     return [int(name) for name in os.listdir("/proc") if name.isdigit() and parent_pid(int(name)) == pid]

@@ -8,7 +8,6 @@ and scrapes timed out.
 
 from __future__ import annotations
 
-import os
 import resource
 import socket
 import subprocess
@@ -24,7 +23,7 @@ import pytest
 import redis
 
 from celery_lockguard import _metrics as metrics
-from celery_lockguard.testing import free_port
+from celery_lockguard.testing import free_port, process_cpu
 
 from .conftest import make_cfg
 from .harness import ROOT, wait_for
@@ -53,8 +52,7 @@ class Exporter:
         return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
 
     def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return process_cpu(self.proc.pid)
 
 
 def start(redis_url: str, prefix: str, *args: str, nofile: int | None = None) -> Exporter:
