@@ -444,14 +444,15 @@ def release_later(
     The lease is free (or handed to its oldest waiter) on the server as soon as this
     returns; only the reply is read later (:mod:`celery_lockguard._wire`), and with it
     the waiter to publish. False, with nothing sent, where that cannot be done exactly
-    (Sentinel, Cluster, green pools): call :func:`release_and_wake` instead. A failed
+    (Sentinel, Cluster, green pools) or is not worth it (a server on this host,
+    ``_wire.DEFER_NEAR``): call :func:`release_and_wake` instead. A failed
     send raises, as :func:`release_and_wake` would.
     """
     done_key = done_name(prefix, scope) if scope is not None else None
     if done_key is not None and cluster.split_done(client, lease.redis_key, done_key):
         return False
     ch = _wire.channel(client)
-    if ch is None:
+    if ch is None or not ch.defers:
         return False
     keys, args = _release_call(
         prefix, lease.key, lease.token, record, completion_ttl_ms, reserve_ms, done_key, lease.redis_key

@@ -18,6 +18,11 @@ so that read costs no round trip), or by the renewer thread within
 process shutdown (:func:`drain_all`). Its callback then logs and counts what
 the synchronous path would have.
 
+Only to a server on another host: to one on this host (loopback, a unix
+socket) :meth:`Channel.defer` waits for the reply, as :meth:`Channel.call`
+does, because there the wait is time the server needs on the same CPUs anyway
+(:data:`DEFER_NEAR`).
+
 Replies are read strictly in the order their commands were sent. A ``NOSCRIPT``
 reply (a restart or ``SCRIPT FLUSH`` between two calls) means that command did
 not run: the script is loaded and that command alone is sent again (a command
@@ -41,6 +46,7 @@ redis-py's own path (:func:`channel` returns ``None``).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import queue
 import select
@@ -61,6 +67,13 @@ from ._resp import Reader
 #: Seconds within which the renewer thread reads a deferred reply nobody else read.
 DRAIN_DELAY = 0.02
 
+#: Whether a channel to a server on this host (loopback or a unix socket) defers replies too.
+#: It does not by default: such a server shares this host's CPUs, so the wait for its reply is time
+#: it needs anyway, and leaving the reply in flight cost a prefork worker 0.03-0.05 of its throughput
+#: in ``make bench`` (docs/benchmarks.md). A server on another host has its replies deferred: there
+#: the wait is a network round trip. Tests set it to exercise the deferred path against a local server.
+DEFER_NEAR = False
+
 OnReply = Callable[[Any], None]  # called with the reply, or with the exception that stands for it
 
 
@@ -72,6 +85,19 @@ class _Sent:
     keys: list[str]
     args: list[Any]
     on_reply: OnReply | None  # None: the caller reads it (call)
+
+
+def on_this_host(kwargs: dict[str, Any]) -> bool:
+    """Whether a pool's connections reach a server on this host: a unix socket, or a loopback address."""
+    if kwargs.get("path"):
+        return True
+    host = str(kwargs.get("host") or "")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name: it may resolve anywhere, so it is taken to be another host
+        return False
 
 
 def _encode(value: Any) -> bytes:
@@ -150,6 +176,8 @@ class Channel:
         self.pid = os.getpid()
         #: Commands sent whose reply is read later (tests and the bench count them).
         self.deferred = 0
+        #: The server is on this host: :meth:`defer` waits for replies (unless :data:`DEFER_NEAR`).
+        self.near = on_this_host(self._pool.connection_kwargs)
         weakref.finalize(self, _give_back, self._pool, self._made, self._lock, self._inflight)
 
     def _connection(self) -> Any:
@@ -184,6 +212,11 @@ class Channel:
             return True
 
     @property
+    def defers(self) -> bool:
+        """Whether :meth:`defer` leaves replies in flight: the server is on another host (or :data:`DEFER_NEAR`)."""
+        return DEFER_NEAR or not self.near
+
+    @property
     def pending(self) -> int:
         """Commands whose reply has not been read yet."""
         return len(self._inflight)
@@ -211,9 +244,10 @@ class Channel:
 
         A failed send raises here, as :meth:`call` would: nothing was sent. A script not yet
         seen in the server's cache on this connection (its first call, after a reconnect) runs
-        synchronously instead, so a ``NOSCRIPT`` never delays what the command does.
+        synchronously instead, so a ``NOSCRIPT`` never delays what the command does; so does
+        every command to a server on this host (:data:`DEFER_NEAR`).
         """
-        if script.sha_bytes not in self._loaded:
+        if script.sha_bytes not in self._loaded or not self.defers:
             try:
                 reply = self.call(script, keys, args)
             except (redis.ConnectionError, redis.TimeoutError):

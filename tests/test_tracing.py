@@ -135,12 +135,18 @@ def test_without_a_recording_span_nothing_breaks(app: Celery, tracer: Any) -> No
     assert exporter.get_finished_spans() == ()
 
 
-def test_a_worker_delivery_says_on_its_span_that_the_release_went_out(app: Celery, tracer: Any) -> None:
-    """The reply of a worker's release is read after the task's span ended: the span gets lock.release_sent."""
+@pytest.mark.parametrize("defer", [True, False], ids=["server-elsewhere", "server-on-this-host"])
+def test_a_worker_delivery_says_on_its_span_that_the_release_went_out(
+    app: Celery, tracer: Any, defer: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deferred release's reply is read after the task's span ended: the span gets lock.release_sent.
+    A release waited for (the server on this host) puts lock.released on the span itself."""
     from celery.app.trace import build_tracer
 
+    from celery_lockguard import _wire
     from celery_lockguard.testing import settle
 
+    monkeypatch.setattr(_wire, "DEFER_NEAR", defer)  # the test's Redis is on this host
     tr, exporter = tracer
 
     @app.task(base=LockedTask, bind=True, shared=False, name="tr.worker", lock_key="k:{a}")
@@ -154,4 +160,8 @@ def test_a_worker_delivery_says_on_its_span_that_the_release_went_out(app: Celer
         assert build_tracer(t.name, t, app=app, eager=False, propagate=False)("id-w", [7], {}, request)[0] == 7
     settle()
     names = [name for name, _ in span_events(exporter)]
-    assert names[0] == "lock.acquired" and "lock.release_sent" in names
+    assert names[0] == "lock.acquired"
+    if defer:
+        assert "lock.release_sent" in names and "lock.released" not in names
+    else:
+        assert "lock.released" in names and "lock.release_sent" not in names

@@ -48,6 +48,12 @@ def warm(c: Any) -> Any:
     return c
 
 
+@pytest.fixture(autouse=True)
+def defer_near(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about deferred replies: defer them on a server on this host too (``DEFER_NEAR``)."""
+    monkeypatch.setattr(wire, "DEFER_NEAR", True)
+
+
 @pytest.fixture
 def c(own_redis: RedisServer) -> Any:
     return warm(own_redis.client())
@@ -238,6 +244,70 @@ def test_a_locked_delivery_frees_the_lease_before_its_release_is_reported(
         assert "lock.released" not in [e["event"] for e in logs]
         assert settle() >= 1
     assert "lock.released" in [e["event"] for e in logs]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "near"),
+    [
+        ({"path": "/run/redis.sock"}, True),
+        ({"host": "127.0.0.1"}, True),
+        ({"host": "127.0.1.1"}, True),
+        ({"host": "::1"}, True),
+        ({"host": "[::1]"}, True),
+        ({"host": "localhost"}, True),
+        ({"host": "10.0.0.5"}, False),
+        ({"host": "redis.internal"}, False),  # a name may resolve anywhere: taken to be another host
+        ({}, False),
+    ],
+)
+def test_a_server_on_this_host_is_told_by_its_address(kwargs: dict[str, Any], near: bool) -> None:
+    assert wire.on_this_host(kwargs) is near
+
+
+def test_a_server_on_this_host_has_its_replies_waited_for(c: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without DEFER_NEAR (the default), RELEASE and a deferred call to a local server are waited for."""
+    monkeypatch.setattr(wire, "DEFER_NEAR", False)
+    monkeypatch.setattr(wire, "DRAIN_DELAY", 60.0)  # a reply left in flight would stay unread in this test
+    ch = wire.channel(c)
+    assert ch is not None and ch.near and not ch.defers
+    lease = take(c)
+    deferred = ch.deferred
+    # release_later declines, with nothing sent: the caller releases and waits, as for Sentinel
+    assert not L.release_later(c, lease, P, Replies()) and not lease.released and ch.pending == 0
+    assert c.exists(lock_name(P, "k"))
+    replies = Replies()
+    keys, args = L._release_call(P, lease.key, lease.token, "", 0, 0, None, lease.redis_key)
+    ch.defer(scripts.release, keys, args, replies)  # the publish side's callers (CONFIRM_CLAIM, settle) alike
+    assert replies.got and replies.got[0][0] == 1 and ch.pending == 0 and ch.deferred == deferred
+    assert replies.threads == [threading.current_thread().name]  # answered in the caller, at once
+    assert not c.exists(lock_name(P, "k"))
+
+
+def test_a_locked_delivery_to_a_server_on_this_host_reports_its_release_before_it_returns(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through Celery's real tracer, with the default DEFER_NEAR: lock.released is logged before the tracer returns."""
+    from celery.app.trace import build_tracer
+    from structlog.testing import capture_logs
+
+    monkeypatch.setattr(wire, "DEFER_NEAR", False)
+    monkeypatch.setattr(wire, "DRAIN_DELAY", 60.0)
+    app: Celery = make_app("wire-near", redis_url, prefix, lockguard_redis_url=redis_url)
+
+    @app.task(base=LockedTask, bind=True, name="w.near", lock_key="k:{a}")
+    def t(self: Any, a: int) -> int:
+        return a
+
+    c = redis.Redis.from_url(redis_url, decode_responses=True)
+    t.apply((0,))  # scripts cached on the server and known to this thread's channel
+    request = {"id": "near-1", "task": t.name, "args": [3], "kwargs": {}, "hostname": HOSTNAME, "is_eager": False}
+    tracer = build_tracer(t.name, t, app=app, eager=False, propagate=False)
+    with capture_logs() as logs:
+        assert tracer("near-1", [3], {}, request)[0] == 3
+        released = [e for e in logs if e["event"] == "lock.released"]
+    assert len(released) == 1 and released[0]["task_id"] == "near-1"
+    assert not c.exists(lock_name(prefix, "k:3")) and c.exists(done_name(prefix, "task:near-1"))
+    assert settle() == 0  # nothing was left in flight to read
 
 
 def test_tokens_are_unique_per_lease_and_never_repeat_across_fork() -> None:
