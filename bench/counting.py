@@ -15,7 +15,8 @@ counted too (``EVALSHA``, the sha, numkeys, keys, args), the same way.
 *Deferred sends*: the runtime may hand a command to the connection without
 waiting for its reply (RELEASE: the reply is read later, with the next command
 on that connection or by a background thread). Such sends go through
-``celery_lockguard._wire.Channel.defer``; counting its calls beside the sends
+``celery_lockguard._wire.Channel.defer``; counting the calls that leave a reply in flight (the
+channel waits for it itself where its server is near) beside the sends
 gives *round trips waited* = sends - deferred. Where that method does not
 exist (a runtime that defers nothing), deferred is 0.
 
@@ -119,10 +120,16 @@ def _wrap_defer() -> None:
     original = cls.__dict__.get("defer", cls.defer)
 
     def counting_defer(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # Only a send left in flight counts: the channel waits for the reply itself where that is cheaper
+        # (its ``deferred`` counter then stays put).
         global _deferred
-        with _lock:
-            _deferred += 1
-        return original(self, *args, **kwargs)
+        before = getattr(self, "deferred", None)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if before is None or getattr(self, "deferred", None) != before:
+                with _lock:
+                    _deferred += 1
 
     counting_defer.__doc__ = getattr(original, "__doc__", None)
     cls.defer = counting_defer

@@ -12,6 +12,9 @@ with :func:`create_app` to publish.
   in-process; ``tp_mark`` reports those counts and this process's round trips
   (``bench.counting``) so the driver checks that every task ran exactly once
   and reads round trips per task at the client, without a round trip per task.
+  ``tp_deferred`` is ``tp_locked`` with its RELEASE left in flight although
+  the server is on this host (``_wire.DEFER_NEAR`` around each call), as it
+  is to a server on another host: the trade of waiting, in the same run.
   ``tp_by_hand`` is a floor: ``SET NX PX`` + ``DEL`` around the body through
   redis-py (``peers.by_hand``), a lock with nothing beyond those two commands.
 * Contention tasks (``hot_*``): one hot key, a 0.1 s body that records its
@@ -44,6 +47,7 @@ import structlog
 from celery import Celery
 
 from celery_lockguard import LockedTask
+from celery_lockguard import _wire as wire
 
 from . import counting, peers
 
@@ -59,10 +63,14 @@ RUNS: Counter[str] = Counter()
 #: A floor for a lock taken in the worker: the two commands users write by hand before a library.
 FLOOR = "floor: SET NX PX + DEL by hand in the worker"
 
+#: LockedTask with RELEASE deferred, as to a server on another host.
+DEFERRED = "LockedTask, RELEASE deferred (as to another host)"
+
 #: Throughput variants: display name -> task name.
 TP_TASKS = {
     "plain task": "tp_plain",
     "LockedTask": "tp_locked",
+    DEFERRED: "tp_deferred",
     "LockedTask until_done": "tp_until_done",
     "celery-once QueueOnce": "tp_once",
     "celery-singleton Singleton": "tp_singleton",
@@ -80,6 +88,19 @@ HOT_TASKS = {
 }
 
 HOT_BODY_SECONDS = 0.1
+
+
+class _Deferred(LockedTask):
+    """A LockedTask whose replies are deferred on this host's server too (``_wire.DEFER_NEAR``, per call)."""
+
+    abstract = True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        wire.DEFER_NEAR = True
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            wire.DEFER_NEAR = False
 
 
 def create_app(cfg: dict[str, Any]) -> Celery:
@@ -128,6 +149,10 @@ def create_app(cfg: dict[str, Any]) -> Celery:
     @app.task(name="tp_locked", base=LockedTask, lock_key="item:{i}", ignore_result=True, shared=False)
     def tp_locked(i: int) -> None:
         RUNS["tp_locked"] += 1
+
+    @app.task(name="tp_deferred", base=_Deferred, lock_key="item:{i}", ignore_result=True, shared=False)
+    def tp_deferred(i: int) -> None:
+        RUNS["tp_deferred"] += 1
 
     @app.task(
         name="tp_until_done",

@@ -64,6 +64,7 @@ import structlog
 from celery import Celery, signals
 
 from celery_lockguard import BackendUnavailable, LockContended, LockedTask, StaleFence, advance_fence
+from celery_lockguard import _wire as wire
 
 MODES = ("while_running", "until_started", "until_done")
 POLICIES = ("skip", "retry", "raise")
@@ -249,6 +250,7 @@ def create_app(cfg: dict[str, Any]) -> Celery:
     cells = [Cell.from_json(c) for c in cfg.get("cells") or [DEFAULT_CELL.to_json()]]
     store = cfg.get("store") or cfg["pg"]
     pg_backend = store != "redis"
+    wire.DEFER_NEAR = bool(cfg.get("defer_replies"))  # True: as to a lock server on another host (chaos.soak)
     app = Celery("chaos", broker=cfg["broker"], backend=cfg.get("results") or None)
     app.conf.update(
         task_default_queue=cfg["queue"],

@@ -994,6 +994,9 @@ class Environment:
             "visibility_timeout": opts.visibility_timeout,
             "events_key": self.EVENTS_KEY,
             "cells": [c.to_json() for c in self.cells],
+            # The lock Redis is on this host, where replies are waited for: the Redis leg defers them as to a
+            # server on another host (_wire.DEFER_NEAR), so both release paths run under the faults.
+            "defer_replies": self.backend == "redis",
         }
         self.app = create_app(self.cfg)
         self.claims = redis.Redis.from_url(self.lock_server.url, socket_timeout=1, decode_responses=True)
