@@ -452,7 +452,7 @@ def release_later(
     if done_key is not None and cluster.split_done(client, lease.redis_key, done_key):
         return False
     ch = _wire.channel(client)
-    if ch is None or not ch.defers:
+    if ch is None or not ch.defers_release:
         return False
     keys, args = _release_call(
         prefix, lease.key, lease.token, record, completion_ttl_ms, reserve_ms, done_key, lease.redis_key

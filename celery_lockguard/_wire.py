@@ -18,9 +18,9 @@ so that read costs no round trip), or by the renewer thread within
 process shutdown (:func:`drain_all`). Its callback then logs and counts what
 the synchronous path would have.
 
-Only to a server on another host: to one on this host (loopback, a unix
-socket) :meth:`Channel.defer` waits for the reply, as :meth:`Channel.call`
-does, because there the wait is time the server needs on the same CPUs anyway
+RELEASE is deferred only to a server on another host: to one on this host
+(loopback, a unix socket; :attr:`Channel.near`) the task waits for its reply,
+because there the wait is time the server needs on the same CPUs anyway
 (:data:`DEFER_NEAR`).
 
 Replies are read strictly in the order their commands were sent. A ``NOSCRIPT``
@@ -67,11 +67,13 @@ from ._resp import Reader
 #: Seconds within which the renewer thread reads a deferred reply nobody else read.
 DRAIN_DELAY = 0.02
 
-#: Whether a channel to a server on this host (loopback or a unix socket) defers replies too.
-#: It does not by default: such a server shares this host's CPUs, so the wait for its reply is time
-#: it needs anyway, and leaving the reply in flight cost a prefork worker 0.03-0.05 of its throughput
-#: in ``make bench`` (docs/benchmarks.md). A server on another host has its replies deferred: there
-#: the wait is a network round trip. Tests set it to exercise the deferred path against a local server.
+#: Whether RELEASE to a server on this host (loopback or a unix socket) is deferred too
+#: (``_lease.release_later``). It is not by default: such a server shares this host's CPUs, so the
+#: wait for its reply is time it needs anyway, and leaving the reply in flight cost a prefork worker
+#: 0.05-0.07 of its throughput in ``make bench`` (paired, same run: docs/benchmarks.md). RELEASE to a
+#: server on another host is deferred: there the wait is a network round trip. The publish side's
+#: deferred calls (CONFIRM_CLAIM, DEBOUNCE_SETTLE) are deferred everywhere, as measured before.
+#: Tests, the bench and the chaos soak set it to run the deferred release against a local server.
 DEFER_NEAR = False
 
 OnReply = Callable[[Any], None]  # called with the reply, or with the exception that stands for it
@@ -95,9 +97,10 @@ def on_this_host(kwargs: dict[str, Any]) -> bool:
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        ip = ipaddress.ip_address(host.strip("[]"))
     except ValueError:  # a name: it may resolve anywhere, so it is taken to be another host
         return False
+    return ip.is_loopback or ip.is_unspecified  # 0.0.0.0 / :: reach this host
 
 
 def _encode(value: Any) -> bytes:
@@ -176,7 +179,7 @@ class Channel:
         self.pid = os.getpid()
         #: Commands sent whose reply is read later (tests and the bench count them).
         self.deferred = 0
-        #: The server is on this host: :meth:`defer` waits for replies (unless :data:`DEFER_NEAR`).
+        #: The server is on this host: RELEASE waits for its reply (unless :data:`DEFER_NEAR`).
         self.near = on_this_host(self._pool.connection_kwargs)
         weakref.finalize(self, _give_back, self._pool, self._made, self._lock, self._inflight)
 
@@ -212,8 +215,8 @@ class Channel:
             return True
 
     @property
-    def defers(self) -> bool:
-        """Whether :meth:`defer` leaves replies in flight: the server is on another host (or :data:`DEFER_NEAR`)."""
+    def defers_release(self) -> bool:
+        """Whether RELEASE is left in flight here: the server is on another host (or :data:`DEFER_NEAR`)."""
         return DEFER_NEAR or not self.near
 
     @property
@@ -244,10 +247,9 @@ class Channel:
 
         A failed send raises here, as :meth:`call` would: nothing was sent. A script not yet
         seen in the server's cache on this connection (its first call, after a reconnect) runs
-        synchronously instead, so a ``NOSCRIPT`` never delays what the command does; so does
-        every command to a server on this host (:data:`DEFER_NEAR`).
+        synchronously instead, so a ``NOSCRIPT`` never delays what the command does.
         """
-        if script.sha_bytes not in self._loaded or not self.defers:
+        if script.sha_bytes not in self._loaded:
             try:
                 reply = self.call(script, keys, args)
             except (redis.ConnectionError, redis.TimeoutError):

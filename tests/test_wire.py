@@ -255,6 +255,7 @@ def test_a_locked_delivery_frees_the_lease_before_its_release_is_reported(
         ({"host": "::1"}, True),
         ({"host": "[::1]"}, True),
         ({"host": "localhost"}, True),
+        ({"host": "0.0.0.0"}, True),
         ({"host": "10.0.0.5"}, False),
         ({"host": "redis.internal"}, False),  # a name may resolve anywhere: taken to be another host
         ({}, False),
@@ -264,23 +265,23 @@ def test_a_server_on_this_host_is_told_by_its_address(kwargs: dict[str, Any], ne
     assert wire.on_this_host(kwargs) is near
 
 
-def test_a_server_on_this_host_has_its_replies_waited_for(c: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without DEFER_NEAR (the default), RELEASE and a deferred call to a local server are waited for."""
+def test_release_to_a_server_on_this_host_is_waited_for(c: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without DEFER_NEAR (the default), release_later declines for a local server; other calls still defer."""
     monkeypatch.setattr(wire, "DEFER_NEAR", False)
-    monkeypatch.setattr(wire, "DRAIN_DELAY", 60.0)  # a reply left in flight would stay unread in this test
+    monkeypatch.setattr(wire, "DRAIN_DELAY", 60.0)  # a reply left in flight stays unread in this test
     ch = wire.channel(c)
-    assert ch is not None and ch.near and not ch.defers
+    assert ch is not None and ch.near and not ch.defers_release
     lease = take(c)
-    deferred = ch.deferred
-    # release_later declines, with nothing sent: the caller releases and waits, as for Sentinel
+    # Nothing sent: the caller releases and waits (release_and_wake), as for Sentinel.
     assert not L.release_later(c, lease, P, Replies()) and not lease.released and ch.pending == 0
     assert c.exists(lock_name(P, "k"))
+    assert L.release_and_wake(c, lease, P)[0] == 1 and not c.exists(lock_name(P, "k"))
+    # The publish side's deferred calls (CONFIRM_CLAIM, DEBOUNCE_SETTLE) stay deferred on this host too.
+    L.confirm_claim(c, f"{P}:claim-near", "tok", 60_000, Replies())  # its first call loads the script, waited
     replies = Replies()
-    keys, args = L._release_call(P, lease.key, lease.token, "", 0, 0, None, lease.redis_key)
-    ch.defer(scripts.release, keys, args, replies)  # the publish side's callers (CONFIRM_CLAIM, settle) alike
-    assert replies.got and replies.got[0][0] == 1 and ch.pending == 0 and ch.deferred == deferred
-    assert replies.threads == [threading.current_thread().name]  # answered in the caller, at once
-    assert not c.exists(lock_name(P, "k"))
+    L.confirm_claim(c, f"{P}:claim-near", "tok", 60_000, replies)
+    assert ch.pending == 1 and replies.got == []
+    assert settle() >= 1 and replies.got == [False]  # no such claim: read later
 
 
 def test_a_locked_delivery_to_a_server_on_this_host_reports_its_release_before_it_returns(
