@@ -220,32 +220,6 @@ def test_a_forked_child_gets_its_own_channel(c: Any) -> None:
     assert L.release(c, lease, P) == (1, 0)  # the parent's link is intact
 
 
-def test_a_locked_delivery_frees_the_lease_before_its_release_is_reported(
-    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Through Celery's real tracer: the lease is free when the tracer returns; lock.released comes with settle()."""
-    from celery.app.trace import build_tracer
-    from structlog.testing import capture_logs
-
-    monkeypatch.setattr(wire, "DRAIN_DELAY", 60.0)
-    app: Celery = make_app("wire", redis_url, prefix, lockguard_redis_url=redis_url)
-
-    @app.task(base=LockedTask, bind=True, name="w.t", lock_key="k:{a}")
-    def t(self: Any, a: int) -> int:
-        return a
-
-    c = redis.Redis.from_url(redis_url, decode_responses=True)
-    t.apply((0,))  # ACQUIRE and RELEASE cached on the server and known to this thread's channel
-    request = {"id": "wire-1", "task": t.name, "args": [3], "kwargs": {}, "hostname": HOSTNAME, "is_eager": False}
-    tracer = build_tracer(t.name, t, app=app, eager=False, propagate=False)
-    with capture_logs() as logs:
-        assert tracer("wire-1", [3], {}, request)[0] == 3
-        assert not c.exists(lock_name(prefix, "k:3")) and c.exists(done_name(prefix, "task:wire-1"))
-        assert "lock.released" not in [e["event"] for e in logs]
-        assert settle() >= 1
-    assert "lock.released" in [e["event"] for e in logs]
-
-
 @pytest.mark.parametrize(
     ("kwargs", "near"),
     [
@@ -284,31 +258,38 @@ def test_release_to_a_server_on_this_host_is_waited_for(c: Any, monkeypatch: pyt
     assert settle() >= 1 and replies.got == [False]  # no such claim: read later
 
 
-def test_a_locked_delivery_to_a_server_on_this_host_reports_its_release_before_it_returns(
-    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("defer", [True, False], ids=["server-elsewhere", "server-on-this-host"])
+def test_a_locked_delivery_frees_the_lease_when_it_returns_and_reports_the_release_once(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch, defer: bool
 ) -> None:
-    """Through Celery's real tracer, with the default DEFER_NEAR: lock.released is logged before the tracer returns."""
+    """Through Celery's real tracer: the lease is free when the tracer returns. Deferred (a server elsewhere),
+    lock.released comes with settle(); waited for (a server on this host, the default), before the tracer returns."""
     from celery.app.trace import build_tracer
     from structlog.testing import capture_logs
 
-    monkeypatch.setattr(wire, "DEFER_NEAR", False)
-    monkeypatch.setattr(wire, "DRAIN_DELAY", 60.0)
-    app: Celery = make_app("wire-near", redis_url, prefix, lockguard_redis_url=redis_url)
+    monkeypatch.setattr(wire, "DEFER_NEAR", defer)  # the test's Redis is on this host
+    monkeypatch.setattr(wire, "DRAIN_DELAY", 60.0)  # keep the renewer's drain out of this test's window
+    app: Celery = make_app("wire", redis_url, prefix, lockguard_redis_url=redis_url)
 
-    @app.task(base=LockedTask, bind=True, name="w.near", lock_key="k:{a}")
+    @app.task(base=LockedTask, bind=True, name="w.t", lock_key="k:{a}")
     def t(self: Any, a: int) -> int:
         return a
 
     c = redis.Redis.from_url(redis_url, decode_responses=True)
-    t.apply((0,))  # scripts cached on the server and known to this thread's channel
-    request = {"id": "near-1", "task": t.name, "args": [3], "kwargs": {}, "hostname": HOSTNAME, "is_eager": False}
+    t.apply((0,))  # ACQUIRE and RELEASE cached on the server and known to this thread's channel
+    request = {"id": "wire-1", "task": t.name, "args": [3], "kwargs": {}, "hostname": HOSTNAME, "is_eager": False}
     tracer = build_tracer(t.name, t, app=app, eager=False, propagate=False)
     with capture_logs() as logs:
-        assert tracer("near-1", [3], {}, request)[0] == 3
-        released = [e for e in logs if e["event"] == "lock.released"]
-    assert len(released) == 1 and released[0]["task_id"] == "near-1"
-    assert not c.exists(lock_name(prefix, "k:3")) and c.exists(done_name(prefix, "task:near-1"))
-    assert settle() == 0  # nothing was left in flight to read
+        assert tracer("wire-1", [3], {}, request)[0] == 3
+        assert not c.exists(lock_name(prefix, "k:3")) and c.exists(done_name(prefix, "task:wire-1"))
+        before = [e for e in logs if e["event"] == "lock.released"]
+        read = settle()
+    released = [e for e in logs if e["event"] == "lock.released"]
+    assert len(released) == 1 and released[0]["task_id"] == "wire-1"
+    if defer:
+        assert before == [] and read >= 1
+    else:
+        assert before == released and read == 0  # nothing was left in flight
 
 
 def test_tokens_are_unique_per_lease_and_never_repeat_across_fork() -> None:
