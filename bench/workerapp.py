@@ -96,11 +96,11 @@ class _Deferred(LockedTask):
     abstract = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        wire.DEFER_NEAR = True
+        before, wire.DEFER_NEAR = wire.DEFER_NEAR, True
         try:
             return super().__call__(*args, **kwargs)
         finally:
-            wire.DEFER_NEAR = False
+            wire.DEFER_NEAR = before
 
 
 def create_app(cfg: dict[str, Any]) -> Celery:

@@ -44,6 +44,7 @@ from . import _metrics as metrics
 from . import _republish as republish
 from . import _signals as signals
 from . import _tracing as tracing
+from . import _wire as wire
 from . import _workflow as workflow
 from ._calls import CallNames
 from ._completion import PostgresStore, RedisStore, Store, StoreGuard
@@ -881,6 +882,9 @@ class LockGuard(Task):
                     tracing.span_event("lock.release_sent", self.name, fields, report.span)
                 return
             reply: tuple[int, int, lease_ops.Woken | None] | BaseException
+            # Waited for in a worker (the server is on this host): the wake-up publish still runs apart, on
+            # the replies thread, as for a deferred reply, so a stalled broker never holds the task past its body.
+            report.wake_apart = later and wire.channel(client) is not None
             reply = lease_ops.release_and_wake(client, lease, s.key_prefix, scope, record, ttl_ms, reserve_ms)
         except Exception as exc:  # noqa: BLE001 - the body's outcome stands; the lease expires by its TTL
             lease.released = True
@@ -1541,6 +1545,8 @@ class _ReleaseReport:
         self.hold_ms = lease.hold_ms()
         self.backend = events.backend_choice()
         self.span = tracing.current_span()
+        #: Publish the wake-up on the replies thread rather than here (a release waited for in a worker).
+        self.wake_apart = False
 
     def _emit(self, event: str, **fields: Any) -> None:
         events.emit_for(event, self.task_name, fields, backend=self.backend, span=self.span)
@@ -1572,7 +1578,13 @@ class _ReleaseReport:
                 self._emit("lock.lost", **fields, hold_ms=hold_ms, reason=reason)
             self._emit("lock.expired_before_release", **fields, hold_ms=hold_ms, reason=reason)
         # The one place the releaser's part of park and wake runs, on RELEASE's reply (never raises).
-        handoff.wake(self.app, self.settings, woken, self.task_name, lease.task_id)
+        if woken is not None and self.wake_apart:
+            wire.run_apart(self._wake, woken)
+        else:
+            self._wake(woken)
+
+    def _wake(self, woken: lease_ops.Woken | None) -> None:
+        handoff.wake(self.app, self.settings, woken, self.task_name, self.lease.task_id)
 
 
 _CELERY_CALL = Task.__dict__["__call__"]

@@ -93,14 +93,15 @@ def on_this_host(kwargs: dict[str, Any]) -> bool:
     """Whether a pool's connections reach a server on this host: a unix socket, or a loopback address."""
     if kwargs.get("path"):
         return True
-    host = str(kwargs.get("host") or "")
-    if host == "localhost":
+    host = str(kwargs.get("host") or "localhost")  # redis-py's own default
+    if host.rstrip(".") == "localhost":
         return True
     try:
         ip = ipaddress.ip_address(host.strip("[]"))
     except ValueError:  # a name: it may resolve anywhere, so it is taken to be another host
         return False
-    return ip.is_loopback or ip.is_unspecified  # 0.0.0.0 / :: reach this host
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return ip.is_loopback or ip.is_unspecified or (mapped is not None and mapped.is_loopback)
 
 
 def _encode(value: Any) -> bytes:
@@ -446,6 +447,11 @@ _replies: PerProcess[_Replies] = PerProcess(_Replies)
 
 #: How long :func:`drain_all` waits for callbacks already on the replies thread (a wake-up publish to a slow broker).
 IDLE_WAIT = 5.0
+
+
+def run_apart(callback: OnReply, arg: Any) -> None:
+    """Run ``callback(arg)`` on this process's ``lockguard-replies`` thread (:func:`drain_all` waits for it)."""
+    _dispatch([(callback, arg)])
 
 
 def _dispatch(done: list[tuple[OnReply, Any]]) -> None:

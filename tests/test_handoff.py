@@ -25,7 +25,7 @@ from celery_lockguard._config import settings
 from celery_lockguard._keys import lock_name, wait_name, waiters_name
 
 from .test_paths import hold
-from .tracer import Message, deliver, make_app, published, redeliver
+from .tracer import HOSTNAME, Message, deliver, make_app, published, redeliver
 
 
 @pytest.fixture
@@ -125,6 +125,57 @@ def test_every_exit_of_the_holder_wakes_the_waiter(app: Celery, r: redis.Redis, 
     woken = messages(r, app, out.task_id)[-1]
     assert woken.headers.get(headers.WOKEN) == 1, f"the holder's {exit_} did not wake the waiter"
     assert redeliver(t, woken).state == "SUCCESS" and len(runs) == 1
+
+
+def test_a_stalled_wake_publish_never_holds_up_the_releasing_delivery(
+    app: Celery, r: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: with RELEASE waited for (the server on this host), the wake-up publish ran inside the
+    releasing task, so a broker down held it about 19 s past its body (Celery's publish retries). It runs on
+    the replies thread, as for a deferred reply; the woken copy goes out once the publish gets through."""
+    from celery.app.trace import build_tracer
+
+    from celery_lockguard.testing import settle
+
+    runs: list[str] = []
+    t = waiter(app, runs)
+    started, go = threading.Event(), threading.Event()
+
+    @app.task(base=LockedTask, bind=True, name="h.stall", lock_key="inv:{a}", shared=False)
+    def holder(self: Any, a: int) -> int:
+        started.set()
+        go.wait(10)
+        return a
+
+    unstall, publishing = threading.Event(), threading.Event()
+    on: list[str] = []
+    real_publish = handoff.publish
+
+    def stalled(app_: Celery, spec: dict[str, Any]) -> None:
+        on.append(threading.current_thread().name)
+        publishing.set()
+        assert unstall.wait(10)
+        real_publish(app_, spec)
+
+    monkeypatch.setattr(handoff, "publish", stalled)
+    request = {"id": "stall-holder", "task": holder.name, "args": [4], "kwargs": {}, "hostname": HOSTNAME}
+    trace = build_tracer(holder.name, holder, app=app, eager=False, propagate=False)
+    returned: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: returned.update(rv=trace("stall-holder", [4], {}, {**request})[0]))
+    thread.start()
+    assert started.wait(10)
+    out = deliver(t, (4, 100))
+    assert out.state == "RETRY"
+    go.set()
+    thread.join(10)
+    assert returned.get("rv") == 4, "the releasing delivery waited for its wake-up publish"
+    assert publishing.wait(10) and on == ["lockguard-replies"]
+    assert not any(m.headers.get(headers.WOKEN) for m in messages(r, app, out.task_id))  # still stalled
+    unstall.set()
+    settle()
+    woken = messages(r, app, out.task_id)[-1]
+    assert woken.headers.get(headers.WOKEN) == 1
+    assert redeliver(t, woken).state == "SUCCESS" and runs == [f"{out.task_id}:100"]
 
 
 def test_the_wait_budget_gives_up_without_parking(app: Celery, r: redis.Redis, prefix: str) -> None:

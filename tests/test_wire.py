@@ -230,9 +230,11 @@ def test_a_forked_child_gets_its_own_channel(c: Any) -> None:
         ({"host": "[::1]"}, True),
         ({"host": "localhost"}, True),
         ({"host": "0.0.0.0"}, True),
+        ({"host": "::ffff:127.0.0.1"}, True),
+        ({"host": "localhost."}, True),
         ({"host": "10.0.0.5"}, False),
         ({"host": "redis.internal"}, False),  # a name may resolve anywhere: taken to be another host
-        ({}, False),
+        ({}, True),  # redis-py's default host: localhost
     ],
 )
 def test_a_server_on_this_host_is_told_by_its_address(kwargs: dict[str, Any], near: bool) -> None:
