@@ -461,7 +461,9 @@ def _what_changed(add: Callable[[str], None]) -> None:
         "round trips waited drop to 1. To a server on this host (a loopback address or a unix socket) the "
         "reply is waited for: that server shares the worker's CPUs, so the wait is time it needs anyway, "
         "while a reply left in flight let its work run beside the child's next steps and cost the worker "
-        "more than the wait (the *RELEASE deferred* row above, same run, against *LockedTask*). *Trade:* to "
+        "more than the wait at `-c 1` (the *RELEASE deferred* row above, same run, against *LockedTask*); at "
+        "`-c 2` and `-c 8` the two paths measured level within their spreads (the concurrency table shows "
+        "both in every run). *Trade:* to "
         "a remote server, a reply error is logged up to 20 ms after the task's own line, and the gain is "
         "one network round trip per task, which this single-host run cannot measure; a script the server "
         "has not cached yet on that connection is waited for (so a `NOSCRIPT` never delays a release). "
@@ -667,19 +669,22 @@ def _extra_e2e(res: Results, add: Callable[[str], None]) -> None:
         f"window, so the first start and the last end bracket exactly the N runs. {p['conc_n']} tasks per "
         f"variant per round, {p['conc_rounds']} rounds per concurrency, locks on distinct entities "
         "(`item:{i}`), default mode. On this 2-core machine `-c 8` oversubscribes the CPU: it shows the "
-        "lock's cost when children compete for cores, not more throughput.\n"
+        "lock's cost when children compete for cores, not more throughput. *RELEASE deferred* is the same "
+        "task with its RELEASE left in flight, as to a lock server on another host (section 2).\n"
     )
     if res.concurrency:
         rows = []
         for c, results in sorted(res.concurrency.items()):
             by = {r.name: r for r in results}
             plain, locked = by[e2e_mod.BASE], by["LockedTask"]
+            deferred = by.get(workerapp.DEFERRED)
             rows.append(
                 [
                     f"-c {c}",
                     plain.worker_rate.fmt(".0f"),
                     locked.worker_rate.fmt(".0f"),
                     locked.ratio_worker.fmt(".2f"),
+                    deferred.ratio_worker.fmt(".2f") if deferred is not None else "-",
                     plain.total_us.fmt(".0f"),
                     locked.total_us.fmt(".0f"),
                     locked.ratio_total.fmt(".2f"),
@@ -691,6 +696,7 @@ def _extra_e2e(res: Results, add: Callable[[str], None]) -> None:
             "plain tasks/s",
             "LockedTask tasks/s",
             "worker ratio",
+            "worker ratio, RELEASE deferred",
             "plain µs/task end to end",
             "LockedTask µs/task end to end",
             "end-to-end ratio",

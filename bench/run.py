@@ -25,7 +25,7 @@ import structlog
 
 from celery_lockguard.testing import RedisServer, server_binary
 
-from . import breakdown, contention, cycle, debounce, e2e, env, handoff, limits, memory, pg, renewal
+from . import breakdown, contention, cycle, debounce, e2e, env, handoff, limits, memory, pg, renewal, workerapp
 from .cluster import LocalCluster
 from .e2e import BenchFailure, E2EResult, Variant
 
@@ -146,6 +146,7 @@ def run(quick: bool, command: str) -> Results:
 
     def do_concurrency(srv: RedisServer) -> None:
         pair = [Variant(e2e.BASE, "tp_plain"), Variant("LockedTask", "tp_locked")]
+        pair.append(Variant(workerapp.DEFERRED, "tp_deferred"))  # the release's other path, at each concurrency
         for c in p["conc_levels"]:
             res.concurrency[c] = e2e.measure(srv.url, p["conc_rounds"], p["conc_n"], concurrency=c, variants=pair)
             check_added(f"LockedTask at -c {c}", res.concurrency[c])

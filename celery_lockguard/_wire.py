@@ -69,8 +69,9 @@ DRAIN_DELAY = 0.02
 
 #: Whether RELEASE to a server on this host (loopback or a unix socket) is deferred too
 #: (``_lease.release_later``). It is not by default: such a server shares this host's CPUs, so the
-#: wait for its reply is time it needs anyway, and leaving the reply in flight cost a prefork worker
-#: 0.05-0.07 of its throughput in ``make bench`` (paired, same run: docs/benchmarks.md). RELEASE to a
+#: wait for its reply is time it needs anyway, and leaving the reply in flight cost a ``-c 1`` prefork
+#: worker 0.03-0.09 of its throughput in ``make bench`` (paired, same run; level at ``-c 2`` and ``-c 8``:
+#: docs/benchmarks.md). RELEASE to a
 #: server on another host is deferred: there the wait is a network round trip. The publish side's
 #: deferred calls (CONFIRM_CLAIM, DEBOUNCE_SETTLE) are deferred everywhere, as measured before.
 #: Tests, the bench and the chaos soak set it to run the deferred release against a local server.
