@@ -10,7 +10,7 @@ Checked afterwards, per entity, by the pure functions :func:`holders_violations`
 
 * **limit**: never more than N bodies running at once -- a body runs from its start record to its
   end record, or to the kill that ended it. A restart of the lock Redis forgets every lease, so
-  bodies that started before a restart and ran across it are excused against those started after;
+  bodies admitted before a restart and running across it are excused against those admitted after;
 * **rate**: never more than N admissions in any sliding window, by the server times the starts
   were admitted; windows spanning a restart are excused (the window was forgotten: up to N more);
 * **every job ran** to its end at least once (a killed body's job runs again), and none is lost.
@@ -71,15 +71,20 @@ class Verdict:
 def holders_violations(bodies: list[Body], limit: int, restarts: list[float]) -> tuple[int, list[str]]:
     """The most bodies of one entity running at once, and every moment that was above ``limit``.
 
-    A body that ran across a restart of the lock Redis lost its lease there (the server forgot it): from
-    the restart on, it no longer counts against bodies admitted after it.
+    A body that ran across a restart of the lock Redis lost its lease there (the server forgot it): it no
+    longer counts against bodies admitted after it. Which server admitted a body is told by its admission
+    time (server ms) against the restart's stamp, not by its start: an admission the old server made just
+    before its kill starts its body after the kill.
     """
     worst, bad = 0, []
     for entity in sorted({b.entity for b in bodies}):
         mine = [b for b in bodies if b.entity == entity]
         for b in mine:
             running = [
-                o for o in mine if o.start <= b.start < o.end and not any(o.start < r <= b.start for r in restarts)
+                o
+                for o in mine
+                if o.start <= b.start < o.end
+                and not any(o.admitted_ms / 1000 < r <= b.admitted_ms / 1000 for r in restarts)
             ]
             worst = max(worst, len(running))
             if len(running) > limit:
@@ -171,10 +176,14 @@ def soak(seconds: float, seed: int = 1) -> Verdict:
             ended = {(r["id"], r["pid"]) for r in rows if r["ev"] == "end"}
             running = [r for r in rows if r["ev"] == "start" and (r["id"], r["pid"]) not in ended]
             if not restarted and time.monotonic() > t_end - seconds / 2:
-                sec, usec = locks.client().time()
-                restarts_ms.append(int(sec) * 1000 + int(usec) // 1000)
-                restarts.append(time.time())
+                # Stamped between the old server's death and the new one's start, on this host's clock (both
+                # servers' TIME reads it): every admission the old server made is before the stamp, every one
+                # the new server makes after it. A stamp before the stop missed an ACQUIRE answered in the
+                # moment before the kill; one after the start, the new server's first admissions.
                 locks.stop()
+                now = time.time()
+                restarts_ms.append(int(now * 1000))
+                restarts.append(now)
                 locks.start()
                 restarted = True
                 verdict.restarts += 1

@@ -38,3 +38,13 @@ def test_a_window_spanning_a_restart_is_excused() -> None:
     burst = [body(0, 1, admitted_ms=t) for t in (10, 100, 200)]
     assert rate_violations(burst, 2, 1000, [])[1]
     assert rate_violations(burst, 2, 1000, [150]) == (2, [])
+
+
+def test_an_admission_just_before_the_restart_is_the_old_servers_even_if_its_body_starts_after() -> None:
+    """Found by CI: the old server admitted a body 1 ms before its kill, the body's start record came after the
+    restart's stamp, and the new server (which forgot that lease) admitted the next: not a violation."""
+    old = body(2.001, 4.0, admitted_ms=1999)  # admitted by the old server, started after the stamp at 2.0
+    new = body(2.5, 3.0, admitted_ms=2500)
+    assert holders_violations([old, new], 1, [2.0]) == (1, [])
+    # both admitted by the new server: still caught
+    assert holders_violations([body(2.1, 4.0, admitted_ms=2100), new], 1, [2.0])[1]
