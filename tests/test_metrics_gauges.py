@@ -8,6 +8,7 @@ task, one transaction per flush, no ``SCAN`` per scrape.
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -430,6 +431,19 @@ def test_a_lost_lease_is_not_held_though_its_body_runs_on(app: Celery, r: redis.
 def test_a_lease_released_by_retry_without_throw_is_not_held(app: Celery, r: redis.Redis, prefix: str) -> None:
     """``retry(throw=False)`` frees the lease (or hands it to the retry as its claim) and the body runs on."""
     seen: list[Any] = []
+    # No cyclic GC while the retries publish: an AsyncResult collected inside a publish's result subscribe
+    # unsubscribes from its __del__ on the same PubSub and deadlocks on its lock (redis-py 5's PubSub lock is
+    # not reentrant; seen once in compat's celery 5.3 + redis-py 5 leg). Collected below, outside any publish.
+    gc.disable()
+    try:
+        _nothrow_deliveries(app, r, prefix, seen)
+    finally:
+        gc.enable()
+        gc.collect()
+    assert seen == [([], {}), ([], {})], "a released lease still counted as held"
+
+
+def _nothrow_deliveries(app: Celery, r: redis.Redis, prefix: str, seen: list[Any]) -> None:
     for mode in ("while_running", "until_done"):
 
         @app.task(
@@ -443,7 +457,6 @@ def test_a_lease_released_by_retry_without_throw_is_not_held(app: Celery, r: red
             return a
 
         assert deliver(t, (12,)).state == "SUCCESS"
-    assert seen == [([], {}), ([], {})], "a released lease still counted as held"
 
 
 @pytest.mark.parametrize(
