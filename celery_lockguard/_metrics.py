@@ -1,6 +1,6 @@
 """Lock metrics: counted in-process, flushed to Redis, aggregated across the fleet.
 
-Counting is a dict update, never a round trip: every event ``events.emit``
+Counting is a ledger append, never a round trip: every event ``events.emit``
 logs is counted per task, and every released lease adds its hold time.
 The counts are flushed to Redis in **one pipeline per flush**:
 
@@ -46,6 +46,13 @@ What is held now comes from a registry of this process's running bodies
 (:func:`lease_held` / :func:`lease_ended`, two dict operations per task), read
 at flush time; renewal lag is taken from the renewer's own tally at flush time
 (:func:`add_collector`), so the renewer thread never takes the metrics lock.
+
+A task's counts and observations are not added up on its own path: each is one
+append to a ledger (no lock, no arithmetic), folded into the counts by whoever
+reads them (:func:`snapshot`, :func:`flush`) or, every :data:`FOLD_AT` entries,
+by the appender. Each entry carries its time, so it lands in the minute it
+happened in, whenever it is folded. Folding a batch in one loop costs a
+fraction of what the same updates cost one by one between two round trips.
 """
 
 from __future__ import annotations
@@ -57,7 +64,7 @@ import re
 import socket
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -129,6 +136,11 @@ _gauge_written = False
 _collectors: list[Callable[[], None]] = []
 #: Not yet flushed: (unix minute, task, field) -> amount.
 _pending: Counter[tuple[int, str, str]] = Counter()
+#: Not yet folded (:func:`_fold`): counts as (task, name, n, unix time), observations as (task, family, ms, unix time).
+_counted: deque[tuple[str, str, int, float]] = deque()
+_observed: deque[tuple[str, str, float, float]] = deque()
+#: Entries a ledger holds before its appender folds it (a process nobody flushes stays bounded).
+FOLD_AT = 2048
 
 # The flush target of this process (bound by the worker signals) and its timer thread.
 _target: tuple[Any, float] | None = None  # (Settings, interval)
@@ -198,11 +210,10 @@ def gauge_ttl(interval: float) -> float:
 
 
 def count(task_name: str, name: str, n: int = 1) -> None:
-    """Add ``n`` to counter ``name`` of ``task_name``."""
-    minute = int(time.time() // 60)
-    with _lock:
-        _counts[(task_name, name)] += n
-        _pending[(minute, task_name, name)] += n
+    """Add ``n`` to counter ``name`` of ``task_name`` (a ledger entry, folded later)."""
+    _counted.append((task_name, name, n, time.time()))
+    if len(_counted) > FOLD_AT:
+        fold()
     otel.add(task_name, name, n)
     if not _started and _target is not None:
         _start_flusher()
@@ -217,12 +228,35 @@ def observe(task_name: str, family: str, ms: float) -> None:
     if math.isnan(ms):
         return  # no bucket holds it; nothing measures one
     ms = min(max(ms, 0.0), MAX_OBSERVATION_MS)
-    # merge() of new_row(family, ms), without building the row: one count, one sum, one bucket.
-    bounds = HISTOGRAMS[family]
-    i = bucket_of(bounds, ms)
-    count_field, sum_field, bucket_fields = _FIELDS[family]
-    minute = int(time.time() // 60)
+    _observed.append((task_name, family, ms, time.time()))
+    if len(_observed) > FOLD_AT:
+        fold()
+    if not _started and _target is not None:
+        _start_flusher()
+    otel.record(task_name, family, ms)
+
+
+def fold() -> None:
+    """Add the ledgers' entries to the counts and the next flush (each in the minute it happened in)."""
     with _lock:
+        _fold()
+
+
+def _fold() -> None:
+    """:func:`fold` with ``_lock`` held. Entries appended meanwhile are taken now or by the next fold, never twice."""
+    take = _counted.popleft
+    for _ in range(len(_counted)):
+        task_name, name, n, at = take()
+        _counts[(task_name, name)] += n
+        _pending[(int(at // 60), task_name, name)] += n
+    take_obs = _observed.popleft
+    for _ in range(len(_observed)):
+        task_name, family, ms, at = take_obs()
+        # merge() of new_row(family, ms), without building the row: one count, one sum, one bucket.
+        bounds = HISTOGRAMS[family]
+        i = bucket_of(bounds, ms)
+        count_field, sum_field, bucket_fields = _FIELDS[family]
+        minute = int(at // 60)
         mine = _hists.get((task_name, family))
         if mine is None:
             mine = _hists[(task_name, family)] = [0.0] * (len(bounds) + 3)
@@ -232,9 +266,6 @@ def observe(task_name: str, family: str, ms: float) -> None:
         _pending[(minute, task_name, count_field)] += 1
         _pending[(minute, task_name, sum_field)] += round(ms)
         _pending[(minute, task_name, bucket_fields[i])] += 1
-    if not _started and _target is not None:
-        _start_flusher()
-    otel.record(task_name, family, ms)
 
 
 def observe_hold(task_name: str, hold_ms: float) -> None:
@@ -326,6 +357,7 @@ def add_collector(collect: Callable[[], None]) -> None:
 def snapshot() -> dict[str, dict[str, Any]]:
     """Per task: what this process counted since it started (flushed or not)."""
     with _lock:
+        _fold()
         out: dict[str, dict[str, Any]] = {}
         for (task, name), n in _counts.items():
             out.setdefault(task, {})[name] = n
@@ -341,6 +373,7 @@ def snapshot() -> dict[str, dict[str, Any]]:
 def pending() -> int:
     """How many counter cells wait for the next flush."""
     with _lock:
+        _fold()
         return len(_pending)
 
 
@@ -348,6 +381,8 @@ def clear() -> None:
     """Drop every counter, flushed or not, and forget what is held (tests)."""
     global _gauge_written
     with _lock:
+        _counted.clear()
+        _observed.clear()
         _counts.clear()
         _hists.clear()
         _pending.clear()
@@ -384,6 +419,7 @@ def flush(client: Any, prefix: str, interval: float = DEFAULT_FLUSH_INTERVAL, fi
         now = time.time()
         held = [] if final else held_now(now)
         with _lock:
+            _fold()
             batch = _pending.copy()
             _pending.clear()
             gauge = bool(held) or _gauge_written
@@ -515,6 +551,8 @@ def _after_fork_in_child() -> None:
     global _lock, _flush_lock, _started, _stop, _gauge_written
     _lock = threading.Lock()
     _flush_lock = threading.Lock()
+    _counted.clear()
+    _observed.clear()
     _counts.clear()
     _hists.clear()
     _pending.clear()

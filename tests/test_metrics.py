@@ -121,3 +121,66 @@ def test_a_forked_child_starts_with_nothing_to_flush() -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert metrics.pending() == 1 and "t.child" not in metrics.snapshot()
+
+
+def test_a_count_lands_in_the_minute_it_happened_in_however_late_it_is_folded(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Counts and observations are ledger entries folded later (at a read, a flush, or by the appender):
+    each carries its own time, so a fold in the next minute still puts it in the minute it happened in."""
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    minute = 29_000_000  # a unix minute in 2025, far from now: its bucket is this test's alone
+    monkeypatch.setattr(metrics.time, "time", lambda: minute * 60 + 59.5)
+    metrics.count("t.late", "lock.acquired")
+    metrics.observe_hold("t.late", 7.0)
+    monkeypatch.setattr(metrics.time, "time", lambda: (minute + 1) * 60 + 0.5)
+    metrics.count("t.late", "lock.acquired")
+    metrics.flush(client, prefix)
+    early = client.hgetall(metrics.minute_key(prefix, minute))
+    later = client.hgetall(metrics.minute_key(prefix, minute + 1))
+    assert early == {
+        "t.late|lock.acquired": "1",
+        "t.late|hold.count": "1",
+        "t.late|hold.sum_ms": "7",
+        "t.late|hold.le.10": "1",
+    }
+    assert later == {"t.late|lock.acquired": "1"}
+
+
+def test_the_appender_folds_its_ledger_so_a_process_nobody_flushes_stays_bounded() -> None:
+    for _ in range(3 * metrics.FOLD_AT):
+        metrics.count("t.bound", "lock.acquired")
+        metrics.observe_wait("t.bound", 1.0)
+    assert len(metrics._counted) <= metrics.FOLD_AT and len(metrics._observed) <= metrics.FOLD_AT
+    snap = metrics.snapshot()["t.bound"]
+    assert snap["lock.acquired"] == 3 * metrics.FOLD_AT and snap["wait"]["count"] == 3 * metrics.FOLD_AT
+
+
+def test_entries_appended_while_other_threads_fold_are_counted_once() -> None:
+    """Four threads count while two others fold and flush-read in a loop: nothing lost, nothing twice."""
+    import threading
+
+    per_thread, stop = 20_000, threading.Event()
+
+    def counter() -> None:
+        for _ in range(per_thread):
+            metrics.count("t.race", "lock.acquired")
+            metrics.observe_hold("t.race", 3.0)
+
+    def folder() -> None:
+        while not stop.is_set():
+            metrics.fold()
+            metrics.pending()
+
+    folders = [threading.Thread(target=folder) for _ in range(2)]
+    counters = [threading.Thread(target=counter) for _ in range(4)]
+    for t in folders + counters:
+        t.start()
+    for t in counters:
+        t.join()
+    stop.set()
+    for t in folders:
+        t.join()
+    snap = metrics.snapshot()["t.race"]
+    assert snap["lock.acquired"] == 4 * per_thread
+    assert snap["hold"]["count"] == 4 * per_thread and snap["hold"]["sum_ms"] == 3.0 * 4 * per_thread
