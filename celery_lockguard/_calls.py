@@ -7,16 +7,18 @@ instead of rendering again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import _keys as keys
 from ._config import TaskOptions
 
 
-@dataclass(frozen=True)
-class CallNames:
-    """What one call is about: the entity it locks, the scope it records, and its work's digest."""
+class CallNames(NamedTuple):
+    """What one call is about: the entity it locks, the scope it records, and its work's digest.
+
+    A named tuple, not a frozen dataclass: it is made on every delivery, and a frozen
+    dataclass's ``__init__`` sets each field through ``object.__setattr__``.
+    """
 
     #: The entity key K (no prefix), e.g. ``invoice:42``.
     key: str
@@ -35,8 +37,10 @@ def render(opts: TaskOptions, task_id: str, args: tuple[Any, ...], kwargs: dict[
         if names is not None and not kwargs and len(args) == len(names):
             # What Signature.bind gives for these: every parameter by position, in order.
             arguments = dict(zip(names, args, strict=True))
+            digest = keys.digest_in_order(opts.digest_order, args)
         else:
             arguments = keys.bind(opts.signature, args, kwargs)
+            digest = keys.digest(arguments)
     except TypeError as exc:
         raise TypeError(f"task {opts.task_name!r}: arguments do not match its signature: {exc}") from exc
     if opts.idempotency_key is not None:
@@ -44,4 +48,4 @@ def render(opts: TaskOptions, task_id: str, args: tuple[Any, ...], kwargs: dict[
     else:
         scope, scope_is_task = keys.task_scope(task_id), True
     key = opts.lock_key.render(arguments, args, kwargs) if opts.lock_key is not None else scope
-    return CallNames(key, scope, keys.digest(arguments), scope_is_task)
+    return CallNames(key, scope, digest, scope_is_task)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._keys import KeyRenderer
+from ._keys import digest_order as _digest_order
 from .exceptions import ConfigurationError
 
 ON_LOCKED = ("skip", "retry", "raise")
@@ -400,6 +401,12 @@ class TaskOptions:
         if all(p.kind in positional for p in params):
             return tuple(p.name for p in params)
         return None
+
+    @functools.cached_property
+    def digest_order(self) -> tuple[tuple[int, str], ...]:
+        """For :func:`~celery_lockguard._keys.digest_in_order`: each positional parameter's index and JSON
+        name, in the key order the digest sorts by (made once: it is on every delivery's path)."""
+        return _digest_order(self.positional_names or ())
 
     @property
     def slotted(self) -> bool:

@@ -304,6 +304,18 @@ def digest(arguments: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
+def digest_order(names: tuple[str, ...]) -> tuple[tuple[int, str], ...]:
+    """(position, JSON-quoted name) of each parameter, sorted by name: :func:`digest`'s key order."""
+    return tuple((i, _json_str(name)) for i, name in sorted(enumerate(names), key=lambda item: item[1]))
+
+
+def digest_in_order(order: tuple[tuple[int, str], ...], values: tuple[Any, ...]) -> str:
+    """:func:`digest` of the arguments ``dict(zip(names, values))``, with the key order made once
+    (:func:`digest_order`): the same canonical text, so the same digest."""
+    canonical = "{" + ",".join(f"{name}:{_json_str(text(values[i], strict=False))}" for i, name in order) + "}"
+    return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
 def task_scope(task_id: str) -> str:
     """The completion scope of a task without ``idempotency_key``: its id."""
     return f"task:{_TASK_ID_ESCAPE(task_id)}"

@@ -865,12 +865,16 @@ class LockGuard(Task):
                 self._record_elsewhere(store, done, lease.task_id, record, ttl_ms)
             else:
                 scope = done.scope
-        report = _ReleaseReport(self.app, s, self.name, lease, scope)
         client = connection.client(s)
+        ch = wire.channel(client)
+        # Deferred only to a server on another host (``_wire.Channel.defers_release``); release_later decides
+        # exactly (it declines on Cluster when the record lives in another slot).
+        deferring = later and ch is not None and ch.defers_release
+        report = _ReleaseReport(self.app, s, self.name, lease, scope, detached=deferring)
         # A slot lease wakes nobody: slot and rate waiters back off instead of parking (docs/limits.md).
         reserve_ms = int(handoff.RESERVATION_TTL * 1000) if lease.slot is None else 0
         try:
-            if later and lease_ops.release_later(
+            if deferring and lease_ops.release_later(
                 client, lease, s.key_prefix, report, scope, record, ttl_ms, reserve_ms
             ):
                 # The task's span ends before the reply is read (its lock.released then goes to the logs and
@@ -884,7 +888,7 @@ class LockGuard(Task):
             reply: tuple[int, int, lease_ops.Woken | None] | BaseException
             # Waited for in a worker (the server is on this host): the wake-up publish still runs apart, on
             # the replies thread, as for a deferred reply, so a stalled broker never holds the task past its body.
-            report.wake_apart = later and wire.channel(client) is not None
+            report.wake_apart = later and ch is not None
             reply = lease_ops.release_and_wake(client, lease, s.key_prefix, scope, record, ttl_ms, reserve_ms)
         except Exception as exc:  # noqa: BLE001 - the body's outcome stands; the lease expires by its TTL
             lease.released = True
@@ -1536,20 +1540,41 @@ class _ReleaseReport:
     thread or inside the next task, where neither the time nor the context is this task's.
     """
 
-    def __init__(self, app: Any, s: Settings, task_name: str, lease: Lease, scope: str | None) -> None:
+    __slots__ = (
+        "app",
+        "context",
+        "hold_ms",
+        "lease",
+        "scope",
+        "settings",
+        "span",
+        "task_name",
+        "wake_apart",
+        "was_lost",
+    )
+
+    def __init__(
+        self, app: Any, s: Settings, task_name: str, lease: Lease, scope: str | None, detached: bool = True
+    ) -> None:
         self.app, self.settings = app, s
         self.task_name = task_name
         self.lease = lease
         self.scope = scope
         self.was_lost = lease.lost
         self.hold_ms = lease.hold_ms()
-        self.backend = events.backend_choice()
-        self.span = tracing.current_span()
+        #: ``detached``: the reply may be read on another thread or inside the next task, so the log backend
+        #: and the span are captured now; otherwise the report runs here, where both are the current ones.
+        self.context: tuple[str, Any] | None = (events.backend_choice(), tracing.current_span()) if detached else None
+        #: The task's span as captured (``None``: none records, or the report runs in the task's own context).
+        self.span = self.context[1] if self.context is not None else None
         #: Publish the wake-up on the replies thread rather than here (a release waited for in a worker).
         self.wake_apart = False
 
     def _emit(self, event: str, **fields: Any) -> None:
-        events.emit_for(event, self.task_name, fields, backend=self.backend, span=self.span)
+        if self.context is None:
+            emit(event, self.task_name, **fields)
+        else:
+            events.emit_for(event, self.task_name, fields, backend=self.context[0], span=self.context[1])
 
     def __call__(self, reply: tuple[int, int, lease_ops.Woken | None] | BaseException) -> None:
         lease, hold_ms = self.lease, round(self.hold_ms)

@@ -6,7 +6,10 @@ import inspect
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from celery_lockguard import _keys as keys
 from celery_lockguard._keys import MAX_KEY, EmptyField, KeyRenderer, bind, digest, lock_name
 from celery_lockguard.exceptions import ConfigurationError
 
@@ -209,3 +212,19 @@ def test_pattern_matches_every_key_its_template_renders_and_no_other_shape() -> 
     assert not pattern.fullmatch("partner:a:region:eu:api:x")  # another shape
     assert not pattern.fullmatch("partner:" + ":region::api:" * 3200 + "!")  # linear: no field spans a separator
     assert KeyRenderer(lambda account, region, api: account, inspect.signature(f), "t", "lock_key").pattern() is None
+
+
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@given(st.dictionaries(st.text(min_size=1, max_size=8), _values, max_size=5))
+def test_the_positional_digest_is_the_bound_arguments_digest(arguments: dict[str, Any]) -> None:
+    """A delivery's positional call digests through ``digest_in_order`` (key order made once per task): the
+    same canonical text as ``digest`` of the bound arguments, or identical work would stop being a duplicate
+    across versions and processes."""
+    names, values = tuple(arguments), tuple(arguments.values())
+    assert keys.digest_in_order(keys.digest_order(names), values) == keys.digest(arguments)
