@@ -19,7 +19,6 @@ what is physically left.
 from __future__ import annotations
 
 import itertools
-import os
 import resource
 import socket
 import time
@@ -31,13 +30,9 @@ from urllib.parse import urlsplit
 import redis
 from celery import Celery, Task
 
-from celery_lockguard import LockedTask, _wire
-from celery_lockguard import _completion as completion
-from celery_lockguard import _keys as keys
-from celery_lockguard import _lease as lease_ops
-from celery_lockguard import _scripts as scripts
+from celery_lockguard import LockedTask
 
-from . import peers
+from . import floors, peers
 from .stats import Summary, paired, run_rounds
 
 DEFAULT = "LockedTask (default)"
@@ -106,36 +101,15 @@ def _app(url: str) -> tuple[Celery, dict[str, Any]]:
     wire_client = redis.Redis.from_url(url, decode_responses=True)
 
     class WireOnly(Task):  # type: ignore[misc]
-        """The default variant's two scripts, same keys and values, sent on lockguard's own channel.
+        """The default variant's two scripts, same keys and values, on lockguard's own channel, both waited for.
 
         What remains is what the task logic costs (options, headers, decision, metrics, events,
         renewal tracking, the release report): the default variant minus this one.
         """
 
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            ch = _wire.channel(wire_client)
-            assert ch is not None
-            key, task_id = f"item:{args[0]}", self.request.id
-            lock, done = keys.lock_name(prefix, key), keys.done_name(prefix, f"task:{task_id}")
-            token = lease_ops.new_token()
-            acquire = [token, 30_000, task_id, self.name, "0" * 16, lease_ops.HOST, os.getpid(), "", "running"]
-            got = ch.call(
-                scripts.acquire,
-                [lock, keys.fence_name(prefix, key), keys.claim_name(prefix, key), done],
-                [*acquire, 30 * 86_400_000, "", ""],
-            )
-            if got[0] != "ok":
-                raise RuntimeError(f"{key}: {got!r}: the floor's keys are distinct")
-            try:
+            with floors.held(wire_client, prefix, f"item:{args[0]}", self.request.id, self.name):
                 return self.run(*args, **kwargs)
-            finally:
-                record = completion.encode_record(task_id, None)[0]
-                ch.defer(
-                    scripts.release,
-                    [lock, keys.wait_name(prefix, key), keys.waiters_name(prefix, key), done],
-                    [token, record, 86_400_000, 30_000],
-                    lambda reply: None,
-                )
 
     @app.task(name="bd_wire", base=WireOnly, shared=False)
     def bd_wire(i: int) -> None:

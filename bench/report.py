@@ -580,6 +580,11 @@ def _cpu_table(results: list[E2EResult], n: int) -> str:
     )
 
 
+def _points(a: Summary, b: Summary) -> Summary:
+    """``a`` minus ``b`` per round (paired: both ratios come from the same round), in points of the plain task."""
+    return Summary([(x - y) * 100 for x, y in zip(a.values, b.values, strict=True)])
+
+
 def _floors(res: Results) -> str:
     """The floors measured in this run (no lockguard logic in them), against the targets they bound."""
     ee = {r.name: r for r in res.e2e}
@@ -596,6 +601,22 @@ def _floors(res: Results) -> str:
             "paired per round). The child has slack under `-c 1`, where the main process, busiest of the three, "
             "sets the pace: what a lock adds in the child shows in the rate only past that slack."
         )
+    parts = ""
+    if workerapp.SCRIPTS_FLOOR in ee and workerapp.NOOP_FLOOR in ee:
+        scripts_only, noop = ee[workerapp.SCRIPTS_FLOOR], ee[workerapp.NOOP_FLOOR]
+        one = Summary([100.0] * len(noop.ratio_worker.values))
+        parts = (
+            " **Where LockedTask's worker gap goes** (points of the plain task's rate, paired per round): "
+            f"lockguard's own ACQUIRE and RELEASE with none of the task logic drain at "
+            f"{scripts_only.ratio_worker.fmt('.2f')}x, and the same two commands sent to scripts that do nothing "
+            f"on the server at {noop.ratio_worker.fmt('.2f')}x. So the task logic around the scripts costs "
+            f"{_points(scripts_only.ratio_worker, locked.ratio_worker).fmt('.1f')} points, the scripts' work on "
+            f"the server (completion check, fence, holder record, token check, record, waiter queue) "
+            f"{_points(noop.ratio_worker, scripts_only.ratio_worker).fmt('.1f')} points, and two waited round "
+            f"trips on the wire {_points(one, noop.ratio_worker).fmt('.1f')} points. Under `-c 1` the child "
+            "waits for each reply, so the server's script time is on the task's path as much as the child's own "
+            "CPU."
+        )
     raw, bare = bd[breakdown_mod.RAW_FLOOR], bd[breakdown_mod.BARE_FLOOR]
     wire, default = bd[breakdown_mod.WIRE_FLOOR], bd[breakdown_mod.DEFAULT]
     logic = Summary([-x for x in wire.cpu_vs_default.values])  # default minus the wire floor, per round
@@ -603,15 +624,16 @@ def _floors(res: Results) -> str:
         "**Floors, measured in this run with no lockguard logic in them.** A lock written by hand in the "
         "worker (`SET NX PX` with a uuid4 token, the body, `DEL`, through redis-py: no owner check, fence or "
         f"record) drains at {hand.ratio_worker.fmt('.2f')}x of the plain task, where LockedTask drains at "
-        f"{locked.ratio_worker.fmt('.2f')}x.{child} In-process (the breakdown, section 2), the same hand-written "
-        f"lock costs {raw.cpu_us.median:.0f} µs of CPU per call and the same two round trips as pre-packed bytes "
-        f"on a bare socket {bare.cpu_us.median:.0f} µs, against {plain_cpu:.0f} µs for the plain task (every "
-        "variant here waits for both replies: the server is on this host, so lockguard waits for RELEASE too). The "
-        f"{CPU_TARGET_US:.0f} µs target leaves {CPU_TARGET_US - bare.cpu_us.median:.0f} µs above the bare socket, "
-        "in this run, for everything a lock library does in Python. lockguard's own ACQUIRE and RELEASE, sent on "
-        f"its channel with none of the task logic around them, cost {wire.cpu_us.median:.0f} µs, so the default "
-        f"variant ({default.cpu_us.median:.0f} µs) spends {logic.fmt('.0f')} µs (paired) on that logic: options, "
-        "headers, the decision, metrics, events, renewal tracking, the release report.\n"
+        f"{locked.ratio_worker.fmt('.2f')}x.{child}{parts} In-process (the breakdown, section 2), the same "
+        f"hand-written lock costs {raw.cpu_us.median:.0f} µs of CPU per call and the same two round trips as "
+        f"pre-packed bytes on a bare socket {bare.cpu_us.median:.0f} µs, against {plain_cpu:.0f} µs for the plain "
+        "task (every variant here waits for both replies: the server is on this host, so lockguard waits for "
+        f"RELEASE too). The {CPU_TARGET_US:.0f} µs target leaves {CPU_TARGET_US - bare.cpu_us.median:.0f} µs "
+        "above the bare socket, in this run, for everything a lock library does in Python. lockguard's own "
+        f"ACQUIRE and RELEASE, sent on its channel with none of the task logic around them, cost "
+        f"{wire.cpu_us.median:.0f} µs, so the default variant ({default.cpu_us.median:.0f} µs) spends "
+        f"{logic.fmt('.0f')} µs (paired) on that logic: options, headers, the decision, metrics, events, renewal "
+        "tracking, the release report.\n"
     )
 
 

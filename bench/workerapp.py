@@ -17,6 +17,10 @@ with :func:`create_app` to publish.
   is to a server on another host: the trade of waiting, in the same run.
   ``tp_by_hand`` is a floor: ``SET NX PX`` + ``DEL`` around the body through
   redis-py (``peers.by_hand``), a lock with nothing beyond those two commands.
+  ``tp_scripts`` sends lockguard's own ACQUIRE and RELEASE around the body with
+  none of the task logic (``floors.held``), and ``tp_noop_scripts`` the same
+  bytes to scripts that do nothing: what the task logic and the scripts' server
+  work each cost the worker, in the same run.
 * Contention tasks (``hot_*``): one hot key, a 0.1 s body that records its
   start and end, so the driver checks that no two bodies overlapped. Their
   ``lock_ttl`` is 5 s: a waiter's back-off is capped by the holder's TTL, so
@@ -49,7 +53,7 @@ from celery import Celery
 from celery_lockguard import LockedTask
 from celery_lockguard import _wire as wire
 
-from . import counting, peers
+from . import counting, floors, peers
 
 counting.install()
 structlog.configure(
@@ -63,6 +67,10 @@ RUNS: Counter[str] = Counter()
 #: A floor for a lock taken in the worker: the two commands users write by hand before a library.
 FLOOR = "floor: SET NX PX + DEL by hand in the worker"
 
+#: lockguard's ACQUIRE and RELEASE with none of the task logic, and the same bytes to do-nothing scripts.
+SCRIPTS_FLOOR = "floor: lockguard's ACQUIRE and RELEASE in the worker, no task logic"
+NOOP_FLOOR = "floor: the same commands to scripts that do nothing on the server"
+
 #: LockedTask with RELEASE deferred, as to a server on another host.
 DEFERRED = "LockedTask, RELEASE deferred (as to another host)"
 
@@ -75,6 +83,8 @@ TP_TASKS = {
     "celery-once QueueOnce": "tp_once",
     "celery-singleton Singleton": "tp_singleton",
     FLOOR: "tp_by_hand",
+    SCRIPTS_FLOOR: "tp_scripts",
+    NOOP_FLOOR: "tp_noop_scripts",
 }
 
 #: Contention variants: display name -> task name.
@@ -180,6 +190,20 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         """SET NX PX with a uuid4 token, the body, DEL: two round trips, nothing checked, fenced or recorded."""
         with peers.by_hand(by_hand, f"{prefix}:byhand:{i}"):
             RUNS["tp_by_hand"] += 1
+
+    scripts_client = redis.Redis.from_url(cfg.get("lock_url", url), decode_responses=True)
+
+    @app.task(name="tp_scripts", bind=True, ignore_result=True, shared=False)
+    def tp_scripts(self: Any, i: int) -> None:
+        """lockguard's ACQUIRE and RELEASE around the body, both waited for, with none of the task logic."""
+        with floors.held(scripts_client, prefix, f"scripts:{i}", self.request.id, self.name):
+            RUNS["tp_scripts"] += 1
+
+    @app.task(name="tp_noop_scripts", bind=True, ignore_result=True, shared=False)
+    def tp_noop_scripts(self: Any, i: int) -> None:
+        """The same two commands to scripts that do nothing: the wire without the scripts' server work."""
+        with floors.held(scripts_client, prefix, f"noop:{i}", self.request.id, self.name, floors.NOOP):
+            RUNS["tp_noop_scripts"] += 1
 
     @app.task(name="tp_mark", ignore_result=True, shared=False)
     def tp_mark(tag: str, gate: str | None = None, barrier: str | None = None) -> None:
