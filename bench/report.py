@@ -604,7 +604,7 @@ def _floors(res: Results) -> str:
     parts = ""
     if workerapp.SCRIPTS_FLOOR in ee and workerapp.NOOP_FLOOR in ee:
         scripts_only, noop = ee[workerapp.SCRIPTS_FLOOR], ee[workerapp.NOOP_FLOOR]
-        one = Summary([100.0] * len(noop.ratio_worker.values))
+        one = Summary([1.0] * len(noop.ratio_worker.values))
         parts = (
             " **Where LockedTask's worker gap goes** (points of the plain task's rate, paired per round): "
             f"lockguard's own ACQUIRE and RELEASE with none of the task logic drain at "
