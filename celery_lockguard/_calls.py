@@ -33,16 +33,17 @@ class CallNames(NamedTuple):
 def render(opts: TaskOptions, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallNames:
     """Bind ``args``/``kwargs`` to the task's signature and render K, S and the digest."""
     names = opts.positional_names
+    positional = names is not None and not kwargs and len(args) == len(names)
     try:
-        if names is not None and not kwargs and len(args) == len(names):
+        if positional:
             # What Signature.bind gives for these: every parameter by position, in order.
-            arguments = dict(zip(names, args, strict=True))
-            digest = keys.digest_in_order(opts.digest_order, args)
+            arguments = dict(zip(names or (), args, strict=True))
         else:
             arguments = keys.bind(opts.signature, args, kwargs)
-            digest = keys.digest(arguments)
     except TypeError as exc:
         raise TypeError(f"task {opts.task_name!r}: arguments do not match its signature: {exc}") from exc
+    # Outside the try: a TypeError from an argument's own __str__ is that argument's, not a signature mismatch.
+    digest = keys.digest_in_order(opts.digest_order, args) if positional else keys.digest(arguments)
     if opts.idempotency_key is not None:
         scope, scope_is_task = opts.idempotency_key.render(arguments, args, kwargs), False
     else:

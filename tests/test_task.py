@@ -462,3 +462,28 @@ def test_replace_releases_before_the_replacement_runs(app: Celery, r: redis.Redi
 
     assert original.apply(args=(1,), throw=True).get() == "replacement ran with fence True"
     assert not r.exists(lock_name(prefix, "k:1"))
+
+
+class _Unprintable:
+    """An argument whose ``__str__`` fails: what a model with a ``None`` field formatted by ``:d`` does."""
+
+    def __str__(self) -> str:
+        return f"{None:d}"
+
+
+def test_an_argument_whose_str_fails_is_not_reported_as_a_signature_mismatch(app: Celery) -> None:
+    """The arguments match the signature; only rendering one of them failed: its own TypeError reaches the
+    caller, positional or by keyword, not 'arguments do not match its signature'."""
+
+    @app.task(base=LockedTask, lock_key="item:{item}", shared=False)
+    def charge(item: Any, amount: int = 1) -> None:
+        return None
+
+    for args, kwargs in (((_Unprintable(),), {}), ((), {"item": _Unprintable()}), ((1, _Unprintable()), {})):
+        result = charge.apply(args, kwargs)
+        assert result.state == "FAILURE"
+        assert isinstance(result.result, TypeError)
+        assert "do not match its signature" not in str(result.result), (args, kwargs, result.result)
+        assert "NoneType" in str(result.result)
+    with pytest.raises(TypeError, match="do not match its signature"):
+        charge.lock_key_for(1, 2, 3)
