@@ -51,8 +51,8 @@ A task's counts and observations are not added up on its own path: each is one
 append to a ledger (no lock, no arithmetic), folded into the counts by whoever
 reads them (:func:`snapshot`, :func:`flush`) or, every :data:`FOLD_AT` entries,
 by the appender. Each entry carries its time, so it lands in the minute it
-happened in, whenever it is folded. Folding a batch in one loop costs a
-fraction of what the same updates cost one by one between two round trips.
+happened in, whenever it is folded. Between its two round trips a delivery
+then only appends; the arithmetic runs where the counts are read.
 """
 
 from __future__ import annotations

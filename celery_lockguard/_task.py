@@ -1536,8 +1536,9 @@ class _ReleaseReport:
     """What a RELEASE reply means, logged and counted: now, or when a deferred reply is read.
 
     Everything it needs is captured when the lease is released (hold time, whether the body was
-    told it was lost, the log backend, the task's span): the reply may be read on the renewer
-    thread or inside the next task, where neither the time nor the context is this task's.
+    told it was lost and, for a deferred reply, the log backend and the task's span): a deferred
+    reply may be read on the renewer thread or inside the next task, where neither the time nor the
+    context is this task's. A reply waited for is reported right here, in the task's own context.
     """
 
     __slots__ = (
