@@ -1543,7 +1543,7 @@ class _ReleaseReport:
 
     __slots__ = (
         "app",
-        "context",
+        "backend",
         "hold_ms",
         "lease",
         "scope",
@@ -1564,18 +1564,17 @@ class _ReleaseReport:
         self.was_lost = lease.lost
         self.hold_ms = lease.hold_ms()
         #: ``detached``: the reply may be read on another thread or inside the next task, so the log backend
-        #: and the span are captured now; otherwise the report runs here, where both are the current ones.
-        self.context: tuple[str, Any] | None = (events.backend_choice(), tracing.current_span()) if detached else None
-        #: The task's span as captured (``None``: none records, or the report runs in the task's own context).
-        self.span = self.context[1] if self.context is not None else None
+        #: and the span are captured now; otherwise (``None``) the report runs here, where both are current.
+        self.backend: str | None = events.backend_choice() if detached else None
+        self.span = tracing.current_span() if detached else None
         #: Publish the wake-up on the replies thread rather than here (a release waited for in a worker).
         self.wake_apart = False
 
     def _emit(self, event: str, **fields: Any) -> None:
-        if self.context is None:
+        if self.backend is None:
             emit(event, self.task_name, **fields)
         else:
-            events.emit_for(event, self.task_name, fields, backend=self.context[0], span=self.context[1])
+            events.emit_for(event, self.task_name, fields, backend=self.backend, span=self.span)
 
     def __call__(self, reply: tuple[int, int, lease_ops.Woken | None] | BaseException) -> None:
         lease, hold_ms = self.lease, round(self.hold_ms)
