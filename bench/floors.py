@@ -21,6 +21,9 @@ from celery_lockguard import _keys as keys
 from celery_lockguard import _lease as lease_ops
 from celery_lockguard import _scripts as scripts
 from celery_lockguard import _wire
+from celery_lockguard._config import DEFAULT_VISIBILITY_TIMEOUT
+
+from .cycle import FENCE_TTL_MS
 
 #: ACQUIRE and RELEASE as lockguard runs them.
 LOCKGUARD = (scripts.acquire, scripts.release)
@@ -30,8 +33,8 @@ NOOP = (
     scripts.Script("bench_noop_release", "return {1, 1}"),
 )
 
-_FENCE_TTL_MS = 30 * 86_400_000  # lockguard_fence_ttl's default
-_RECORD_TTL_MS = 3_600_000  # a task-id scope's completion_ttl (the visibility timeout's default)
+#: A task-id scope's completion_ttl: the broker's visibility timeout, at its default.
+_RECORD_TTL_MS = int(DEFAULT_VISIBILITY_TIMEOUT * 1000)
 _RESERVE_MS = int(handoff.RESERVATION_TTL * 1000)
 
 
@@ -51,7 +54,7 @@ def held(
     got = ch.call(
         acquire,
         [lock, keys.fence_name(prefix, key), keys.claim_name(prefix, key), done],
-        [*holder, _FENCE_TTL_MS, "", ""],
+        [*holder, FENCE_TTL_MS, "", ""],
     )
     if got[0] != "ok":
         raise RuntimeError(f"{key}: {got!r}: the floor's keys are distinct")
