@@ -34,6 +34,8 @@ from .exceptions import (
     LockThrottled,
     StaleFence,
     UnstableText,
+    WorkflowDeadlock,
+    WorkflowEnded,
 )
 from .fencing import advance_fence, advisory_xact_lock, bump_fence, create_fence_table, fence_table_sql
 
@@ -57,6 +59,8 @@ __all__ = [
     "StaleFence",
     "UnstableText",
     "Workflow",
+    "WorkflowDeadlock",
+    "WorkflowEnded",
     "__version__",
     "acl",
     "advance_fence",

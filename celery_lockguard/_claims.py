@@ -44,7 +44,12 @@ def claim_keys(prefix: str, key: str, mode: str) -> list[str]:
 
 
 def claim_ttl_ms(queue_lock_ttl: float, countdown: float | None = None, eta: Any = None) -> int:
-    """How long a claim lives: the queue TTL, plus the delay until a countdown/eta task is due.
+    """How long a claim lives: the queue TTL, plus the delay until a countdown/eta task is due."""
+    return max(1, int((queue_lock_ttl + due_in(countdown, eta)) * 1000))
+
+
+def due_in(countdown: float | None = None, eta: Any = None) -> float:
+    """Seconds until a message published with ``countdown`` or ``eta`` is due (0 when neither, or past).
 
     A naive ``eta`` is UTC, as Celery reads it (``maybe_make_aware(naive_as_utc=True)``).
     """
@@ -57,7 +62,15 @@ def claim_ttl_ms(queue_lock_ttl: float, countdown: float | None = None, eta: Any
             if when.tzinfo is None:
                 when = when.replace(tzinfo=timezone.utc)
             delay = (when - datetime.now(timezone.utc)).total_seconds()
-    return max(1, int((queue_lock_ttl + max(delay, 0.0)) * 1000))
+    return max(delay, 0.0)
+
+
+def retry_due_in(default_retry_delay: float | None, countdown: float | None = None, eta: Any = None) -> float:
+    """Seconds until a ``retry()`` message is due, by Celery's rule: no ``eta`` and no ``countdown`` means
+    ``default_retry_delay`` (180 s unless the task says otherwise). What a hand-over to that message covers."""
+    if not eta and countdown is None:
+        countdown = default_retry_delay
+    return due_in(countdown, eta)
 
 
 def in_canvas(options: dict[str, Any], link: Any = None) -> bool:

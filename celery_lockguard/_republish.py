@@ -124,7 +124,7 @@ def publish(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], countdown:
     # A workflow member hands the workflow's lease to its own next copy before that copy can be delivered.
     from ._workflow import before_self_republish
 
-    before_self_republish(task)
+    before_self_republish(task, countdown=countdown)  # the hand-over covers the countdown
     sig.apply_async()
     return sig
 

@@ -627,9 +627,10 @@ local function enter(token, fence, joining)
     if not joining then redis.call('HSET', KEYS[1], 'active', 0) end
     redis.call('HSET', KEYS[1], 'par', ARGV[14])
     redis.call('HINCRBY', KEYS[1], 'active', 1)
-  else
-    redis.call('HSET', KEYS[1], 'par', '', 'active', 0)
+  else  -- a chord's tallies (WORKFLOW_LEAVE) start afresh for the next chord
+    redis.call('HSET', KEYS[1], 'par', '', 'active', 0, 'left', 0, 'failed', '', 'hold', 0)
   end
+  redis.call('HSET', KEYS[1], 'waits_on', '')
   redis.call('PEXPIRE', KEYS[1], ARGV[5])
   return {'entered', token, fence, now_ms - (tonumber(cur[13]) or now_ms)}
 end
@@ -672,33 +673,66 @@ return {'started', ARGV[4], fence, 0}
 
 WORKFLOW_PASS = """
 -- WORKFLOW_PASS: a workflow member that ended hands the lease on to the member that runs next (the
--- chain's next step, or its own retry): state 'gap', next = that member's slot, for the gap TTL
--- (the next member's renewer takes over when it enters). Token-checked: a lease that is no longer
--- ours is left alone.
+-- chain's next step, or its own retry or wait copy): state 'gap', next = that member's slot, for the
+-- gap TTL (the next member's renewer takes over when it enters). Token-checked: a lease that is no
+-- longer ours is left alone.
 -- KEYS[1] lease hash
--- ARGV[1] token  ARGV[2] the next member's slot ('#<index>')  ARGV[3] gap ttl_ms
+-- ARGV[1] token  ARGV[2] the next member's slot ('#<index>')
+-- ARGV[3] gap ttl_ms (at least the delayed copy's countdown plus the publish grace)
+-- ARGV[4] the entity the member waits for with its own lock ('' none): read by a member of another
+--         workflow to tell a lock-order deadlock (cleared when the member enters again)
 -- Returns 1 handed on; 0 the token is gone (the workflow lost its lease; nothing written)
 if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'state', 'gap', 'next', ARGV[2])
+redis.call('HSET', KEYS[1], 'state', 'gap', 'next', ARGV[2], 'waits_on', ARGV[4] or '')
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """
 
-WORKFLOW_LEAVE = """
--- WORKFLOW_LEAVE: a member running in parallel with others of its slot (a chord's header) ended well,
--- or retries: one fewer running; the last one to leave hands the lease on to the slot itself for the
--- gap TTL (a retry or a member still queued enters it, and so does the chord's callback).
+WORKFLOW_LEAVE = (
+    """
+-- WORKFLOW_LEAVE: a member running in parallel with others of its slot (a chord's header) ended (well
+-- or not), or retries: one fewer running; the last one to leave hands the lease on to the slot itself
+-- (a retry or a member still queued enters it, and so does the chord's callback) for the longest gap
+-- any member of the slot asked for (a retry's countdown plus the publish grace outlives a short gap).
+-- Once every member of the slot ended for good and one of them failed, the chord's callback never
+-- comes (Celery fails it): the last one out is told to end the workflow.
 -- KEYS[1] lease hash
 -- ARGV[1] token  ARGV[2] the member's slot ('#<index>')  ARGV[3] gap ttl_ms
--- Returns the members of the slot still running (>= 0); -1 the token is gone (nothing written)
+-- ARGV[4] '1' the member ended for good (not a retry)  ARGV[5] '1' it failed
+-- ARGV[6] members in the slot (0: not known)
+-- Returns the members of the slot still running (>= 0); -1 the token is gone (nothing written);
+--   -2 the slot is done and one of its members failed: the caller ends the workflow (nothing written)
+"""
+    + _NOW
+    + """
 if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return -1 end
 local active = redis.call('HINCRBY', KEYS[1], 'active', -1)
+local left = tonumber(redis.call('HGET', KEYS[1], 'left')) or 0
+if ARGV[4] == '1' then left = redis.call('HINCRBY', KEYS[1], 'left', 1) end
+if ARGV[5] == '1' then redis.call('HSET', KEYS[1], 'failed', '1') end
+local hold = math.max(now_ms + tonumber(ARGV[3]), tonumber(redis.call('HGET', KEYS[1], 'hold')) or 0)
+redis.call('HSET', KEYS[1], 'hold', hold)
 if active <= 0 then
+  local width = tonumber(ARGV[6]) or 0
+  if redis.call('HGET', KEYS[1], 'failed') == '1' and (width == 0 or left >= width) then return -2 end
   redis.call('HSET', KEYS[1], 'state', 'gap', 'next', ARGV[2], 'active', 0)
-  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  redis.call('PEXPIRE', KEYS[1], math.max(1, hold - now_ms))
   return 0
 end
 return active
+"""
+)
+
+WORKFLOW_WAITS_ON = """
+-- WORKFLOW_WAITS_ON: a workflow member about to wait for its own lock on another entity says so in the
+-- workflow's lease (before it looks for a lock-order cycle), so a member of another workflow that
+-- waits for this workflow's entity finds the cycle even when both look at the same moment.
+-- KEYS[1] lease hash
+-- ARGV[1] token  ARGV[2] the entity the member waits for
+-- Returns 1 recorded; 0 the token is gone (nothing written)
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'waits_on', ARGV[2])
+return 1
 """
 
 WORKFLOW_END = (
@@ -999,5 +1033,6 @@ debounce_keep = Script("DEBOUNCE_KEEP", DEBOUNCE_KEEP)
 workflow_enter = Script("WORKFLOW_ENTER", WORKFLOW_ENTER)
 workflow_pass = Script("WORKFLOW_PASS", WORKFLOW_PASS)
 workflow_leave = Script("WORKFLOW_LEAVE", WORKFLOW_LEAVE)
+workflow_waits_on = Script("WORKFLOW_WAITS_ON", WORKFLOW_WAITS_ON)
 workflow_end = Script("WORKFLOW_END", WORKFLOW_END)
 workflow_abort = Script("WORKFLOW_ABORT", WORKFLOW_ABORT)

@@ -1045,6 +1045,7 @@ class LockGuard(Task):
         when the broker is the Redis that is down there is nowhere else to wait).
         """
         req = self.request
+        workflow.check_lock_order(self, call.key)  # a workflow member: never wait in a lock-order cycle
         waits = headers.read_int(req, headers.WAITS)
         holder_ttl = holder.pttl_ms / 1000 if holder is not None else None
         if throttled is not None:  # the window says when a start is admitted: wait for that, not a guess
@@ -1090,6 +1091,7 @@ class LockGuard(Task):
         JSON, a full queue, an error at PARK, or a failed publish whose entry was taken back).
         """
         req = self.request
+        workflow.check_lock_order(self, call.key)  # a workflow member: never park in a lock-order cycle
         park_token = lease_ops.new_token()
         # A copy of a delivery that parked before keeps its place in the queue (not the tail).
         first = headers.read_int(req, headers.PARKED_AT) or None
@@ -1349,23 +1351,23 @@ class LockGuard(Task):
         # A retry is a new attempt: it must not inherit this delivery's waits, orphan token, watch marker or
         # claim (Celery copies the request's headers into the retry message).
         options["headers"] = {**republish.without_ours(req), **(options.get("headers") or {})}
+        # every hand-over to the retry message (claim, debounce keys, workflow lease) covers its delay
+        delay = claims.retry_due_in(self.default_retry_delay, countdown, eta)
         burst = headers.read_str(req, headers.DEBOUNCE) if opts.debounce is not None else ""
         if burst:  # a retried run stays its burst's: superseded if a later run of the entity has started by then
             options["headers"][headers.DEBOUNCE] = burst
-            delay = countdown if countdown is not None or eta is not None else self.default_retry_delay
-            debounce.keep_for_retry(self, s, opts, burst, delay, eta)
+            debounce.keep_for_retry(self, s, opts, burst, delay, None)
         # A member's retry keeps its place in the workflow and gets its lease (or, failed open, runs unlocked).
-        workflow.on_retry(self, options)
+        workflow.on_retry(self, options, delay)
         if lease is not None and not lease.released:
             limit = self.max_retries if max_retries is None else max_retries
             exhausted = limit is not None and req.retries + 1 > limit
             if opts.mode == "until_done" and not exhausted:
                 token = lease_ops.new_token()
-                delay = countdown if countdown is not None or eta is not None else self.default_retry_delay
                 renewer().untrack(lease)
                 try:
                     if lease_ops.handover(
-                        connection.client(s), lease, token, claims.claim_ttl_ms(opts.queue_lock_ttl, delay, eta)
+                        connection.client(s), lease, token, claims.claim_ttl_ms(opts.queue_lock_ttl, delay)
                     ):
                         options["headers"][headers.CLAIM] = token
                         handed = token

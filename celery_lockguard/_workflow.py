@@ -47,6 +47,7 @@ from celery import Signature, current_app, group, states
 from celery.canvas import _chain, _chord, chain, chord
 from celery.exceptions import Ignore, Reject, Retry
 
+from . import _claims as claims
 from . import _connection as connection
 from . import _errors as errors
 from . import _headers as headers
@@ -60,7 +61,14 @@ from ._events import emit
 from ._lease import Lease
 from ._metrics import observe_hold
 from ._renewer import renewer
-from .exceptions import BackendUnavailable, ConfigurationError, LockContended, LockLost
+from .exceptions import (
+    BackendUnavailable,
+    ConfigurationError,
+    LockContended,
+    LockLost,
+    WorkflowDeadlock,
+    WorkflowEnded,
+)
 
 #: Default seconds a handed-on lease waits for the next member (the longest queue gap it survives).
 DEFAULT_GAP_TTL = 60.0
@@ -100,6 +108,9 @@ class Spec:
     parallel: bool = False
     #: A chord's callback: the slot of its header, which admits it too (-1: none).
     after: int = -1
+    #: A chord's header member: how many members its slot has (0: not known), so the last of them to end knows
+    #: the slot is done (WORKFLOW_LEAVE: after a failed page the workflow ends then, not before).
+    width: int = 0
     #: An earlier member ran without the lease (``fail_open``): this one runs unlocked too, rather than be
     #: dropped or fail with ``LockLost`` on a lease the workflow no longer keeps.
     unlocked: bool = False
@@ -117,7 +128,9 @@ class Spec:
         """This member's slot, the ``next`` a hand-over to it writes (its retries and redeliveries share it)."""
         return slot(self.index)
 
-    def header(self, index: int | None = None, parallel: bool = False, after: int = -1) -> dict[str, Any]:
+    def header(
+        self, index: int | None = None, parallel: bool = False, after: int = -1, width: int = 0
+    ) -> dict[str, Any]:
         return {
             "id": self.id,
             "key": self.key,
@@ -129,6 +142,7 @@ class Spec:
             "count": self.count,
             "parallel": parallel or self.parallel,
             "after": after if after >= 0 else self.after,
+            "width": width or self.width,
             "on_locked": self.on_locked,
             "on_unavailable": self.on_unavailable,
             "max_waits": self.max_waits,
@@ -151,6 +165,7 @@ class Spec:
                 count=int(value["count"]),
                 parallel=bool(value.get("parallel", False)),
                 after=int(value.get("after", -1)),
+                width=int(value.get("width", 0)),
                 on_locked=value["on_locked"],
                 on_unavailable=value["on_unavailable"],
                 max_waits=int(value["max_waits"]),
@@ -242,7 +257,8 @@ class Workflow:
                 canvas_steps.append(marked(step.tasks[0], spec.header(index=index)))
                 index += 1
                 continue
-            header = [marked(t, spec.header(index=index, parallel=True)) for t in step.tasks]
+            width = len(step.tasks)
+            header = [marked(t, spec.header(index=index, parallel=True, width=width)) for t in step.tasks]
             body = marked(step.body, spec.header(index=index + 1, after=index))
             canvas_steps.append(chord(group(header, app=self.app), body, app=self.app))
             index += 2
@@ -264,6 +280,20 @@ class Workflow:
 
     def __repr__(self) -> str:
         return f"<Workflow {self._fields['key']!r} {self.sig!r}>"
+
+    def _nested(self, *_: Any) -> Any:
+        raise ConfigurationError(_nesting_error(self))
+
+    # chain(a, workflow(...)), a | workflow(...), workflow(...) | b: Celery would raise a bare TypeError
+    __or__ = __ror__ = _nested
+
+
+def _nesting_error(w: Workflow) -> str:
+    return (
+        f"workflow {w._fields['name']!r} on {w._fields['key']!r}: a workflow(...) cannot be a step of another "
+        "chain or workflow (its members would run outside both leases). Put its tasks in the outer chain and "
+        "pass the outer workflow() every entity up front, or publish the two workflows one after the other"
+    )
 
 
 def workflow(
@@ -291,6 +321,8 @@ def workflow(
     holder name shown by ``lockguard locks`` (default ``workflow:<first member's task>``).
     Bad input raises ``ConfigurationError`` naming the option and the value.
     """
+    if isinstance(sig, Workflow):
+        raise ConfigurationError(_nesting_error(sig))
     app = app or getattr(sig, "app", None) or current_app
     label = name or f"workflow:{_first_name(sig)}"
     where = f"workflow {label!r}"
@@ -560,6 +592,9 @@ def deliver(
             continue
         if action is MemberAction.DROP:
             emit("workflow.member_dropped", task.name, **fields, reason=decision.reason)
+            if decision.reason == "workflow_ended" and _never_answered(task):
+                # not a stale copy of a member that ran: say so in its result rather than leave it PENDING
+                raise WorkflowEnded(spec.key, spec.name)
             raise Ignore()
         if action is MemberAction.SKIP_WORKFLOW:
             assert holder is not None
@@ -588,6 +623,18 @@ def deliver(
         if action is MemberAction.GIVE_UP:
             emit("lock.wait_budget_exhausted", task.name, **fields, reason=decision.reason, policy=spec.on_locked)
         raise _contention_error(task, spec, holder, failure)
+
+
+def _never_answered(task: Any) -> bool:
+    """Whether no result was ever stored for this member (a redelivered copy of one that ran has one)."""
+    from celery.backends.base import DisabledBackend
+
+    if isinstance(task.backend, DisabledBackend) or task.request.is_eager:
+        return False
+    try:
+        return bool(task.backend.get_state(task.request.id) == states.PENDING)
+    except Exception:  # noqa: BLE001 - an unreachable backend: drop as before, the state cannot be stored either
+        return False
 
 
 #: Workflows a member in this process ran unlocked (fail_open), for eager chains, whose later members are
@@ -786,7 +833,14 @@ def _finish(task: Any, s: Settings, spec: Spec, client: Any, lease: Lease, start
         if handed is None:
             hand_on(task, s, spec, client, lease, spec.index)
         return
-    if outcome == "success" and not spec.last:
+    if spec.parallel:
+        # a chord's page leaves its slot, failed or not: its siblings keep the entity until the last one leaves
+        failed = outcome != "success"
+        hand_on(task, s, spec, client, lease, spec.index, strict=not failed, final=True, failed=failed)
+        if not getattr(lease, "slot_failed", False):
+            return
+        outcome = "failed"  # the last page out of a slot where one failed: Celery fails the callback, end here
+    elif outcome == "success" and not spec.last:
         hand_on(task, s, spec, client, lease, spec.index + 1, strict=True)
         return
     hold_ms = (time.monotonic() - started_at) * 1000
@@ -834,8 +888,26 @@ def _reserve_ms() -> int:
     return int(handoff.RESERVATION_TTL * 1000)
 
 
-def hand_on(task: Any, s: Settings, spec: Spec, client: Any, lease: Lease, index: int, strict: bool = False) -> bool:
+def hand_on(
+    task: Any,
+    s: Settings,
+    spec: Spec,
+    client: Any,
+    lease: Lease,
+    index: int,
+    strict: bool = False,
+    gap_ms: int = 0,
+    waits_on: str = "",
+    final: bool = False,
+    failed: bool = False,
+) -> bool:
     """WORKFLOW_PASS: the lease waits ``gap_ttl`` for the member at ``index``; False (and said) if no longer ours.
+
+    ``gap_ms``: a longer gap the next copy needs (a delayed copy's countdown plus the publish grace,
+    :func:`covering_ms`). ``waits_on``: the entity this member waits for with its own lock (a wait copy),
+    recorded for :func:`check_lock_order`. A chord's page leaves its slot instead (WORKFLOW_LEAVE;
+    ``final``: it ended for good, ``failed``: it failed); the last page out of a slot where one failed
+    sets ``lease.slot_failed`` and leaves the lease to the caller to end.
 
     ``strict``: the caller is about to publish the member at ``index`` (the chain's next step, or a
     retry). If Redis could not be reached, that member would find the lease still ``running`` at
@@ -847,12 +919,18 @@ def hand_on(task: Any, s: Settings, spec: Spec, client: Any, lease: Lease, index
     fields = {"lock_key": spec.key, "task_id": req.id, "workflow_id": spec.id, "workflow": spec.name}
     renewer().untrack(lease)
     name = [keys.lock_name(s.key_prefix, spec.key)]
+    gap = max(spec.gap_ms, gap_ms)
     try:
         if spec.parallel:  # one of a chord's header: leave the slot; the last one out hands it on
-            handed = int(scripts.workflow_leave(client, name, [lease.token, spec.slot, spec.gap_ms])) >= 0
+            flags = ["1" if final else "", "1" if failed else "", spec.width]
+            left = int(scripts.workflow_leave(client, name, [lease.token, spec.slot, gap, *flags]))
+            if left == -2:
+                lease.slot_failed = True  # type: ignore[attr-defined]
+                return True
+            handed = left >= 0
             index = spec.index
         else:
-            handed = bool(scripts.workflow_pass(client, name, [lease.token, slot(index), spec.gap_ms]))
+            handed = bool(scripts.workflow_pass(client, name, [lease.token, slot(index), gap, waits_on]))
     except Exception as exc:  # the lease is no longer renewed: it frees within its TTL
         emit("lock.backend_unavailable", task.name, **fields, reason=f"hand on: {_describe(exc)}")
         lease.released = True
@@ -872,11 +950,21 @@ def hand_on(task: Any, s: Settings, spec: Spec, client: Any, lease: Lease, index
     return handed
 
 
-def before_self_republish(task: Any, strict: bool = False) -> None:
+def covering_ms(countdown: float | None) -> int:
+    """The gap a hand-over to a copy due in ``countdown`` seconds must last: the countdown plus the publish grace.
+
+    DESIGN, "a hand-over covers its countdown": a wait behind another holder's long TTL, or a retry after
+    ``default_retry_delay`` (180 s), would otherwise find the lease gone (``LockLost``), or let other work in.
+    """
+    return 0 if countdown is None else int((max(countdown, 0.0) + claims.PUBLISH_GRACE) * 1000)
+
+
+def before_self_republish(task: Any, strict: bool = False, countdown: float | None = None) -> None:
     """A member publishing its own next copy (a retry, a wait): hand the workflow lease to that copy first.
 
     Before, not after: the copy may be delivered at once, and it must find ``gap`` with ``next`` = its
-    slot, not its own id still running (it would be dropped as a duplicate of a running delivery).
+    slot, not its own id still running (it would be dropped as a duplicate of a running delivery). The
+    gap lasts at least the copy's ``countdown`` plus the publish grace (:func:`covering_ms`).
     """
     lease: Lease | None = getattr(task.request, WORKFLOW_LEASE, None)
     if lease is None or lease.released:
@@ -885,11 +973,73 @@ def before_self_republish(task: Any, strict: bool = False) -> None:
     if spec is None:
         return
     s = settings(task.app)
-    hand_on(task, s, spec, connection.client(s), lease, spec.index, strict=strict)
+    waits_on = str(getattr(lease, "waits_on", "") or "")  # set by check_lock_order for this wait only
+    lease.waits_on = ""  # type: ignore[attr-defined]
+    gap = covering_ms(countdown)
+    hand_on(task, s, spec, connection.client(s), lease, spec.index, strict=strict, gap_ms=gap, waits_on=waits_on)
 
 
-def on_retry(task: Any, options: dict[str, Any]) -> None:
-    """``retry()`` of a member: the retry message keeps the workflow header, and gets the lease first."""
+#: Most entities :func:`check_lock_order` follows from one wait (a longer cycle is left to its gap TTL).
+LOCK_ORDER_HOPS = 8
+
+
+def check_lock_order(task: Any, key: str) -> None:
+    """A member about to wait for its own lock on ``key`` while its workflow holds another entity: refuse a cycle.
+
+    Waiting would deadlock when ``key`` is held by a workflow whose member waits (``waits_on`` in its
+    lease, written by WORKFLOW_PASS at that member's wait) for our workflow's entity, directly or through
+    other workflows: every one of them sits in ``gap`` with no body running, each wait lengthening the
+    others' gaps. The member that finds the cycle fails with :class:`WorkflowDeadlock` naming the entities;
+    its workflow ends and releases, so the others go on. Otherwise ``key`` is recorded as what this
+    member waits for, for a member of another workflow to find. Best effort: an unreachable Redis skips
+    the check (the wait then behaves as before).
+    """
+    req = task.request
+    lease: Lease | None = getattr(req, WORKFLOW_LEASE, None)
+    if lease is None or lease.released or key == lease.key:
+        return
+    spec = member_of(req, task.name)
+    if spec is None or spec.parallel:
+        return
+    s = settings(task.app)
+    lease.waits_on = key  # type: ignore[attr-defined]
+    cycle, at = [spec.key], key
+    try:
+        client = connection.client(s)
+        scripts.workflow_waits_on(client, [keys.lock_name(s.key_prefix, spec.key)], [lease.token, key])
+        for _ in range(LOCK_ORDER_HOPS):
+            holder, waits_on = (
+                _text(v) for v in client.hmget(keys.lock_name(s.key_prefix, at), "workflow", "waits_on")
+            )
+            if not holder or not waits_on or holder == spec.id:
+                return
+            cycle.append(at)
+            if waits_on == spec.key:
+                break
+            if waits_on in cycle:
+                return  # a cycle that does not pass through us: its own members find it
+            at = waits_on
+        else:
+            return
+    except Exception as exc:
+        if errors.classify(exc) is None:
+            raise
+        return
+    fields = {"lock_key": spec.key, "task_id": req.id, "workflow_id": spec.id, "workflow": spec.name}
+    emit("workflow.deadlock", task.name, **fields, waits_for=key, cycle=">".join(cycle))
+    raise WorkflowDeadlock(key, spec.key, cycle)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value or "")
+
+
+def on_retry(task: Any, options: dict[str, Any], delay: float | None = None) -> None:
+    """``retry()`` of a member: the retry message keeps the workflow header, and gets the lease first.
+
+    ``delay``: seconds until the retry is due (countdown, eta or ``default_retry_delay``): the lease
+    waits for it that long plus the publish grace, not just the gap TTL.
+    """
     req = task.request
     try:
         spec = member_of(req, task.name)
@@ -899,7 +1049,7 @@ def on_retry(task: Any, options: dict[str, Any]) -> None:
         return
     options["headers"] = {**(options.get("headers") or {}), headers.WORKFLOW: spec.header()}
     # strict: a retry published after a failed hand-over would find its own id still running and be dropped
-    before_self_republish(task, strict=True)
+    before_self_republish(task, strict=True, countdown=delay)
 
 
 def abort_from_main(task: Any, request: Any, terminated: bool, reason: str | None = None) -> bool:

@@ -6,7 +6,9 @@ result backends (JSON or pickle) can rebuild it on the caller's side.
     LockGuardError
     ├── LockContended       the entity is held by other work and the wait budget is spent
     │   └── LockThrottled   the entity's start window (``lock_rate``) is full
+    │   └── WorkflowDeadlock  a workflow member waits for an entity whose workflow waits for ours
     ├── LockLost            the lease expired or was taken while the body ran
+    │   └── WorkflowEnded   a workflow member never ran: its workflow had already ended
     ├── AlreadyQueued       identical work already holds the queue-time claim
     ├── BackendUnavailable  the lock store could not be reached (or no lease exists)
     ├── StaleFence          storage holds a newer fence: this writer is stale
@@ -63,6 +65,44 @@ class LockLost(LockGuardError):
 
     def __str__(self) -> str:
         return f"lease on {self.key!r} was lost"
+
+
+class WorkflowEnded(LockLost):
+    """This workflow member never ran: its workflow ``workflow`` on ``key`` had already ended (a member failed,
+    was revoked, or the lease lapsed). Stored as the member's result so nobody waits on it forever."""
+
+    def __init__(self, key: str, workflow: str = "") -> None:
+        LockGuardError.__init__(self, key, workflow)
+        self.key = key
+        self.workflow = workflow
+
+    def __str__(self) -> str:
+        return f"workflow {self.workflow!r} on {self.key!r} ended before this member ran: it did not run"
+
+
+class WorkflowDeadlock(LockContended):
+    """A workflow member's own lock on ``key`` is held by another workflow that waits for ``workflow_key``,
+    the entity this member's workflow holds: neither could go on (a lock-order deadlock).
+
+    ``cycle`` lists the entities around the cycle, starting with ``workflow_key``. Lock entities in one
+    order, or declare both up front (see docs/workflows.md, "Lock order").
+    """
+
+    def __init__(self, key: str, workflow_key: str = "", cycle: tuple[str, ...] | list[str] = ()) -> None:
+        LockGuardError.__init__(self, key, workflow_key, list(cycle))
+        self.key = key
+        self.workflow_key = workflow_key
+        self.cycle = list(cycle) or [workflow_key, key]
+        self.holder_task_id = None
+        self.ttl_ms = None
+
+    def __str__(self) -> str:
+        around = " -> ".join(repr(k) for k in [*self.cycle, self.cycle[0]])
+        return (
+            f"lock-order deadlock: this workflow holds {self.workflow_key!r} and its member waits for {self.key!r}, "
+            f"held by another workflow that waits for {self.workflow_key!r} ({around}); lock entities in one "
+            "order, or declare both entities up front"
+        )
 
 
 class AlreadyQueued(LockGuardError):

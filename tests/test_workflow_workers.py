@@ -561,3 +561,184 @@ def test_fail_open_at_one_member_runs_the_rest_unlocked_in_other_processes(
         seen = {x["tag"]: x for x in rows(r, cfg, tenant) if x["ev"] == "start"}
         assert seen["a"]["fence"] is not None and seen["b"]["fence"] is None and seen["c"]["fence"] is None
         assert len({seen[t]["pid"] for t in "abc"}) == 3  # three pool processes: no process memory carried it
+
+
+# -- issue 29: a workflow crossing a member's own lock, retry(), a failing chord page, another workflow --------
+
+
+def started(r: redis.Redis, cfg: dict[str, Any], tenant: str, tag: str, ev: str = "start") -> bool:
+    return any(x["tag"] == tag and x["ev"] == ev for x in rows(r, cfg, tenant))
+
+
+def test_a_member_waiting_behind_a_long_holder_of_its_own_lock_keeps_the_workflow(
+    fleet: Fleet, redis_url: str, prefix: str
+) -> None:
+    """Issue 29 item 2: the member's own lock is held by a live task whose lock_ttl (5 s) outlasts the gap (2 s)
+    and which runs 6 s. Each wait hands the workflow lease to the wait copy: for its countdown plus the publish
+    grace, not the gap TTL alone (before: LockLost, ``workflow.lost reason=workflow_lease_gone``)."""
+    cfg = make_cfg(prefix, redis_url)
+    worker = start_worker(fleet, cfg)
+    app = create_app(cfg)
+    r = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
+    tenant, inv = f"t-{uuid.uuid4().hex[:6]}", int(uuid.uuid4().int % 10**9)
+    holder = app.tasks["wf.hold_invoice"].delay(tenant=tenant, tag="holder", invoice=inv, seconds=6)
+    wait_for(lambda: started(r, cfg, tenant, "holder"), 60, what="the invoice's holder to start")
+    step = app.tasks["wf.step"]
+    sig = chain(
+        step.s(tenant=tenant, tag="s1", seconds=0),
+        app.tasks["wf.invoice"].s(tenant=tenant, tag="inv", invoice=inv),
+        step.s(tenant=tenant, tag="s3", seconds=0),
+    )
+    res = workflow(sig, lock_key=PIPELINE, tenant=tenant, lock_ttl=5, gap_ttl=2).apply_async()
+    assert res.get(timeout=120)["tags"] == ["s1", "inv", "s3"]
+    assert holder.get(timeout=60)["tags"] == ["holder"]
+    mine = rows(r, cfg, tenant)
+    held_until = max(x["t"] for x in mine if x["tag"] == "holder")
+    assert min(x["t"] for x in mine if x["tag"] == "inv") >= held_until  # it did wait for the holder
+    assert len({x["wf_fence"] for x in mine if x["tag"] in ("s1", "inv", "s3")}) == 1  # one workflow lease
+    assert "workflow.lost" not in worker.output()
+    assert not lease_of(r, cfg, tenant)
+
+
+def test_a_bare_retry_of_a_middle_member_keeps_the_workflow_past_the_gap(
+    fleet: Fleet, redis_url: str, prefix: str
+) -> None:
+    """Issue 29 item 9: ``raise self.retry(exc=exc)`` waits ``default_retry_delay`` (here 4 s) against a 2 s gap:
+    the retry's countdown plus the publish grace is what the hand-over covers (before: LockLost)."""
+    cfg = make_cfg(prefix, redis_url)
+    start_worker(fleet, cfg)
+    app = create_app(cfg)
+    r = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
+    tenant = f"t-{uuid.uuid4().hex[:6]}"
+    step = app.tasks["wf.step"]
+    sig = chain(
+        step.s(tenant=tenant, tag="s1", seconds=0),
+        app.tasks["wf.retry_bare"].s(tenant=tenant, tag="r"),
+        step.s(tenant=tenant, tag="s3", seconds=0),
+    )
+    res = workflow(sig, lock_key=PIPELINE, tenant=tenant, gap_ttl=2).apply_async()
+    assert res.get(timeout=90)["tags"] == ["s1", "r", "s3"]
+    mine = rows(r, cfg, tenant)
+    tries = [x for x in mine if x["ev"] == "try"]
+    assert [x["retries"] for x in tries] == [0, 1] and tries[1]["t"] - tries[0]["t"] >= 3.5  # the default delay
+    assert len({x["fence"] for x in mine}) == 1 and all(x["held"] for x in mine)
+    assert not lease_of(r, cfg, tenant)
+
+
+def test_a_retrying_first_member_lets_no_other_work_into_the_workflow(
+    fleet: Fleet, redis_url: str, prefix: str
+) -> None:
+    """Issue 29 item 9: the first member retries after 4 s against a 2 s gap; a plain task on the entity
+    published meanwhile runs after the workflow, not inside it (before: between the two tries)."""
+    cfg = make_cfg(prefix, redis_url)
+    start_worker(fleet, cfg)
+    app = create_app(cfg)
+    r = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
+    tenant = f"t-{uuid.uuid4().hex[:6]}"
+    sig = chain(
+        app.tasks["wf.retry_bare"].s(tenant=tenant, tag="r"),
+        app.tasks["wf.step"].s(tenant=tenant, tag="s2", seconds=0),
+    )
+    res = workflow(sig, lock_key=PIPELINE, tenant=tenant, gap_ttl=2).apply_async()
+    wait_for(lambda: started(r, cfg, tenant, "r", ev="try"), 60, what="the first try")
+    plain = app.tasks["wf.plain"].delay(tenant=tenant, tag="plain")
+    assert res.get(timeout=90)["tags"] == ["r", "s2"]
+    assert plain.get(timeout=90)["tags"] == ["plain"]
+    mine = rows(r, cfg, tenant)
+    whole = span(mine, {"r", "s2"})
+    assert min(x["t"] for x in mine if x["tag"] == "plain") >= whole[1], "the plain task ran inside the workflow"
+    assert len({x["fence"] for x in mine if x["tag"] in ("r", "s2")}) == 1
+
+
+def test_a_chord_page_retrying_past_the_gap_keeps_the_workflow(fleet: Fleet, redis_url: str, prefix: str) -> None:
+    """Issue 29 item 9: one page retries after 4 s, its sibling leaves at once: the last one out hands the slot
+    on for the longest gap any page asked for (before: the 2 s gap lapsed and the retried page failed LockLost)."""
+    from celery import chord
+
+    cfg = make_cfg(prefix, redis_url)
+    start_worker(fleet, cfg, concurrency=3)
+    app = create_app(cfg)
+    r = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
+    tenant = f"t-{uuid.uuid4().hex[:6]}"
+    step = app.tasks["wf.step"]
+    header = group(
+        app.tasks["wf.page"].s(tenant=tenant, tag="p00", seconds=0.5),
+        app.tasks["wf.retry_bare"].s(tenant=tenant, tag="p01", countdown=4),
+    )
+    sig = chain(
+        step.s(tenant=tenant, tag="fetch", seconds=0),
+        chord(header, app.tasks["wf.collect"].s(tenant=tenant, tag="collect")),
+        step.s(tenant=tenant, tag="publish", seconds=0),
+    )
+    res = workflow(sig, lock_key=PIPELINE, tenant=tenant, gap_ttl=2).apply_async()
+    assert res.get(timeout=90)["tags"] == ["collect", "publish"]
+    mine = rows(r, cfg, tenant)
+    assert [x["retries"] for x in mine if x["ev"] == "try"] == [0, 1]
+    assert len({x["fence"] for x in mine}) == 1 and all(x["held"] for x in mine)
+    assert not lease_of(r, cfg, tenant)
+
+
+def test_a_failing_chord_page_leaves_the_entity_to_its_siblings_and_no_result_stays_pending(
+    fleet: Fleet, redis_url: str, prefix: str
+) -> None:
+    """Issue 29 item 10: p01 fails while p00 runs and p02 is still queued (two pool processes). Before, the
+    failure released the workflow: a plain task ran beside p00 and p02 was dropped (``Ignore``), its result
+    PENDING forever. Now the pages keep the entity until the last leaves, then the workflow ends failed."""
+    from celery import chord
+
+    cfg = make_cfg(prefix, redis_url)
+    start_worker(fleet, cfg, concurrency=2)
+    app = create_app(cfg)
+    r = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
+    tenant = f"t-{uuid.uuid4().hex[:6]}"
+    page, step = app.tasks["wf.page"], app.tasks["wf.step"]
+    ids = [uuid.uuid4().hex for _ in range(3)]
+    header = group(page.s(tenant=tenant, tag=f"p{i:02d}", fail=i == 1, seconds=2).set(task_id=ids[i]) for i in range(3))
+    sig = chain(
+        step.s(tenant=tenant, tag="fetch", seconds=0),
+        chord(header, app.tasks["wf.collect"].s(tenant=tenant, tag="collect")),
+    )
+    res = workflow(sig, lock_key=PIPELINE, tenant=tenant, gap_ttl=300).apply_async()
+    wait_for(lambda: started(r, cfg, tenant, "p01"), 60, what="the failing page to run")
+    plain = app.tasks["wf.plain"].delay(tenant=tenant, tag="plain")
+    with pytest.raises(Exception):  # noqa: B017 - Celery reports a chord failure as ChordError or the page's error
+        res.get(timeout=90)
+    states = lambda: [app.AsyncResult(i).state for i in ids]  # noqa: E731
+    wait_for(lambda: "PENDING" not in states(), 60, what=f"every page's result to be stored ({states()})")
+    assert states() == ["SUCCESS", "FAILURE", "SUCCESS"]
+    assert plain.get(timeout=90)["tags"] == ["plain"]
+    mine = rows(r, cfg, tenant)
+    pages_end = max(x["t"] for x in mine if x["tag"].startswith("p0"))
+    assert min(x["t"] for x in mine if x["tag"] == "plain") >= pages_end, "the plain task ran beside a page"
+    assert not started(r, cfg, tenant, "collect")
+    wait_for(lambda: not lease_of(r, cfg, tenant), 30, what="the workflow to end after its last page")
+
+
+def test_two_workflows_locking_each_others_entity_fail_one_visibly_and_the_other_finishes(
+    fleet: Fleet, redis_url: str, prefix: str
+) -> None:
+    """Issue 29 item 3: W1 holds the tenant and its member locks the invoice; W2 holds the invoice and its
+    member locks the tenant. Before, both sat in ``gap`` and failed LockLost; now the member that finds the
+    cycle fails with WorkflowDeadlock naming both entities, its workflow releases, and W1 finishes."""
+    cfg = make_cfg(prefix, redis_url)
+    worker = start_worker(fleet, cfg, concurrency=3)
+    app = create_app(cfg)
+    r = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
+    tenant, inv = f"t-{uuid.uuid4().hex[:6]}", int(uuid.uuid4().int % 10**9)
+    step = app.tasks["wf.step"]
+    w1 = chain(
+        step.s(tenant=tenant, tag="w1", seconds=1), app.tasks["wf.invoice"].s(tenant=tenant, tag="inv", invoice=inv)
+    )
+    w2 = chain(step.s(tenant=tenant, tag="w2", seconds=3), app.tasks["wf.same_entity"].s(tenant=tenant, tag="ten"))
+    first = workflow(w1, lock_key=PIPELINE, tenant=tenant, lock_ttl=5, gap_ttl=3).apply_async()
+    second = workflow(w2, lock_key="invoice:{invoice}", invoice=inv, lock_ttl=5, gap_ttl=3).apply_async()
+    with pytest.raises(Exception) as caught:  # WorkflowDeadlock is new: any other error fails below
+        second.get(timeout=90)
+    assert type(caught.value).__name__ == "WorkflowDeadlock", repr(caught.value)
+    said = str(caught.value)
+    assert f"invoice:{inv}" in said and f"tenant:{tenant}:pipeline" in said and "deadlock" in said
+    assert first.get(timeout=90)["tags"] == ["w1", "inv"]
+    assert not started(r, cfg, tenant, "ten")
+    assert "workflow.deadlock" in worker.output()
+    wait_for(lambda: not lease_of(r, cfg, tenant), 30, what="W1 to release")
+    assert not r.exists(lock_name(cfg["prefix"], f"invoice:{inv}"))

@@ -113,6 +113,27 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         record(self, "try", tenant, tag, retries=self.request.retries)
         raise self.retry(countdown=0.1)
 
+    @app.task(base=LockedTask, bind=True, shared=False, name="wf.retry_bare", max_retries=2, default_retry_delay=4)
+    def retry_bare(
+        self: Any, prev: Any = None, tenant: str = "", tag: str = "", countdown: float | None = None
+    ) -> dict[str, Any]:
+        """Retry once as users write it: ``raise self.retry(exc=exc)`` (``default_retry_delay``, here 4 s), or
+        with ``countdown``; then run."""
+        record(self, "try", tenant, tag, retries=self.request.retries)
+        if self.request.retries < 1:
+            exc = ValueError(f"{tag}: try again")
+            raise self.retry(exc=exc) if countdown is None else self.retry(exc=exc, countdown=countdown)
+        return run(self, prev, tenant, tag, 0.1, retries=self.request.retries)
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="wf.hold_invoice", lock_key="invoice:{invoice}", lock_ttl=5
+    )
+    def hold_invoice(
+        self: Any, tenant: str = "", tag: str = "", invoice: int = 0, seconds: float = 1
+    ) -> dict[str, Any]:
+        """A plain task holding the invoice entity ``seconds`` (its 5 s lease renewed meanwhile)."""
+        return run(self, None, tenant, tag, seconds)
+
     @app.task(base=LockedTask, bind=True, shared=False, name="wf.invoice", lock_key="invoice:{invoice}", lock_ttl=5)
     def invoice(self: Any, prev: Any = None, tenant: str = "", tag: str = "", invoice: int = 0) -> dict[str, Any]:
         """A member locking an entity of its own: that lease nests inside the workflow's."""
@@ -148,12 +169,14 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         return run(self, prev, tenant, tag, 0)
 
     @app.task(base=LockedTask, bind=True, shared=False, name="wf.page")
-    def page(self: Any, prev: Any = None, tenant: str = "", tag: str = "", fail: bool = False) -> dict[str, Any]:
+    def page(
+        self: Any, prev: Any = None, tenant: str = "", tag: str = "", fail: bool = False, seconds: float = 0.3
+    ) -> dict[str, Any]:
         """One page of a chord's header: runs beside the other pages under the one workflow lease."""
         if fail:
             record(self, "start", tenant, tag)
             raise ValueError(f"page {tag} failed")
-        return run(self, prev, tenant, tag, 0.3)
+        return run(self, prev, tenant, tag, seconds)
 
     @app.task(base=LockedTask, bind=True, shared=False, name="wf.collect")
     def collect(self: Any, pages: list[Any], tenant: str = "", tag: str = "") -> dict[str, Any]:
