@@ -85,6 +85,7 @@ def test_every_workflow_script_declares_keys_argv_and_returns() -> None:
         scripts.WORKFLOW_LEAVE,
         scripts.WORKFLOW_END,
         scripts.WORKFLOW_ABORT,
+        scripts.WORKFLOW_WAITS_ON,
     ):
         header = "\n".join(line for line in script.strip().splitlines() if line.startswith("--"))
         assert "KEYS[" in header and "ARGV[" in header and "Returns" in header
@@ -191,7 +192,7 @@ def test_enter_refuses_a_corrupt_fence_before_writing(c: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["workflow_enter", "workflow_pass", "workflow_leave", "workflow_end", "workflow_abort"]
+    "name", ["workflow_enter", "workflow_pass", "workflow_leave", "workflow_end", "workflow_abort", "workflow_waits_on"]
 )
 def test_noscript_after_script_flush_reloads_the_workflow_scripts(c: Any, name: str) -> None:
     enter(c, spec(), "m1")
@@ -204,6 +205,8 @@ def test_noscript_after_script_flush_reloads_the_workflow_scripts(c: Any, name: 
         assert scripts.workflow_leave(c, [lock_name(P, KEY)], ["tok1", wf.slot(0), 2000]) == 0
     elif name == "workflow_end":
         assert end(c, "wf1") == 1
+    elif name == "workflow_waits_on":
+        assert scripts.workflow_waits_on(c, [lock_name(P, KEY)], ["tok1", "invoice:7"]) == 1
     else:
         assert abort(c, "wf1", "m1", 0) == 1
     assert c.script_exists(getattr(scripts, name).sha) == [True]
@@ -625,3 +628,80 @@ def test_a_member_that_failed_open_retries_unlocked_even_in_another_process(own_
     assert w.apply_async().get() == ["a", "b", "c"]
     assert [(tag, retries) for tag, retries, _ in seen] == [("a", 0), ("b", 0), ("b", 1), ("c", 0)]
     assert [lease is None for _, _, lease in seen] == [False, True, True, True]
+
+
+# -- issue 29: crossings --------------------------------------------------------------------------
+
+
+def test_a_workflow_nested_in_another_chain_or_workflow_is_a_configuration_error(app: Celery) -> None:
+    """Issue 29 item 13: Celery raised a bare TypeError (``unsupported operand type(s) for |``)."""
+    fetch, load = app.tasks["etl.fetch"], app.tasks["etl.load"]
+    inner = workflow(chain(fetch.s("b")), lock_key="site:{site}", site="b", name="inner")
+    builds = [
+        lambda: chain(fetch.s("a"), inner),
+        lambda: fetch.s("a") | inner,
+        lambda: inner | load.s(),
+        lambda: workflow(chain(fetch.s("a"), inner), lock_key="site:{site}", site="a"),
+        lambda: workflow(inner, lock_key="site:{site}", site="a"),  # type: ignore[arg-type]
+    ]
+    for build in builds:
+        with pytest.raises(ConfigurationError, match=r"workflow 'inner' on 'site:b'.*cannot be a step of another"):
+            build()
+
+
+def test_a_hand_over_covers_the_copys_countdown_plus_the_publish_grace() -> None:
+    from celery_lockguard import _claims as claims
+
+    assert wf.covering_ms(None) == 0
+    assert wf.covering_ms(4) == int((4 + claims.PUBLISH_GRACE) * 1000)
+    # retry(): Celery's rule, no countdown and no eta means default_retry_delay
+    assert claims.retry_due_in(180, None, None) == 180
+    assert claims.retry_due_in(180, 2, None) == 2 and claims.retry_due_in(180, 0, None) == 0
+    assert 8 < claims.retry_due_in(180, None, _in(9)) <= 9
+
+
+def _in(seconds: float) -> Any:
+    from datetime import datetime, timedelta, timezone
+
+    return datetime.now(timezone.utc) + timedelta(seconds=seconds)
+
+
+def test_a_longer_gap_asked_by_a_pass_or_by_any_page_leaving_holds(c: Any) -> None:
+    enter(c, spec(), "m0")
+    assert pass_on(c, "tok1", 1, gap_ms=20_000) == 1
+    assert c.pttl(lock_name(P, KEY)) > 15_000
+    page = spec(index=1, parallel=True, width=2)
+    enter(c, page, "p1"), enter(c, page, "p2")
+    leave = [lock_name(P, KEY)]
+    # p1 retries after a long countdown (not final); p2 ends with the short gap: the slot waits the longer
+    assert scripts.workflow_leave(c, leave, ["tok1", wf.slot(1), 20_000, "", "", 2]) == 1
+    assert scripts.workflow_leave(c, leave, ["tok1", wf.slot(1), 2000, "1", "", 2]) == 0
+    assert c.hget(lock_name(P, KEY), "state") == "gap" and c.pttl(lock_name(P, KEY)) > 15_000
+
+
+def test_a_failed_page_leaves_the_slot_to_its_siblings_the_last_one_out_ends_the_workflow(c: Any) -> None:
+    enter(c, spec(), "m0")
+    pass_on(c, "tok1", 1)
+    page = spec(index=1, parallel=True, width=3)
+    enter(c, page, "p1"), enter(c, page, "p2")
+    leave = [lock_name(P, KEY)]
+    assert scripts.workflow_leave(c, leave, ["tok1", wf.slot(1), 2000, "1", "1", 3]) == 1  # p1 failed: p2 runs on
+    assert scripts.workflow_leave(c, leave, ["tok1", wf.slot(1), 2000, "1", "", 3]) == 0  # p3 still to come
+    assert c.hget(lock_name(P, KEY), "state") == "gap"
+    assert enter(c, page, "p3").kind == "entered"  # the queued sibling is not dropped
+    assert scripts.workflow_leave(c, leave, ["tok1", wf.slot(1), 2000, "1", "", 3]) == -2  # last out: end it
+    assert c.hget(lock_name(P, KEY), "token") == "tok1"  # nothing written: the caller releases
+    # the next chord of the workflow starts its tallies afresh
+    enter(c, spec(index=2, after=1), "cb")
+    assert c.hmget(lock_name(P, KEY), "left", "failed") == ["0", ""]
+
+
+def test_a_member_waiting_for_another_entity_says_so_in_the_lease_until_it_enters_again(c: Any) -> None:
+    enter(c, spec(), "m0")
+    name = [lock_name(P, KEY)]
+    assert scripts.workflow_waits_on(c, name, ["wrong", "invoice:7"]) == 0
+    assert scripts.workflow_waits_on(c, name, ["tok1", "invoice:7"]) == 1
+    assert scripts.workflow_pass(c, name, ["tok1", wf.slot(0), 2000, "invoice:7"]) == 1
+    assert c.hget(lock_name(P, KEY), "waits_on") == "invoice:7"
+    enter(c, spec(), "m0")  # its wait copy enters: no longer waiting
+    assert c.hget(lock_name(P, KEY), "waits_on") == ""
