@@ -11,7 +11,8 @@ it out between them, one Lua script per step (``_scripts.WORKFLOW_*``):
   waited for, ``raise`` raises;
 * a member that ends hands the lease **on** (WORKFLOW_PASS): state ``gap``, ``next`` = the *slot* of
   the member that runs next (``#<index>`` in the chain: the next step's, or its own for a retry), for
-  the *gap TTL*. No process renews during the queue gap; the next member's renewer takes over when it
+  the *gap TTL*, or, handed to a delayed copy of itself (a retry, a wait for its own lock), for that
+  copy's countdown plus the publish grace if longer (DESIGN: a hand-over covers its countdown). No process renews during the queue gap; the next member's renewer takes over when it
   enters. Slots, not task ids, so the hand-over works the same in eager mode (``task_always_eager``,
   where members get no frozen ids) and a stale copy of an earlier member is told apart;
 * a later member *enters* (WORKFLOW_ENTER finds ``gap`` and ``next`` = its slot): same token, same
@@ -22,8 +23,13 @@ it out between them, one Lua script per step (``_scripts.WORKFLOW_*``):
   waiter); a member that fails, gives up or is ignored releases at once (``workflow.released_on_error``);
 * a chord's header members share one slot and run in parallel: the first to enter takes the lease
   over, the others join it (``active`` counts them); each leaves with WORKFLOW_LEAVE, and the last
-  one out hands the lease to the slot for the gap TTL, where the chord's callback (admitted *after*
-  its header: Celery runs it only once every header result is in) enters;
+  one out hands the lease to the slot for the longest gap any of them asked for, where the chord's
+  callback (admitted *after* its header: Celery runs it only once every header result is in) enters.
+  A page that fails leaves too: its siblings keep the entity, and once every page of the slot has
+  left (``width`` in the header) the last one out ends the workflow, failed;
+* a member about to wait for its own lock on another entity records it (``waits_on``) and fails with
+  ``WorkflowDeadlock`` if the holder of that entity is a workflow waiting, directly or around a
+  cycle, for this workflow's entity (:func:`check_lock_order`);
 * the worker's main process ends the lease of a member revoked while queued (freed at once) or
   terminated while running (cut to the shorten grace): WORKFLOW_ABORT, by workflow id and task id.
 
