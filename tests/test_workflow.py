@@ -705,3 +705,38 @@ def test_a_member_waiting_for_another_entity_says_so_in_the_lease_until_it_enter
     assert c.hget(lock_name(P, KEY), "waits_on") == "invoice:7"
     enter(c, spec(), "m0")  # its wait copy enters: no longer waiting
     assert c.hget(lock_name(P, KEY), "waits_on") == ""
+
+
+def test_a_member_of_an_ended_workflow_that_never_ran_fails_visibly_a_copy_of_one_that_ran_is_ignored(
+    redis_url: str, prefix: str
+) -> None:
+    """Issue 29 item 10: a member dropped because its workflow ended was ``Ignore``d, its result PENDING for good
+    (the real tracer, Redis broker and result backend)."""
+    import redis as redis_lib
+    from celery import states
+
+    from celery_lockguard import WorkflowEnded
+
+    from .tracer import deliver, make_app
+
+    app = make_app("wf-ended", redis_url, prefix)
+    ran: list[str] = []
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="wfe.step")
+    def step(self: Any, prev: Any = None) -> str:
+        ran.append(self.request.id)
+        return "ok"
+
+    w = workflow(chain(step.s(), step.s(), step.s()), lock_key="site:{site}", site="e", app=app)
+    s = w.spec()
+    wf.mark_ended(redis_lib.Redis.from_url(redis_url), settings(app), s)  # e.g. a sibling page was revoked
+    never = deliver(step, headers={WORKFLOW: s.header(index=1)})
+    assert never.state == states.FAILURE and isinstance(never.retval.exception, WorkflowEnded)
+    assert "'site:e' ended before this member ran" in str(never.retval.exception)
+    with pytest.raises(WorkflowEnded):  # what a caller waiting on it gets
+        app.AsyncResult(never.task_id).get(timeout=5)
+    done = "done-" + s.id
+    app.backend.store_result(done, "ok", states.SUCCESS)  # a redelivered copy of a member that ran
+    again = deliver(step, task_id=done, headers={WORKFLOW: s.header(index=2)})
+    assert again.state == states.SUCCESS and app.AsyncResult(done).get(timeout=5) == "ok"
+    assert ran == []
