@@ -12,9 +12,10 @@ it out between them, one Lua script per step (``_scripts.WORKFLOW_*``):
 * a member that ends hands the lease **on** (WORKFLOW_PASS): state ``gap``, ``next`` = the *slot* of
   the member that runs next (``#<index>`` in the chain: the next step's, or its own for a retry), for
   the *gap TTL*, or, handed to a delayed copy of itself (a retry, a wait for its own lock), for that
-  copy's countdown plus the publish grace if longer (DESIGN: a hand-over covers its countdown). No process renews during the queue gap; the next member's renewer takes over when it
-  enters. Slots, not task ids, so the hand-over works the same in eager mode (``task_always_eager``,
-  where members get no frozen ids) and a stale copy of an earlier member is told apart;
+  copy's countdown plus the publish grace if longer (DESIGN: a hand-over covers its countdown). No
+  process renews during the queue gap; the next member's renewer takes over when it enters. Slots,
+  not task ids, so the hand-over works the same in eager mode (``task_always_eager``, where members
+  get no frozen ids) and a stale copy of an earlier member is told apart;
 * a later member *enters* (WORKFLOW_ENTER finds ``gap`` and ``next`` = its slot): same token, same
   fence, so ``self.lock`` is the workflow lease in every member and ``advance_fence`` accepts its
   writes in each. Finding the lease gone or held by someone else means the gap outlived its TTL:
