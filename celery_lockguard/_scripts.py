@@ -700,13 +700,20 @@ WORKFLOW_LEAVE = (
 -- ARGV[1] token  ARGV[2] the member's slot ('#<index>')  ARGV[3] gap ttl_ms
 -- ARGV[4] '1' the member ended for good (not a retry)  ARGV[5] '1' it failed
 -- ARGV[6] members in the slot (0: not known)
+-- ARGV[7] '1' the member already left for a retry that was never published (its retries ran out): it is
+--         not counted out of the running again, only as ended
 -- Returns the members of the slot still running (>= 0); -1 the token is gone (nothing written);
 --   -2 the slot is done and one of its members failed: the caller ends the workflow (nothing written)
 """
     + _NOW
     + """
 if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return -1 end
-local active = redis.call('HINCRBY', KEYS[1], 'active', -1)
+local active
+if ARGV[7] == '1' then
+  active = tonumber(redis.call('HGET', KEYS[1], 'active')) or 0
+else
+  active = redis.call('HINCRBY', KEYS[1], 'active', -1)
+end
 local left = tonumber(redis.call('HGET', KEYS[1], 'left')) or 0
 if ARGV[4] == '1' then left = redis.call('HINCRBY', KEYS[1], 'left', 1) end
 if ARGV[5] == '1' then redis.call('HSET', KEYS[1], 'failed', '1') end

@@ -842,8 +842,20 @@ def _finish(task: Any, s: Settings, spec: Spec, client: Any, lease: Lease, start
         return
     if spec.parallel:
         # a chord's page leaves its slot, failed or not: its siblings keep the entity until the last one leaves
+        # (``handed``: it left already for a retry() that ran out of retries, so it is not counted out twice)
         failed = outcome != "success"
-        hand_on(task, s, spec, client, lease, spec.index, strict=not failed, final=True, failed=failed)
+        hand_on(
+            task,
+            s,
+            spec,
+            client,
+            lease,
+            spec.index,
+            strict=not failed,
+            final=True,
+            failed=failed,
+            left=handed is not None,
+        )
         if not getattr(lease, "slot_failed", False):
             return
         outcome = "failed"  # the last page out of a slot where one failed: Celery fails the callback, end here
@@ -907,13 +919,15 @@ def hand_on(
     waits_on: str = "",
     final: bool = False,
     failed: bool = False,
+    left: bool = False,
 ) -> bool:
     """WORKFLOW_PASS: the lease waits ``gap_ttl`` for the member at ``index``; False (and said) if no longer ours.
 
     ``gap_ms``: a longer gap the next copy needs (a delayed copy's countdown plus the publish grace,
     :func:`covering_ms`). ``waits_on``: the entity this member waits for with its own lock (a wait copy),
     recorded for :func:`check_lock_order`. A chord's page leaves its slot instead (WORKFLOW_LEAVE;
-    ``final``: it ended for good, ``failed``: it failed); the last page out of a slot where one failed
+    ``final``: it ended for good, ``failed``: it failed, ``left``: it left already, for a retry whose
+    retries ran out); the last page out of a slot where one failed
     sets ``lease.slot_failed`` and leaves the lease to the caller to end.
 
     ``strict``: the caller is about to publish the member at ``index`` (the chain's next step, or a
@@ -929,7 +943,7 @@ def hand_on(
     gap = max(spec.gap_ms, gap_ms)
     try:
         if spec.parallel:  # one of a chord's header: leave the slot; the last one out hands it on
-            flags = ["1" if final else "", "1" if failed else "", spec.width]
+            flags = ["1" if final else "", "1" if failed else "", spec.width, "1" if left else ""]
             left = int(scripts.workflow_leave(client, name, [lease.token, spec.slot, gap, *flags]))
             if left == -2:
                 lease.slot_failed = True  # type: ignore[attr-defined]

@@ -740,3 +740,16 @@ def test_a_member_of_an_ended_workflow_that_never_ran_fails_visibly_a_copy_of_on
     again = deliver(step, task_id=done, headers={WORKFLOW: s.header(index=2)})
     assert again.state == states.SUCCESS and app.AsyncResult(done).get(timeout=5) == "ok"
     assert ran == []
+
+
+def test_a_page_whose_retries_ran_out_after_leaving_is_counted_out_once(c: Any) -> None:
+    enter(c, spec(), "m0")
+    pass_on(c, "tok1", 1)
+    page = spec(index=1, parallel=True, width=2)
+    enter(c, page, "p1"), enter(c, page, "p2")
+    leave = [lock_name(P, KEY)]
+    assert scripts.workflow_leave(c, leave, ["tok1", wf.slot(1), 2000, "", "", 2]) == 1  # p1: retry() leaves
+    # its retries had run out: no retry was published, p1 fails; p2 still runs and keeps the entity
+    assert scripts.workflow_leave(c, leave, ["tok1", wf.slot(1), 2000, "1", "1", 2, "1"]) == 1
+    assert c.hget(lock_name(P, KEY), "state") == "running"
+    assert scripts.workflow_leave(c, leave, ["tok1", wf.slot(1), 2000, "1", "", 2]) == -2  # p2, the last out
