@@ -944,11 +944,11 @@ def hand_on(
     try:
         if spec.parallel:  # one of a chord's header: leave the slot; the last one out hands it on
             flags = ["1" if final else "", "1" if failed else "", spec.width, "1" if left else ""]
-            left = int(scripts.workflow_leave(client, name, [lease.token, spec.slot, gap, *flags]))
-            if left == -2:
+            running = int(scripts.workflow_leave(client, name, [lease.token, spec.slot, gap, *flags]))
+            if running == -2:
                 lease.slot_failed = True  # type: ignore[attr-defined]
                 return True
-            handed = left >= 0
+            handed = running >= 0
             index = spec.index
         else:
             handed = bool(scripts.workflow_pass(client, name, [lease.token, slot(index), gap, waits_on]))
