@@ -161,6 +161,7 @@ def publish(
     facts = DebouncePublish(
         self_republish=task_id is not None and publisher is not None and publisher == task_id,
         in_canvas=claims.in_canvas(options, link),
+        own_copy=republish.is_own_copy(task_id),
     )
     decision = decide_debounce_publish(facts)
     if decision.action is DebouncePublishAction.BYPASS:
@@ -189,7 +190,7 @@ def publish(
             raise
         state, failure = kind, exc
     decision = decide_debounce_publish(
-        DebouncePublish(facts.self_republish, facts.in_canvas, record=state)  # type: ignore[arg-type]
+        DebouncePublish(facts.self_republish, facts.in_canvas, record=state, own_copy=facts.own_copy)  # type: ignore[arg-type]
     )
     if decision.action is DebouncePublishAction.MISCONFIGURED:
         assert failure is not None
