@@ -80,9 +80,16 @@ def superseded_result(survivor: str) -> dict[str, str]:
     return {"lockguard": SUPERSEDED, "superseded_by": survivor}
 
 
-def record_ttl_ms(opts: TaskOptions, delay: float) -> int:
-    """How long a burst's record and run key live: the delay plus ``queue_lock_ttl`` (a message's time in queue)."""
-    return claims.claim_ttl_ms(opts.queue_lock_ttl, delay)
+def record_ttl_ms(s: Settings, opts: TaskOptions, delay: float | None, eta: Any = None) -> int:
+    """How long a burst's record and run key live: as long as any message of the burst may still arrive.
+
+    That is the message's delay (``countdown``/``eta``), plus the transport's redelivery horizon
+    (``visibility_timeout``: a worker that dies holding the message, as it holds every countdown
+    message until due, gives it back that long after it took it), plus ``queue_lock_ttl`` (its time
+    in queue, before and after). Shorter, the dead worker's superseded copies would come back to no
+    record, find it ``missing`` and all run, older arguments after newer.
+    """
+    return claims.claim_ttl_ms(opts.queue_lock_ttl + s.visibility_timeout, delay, eta)
 
 
 def delay_for(opts: TaskOptions, options: dict[str, Any]) -> float:
@@ -180,7 +187,7 @@ def publish(
         reply = scripts.debounce_publish(
             client,
             [record],
-            [keys.meta(task_id), keys.meta(call.digest), int(delay * 1000), record_ttl_ms(opts, delay)],
+            [keys.meta(task_id), keys.meta(call.digest), int(delay * 1000), record_ttl_ms(s, opts, delay)],
         )
         burst, replaced = _text(reply[0]), _text(reply[1])
         state = "recorded"
@@ -249,7 +256,7 @@ def take(
     record = keys.debounce_name(s.key_prefix, key, task_name)
     run = keys.debounce_run_name(s.key_prefix, key, task_name, burst)
     assert opts.debounce is not None
-    ttl_ms = record_ttl_ms(opts, opts.debounce)
+    ttl_ms = record_ttl_ms(s, opts, opts.debounce)
     reply = scripts.debounce_take(
         client, [record, run], [keys.meta(task_id), keys.meta(burst), int(claims.PUBLISH_GRACE * 1000), ttl_ms]
     )
@@ -381,9 +388,7 @@ def keep_for_retry(task: Any, s: Settings, opts: TaskOptions, burst: str, countd
         keys.debounce_run_name(s.key_prefix, call.key, task.name, burst),
     ]
     try:
-        scripts.debounce_keep(
-            connection.client(s), names, [keys.meta(req.id), claims.claim_ttl_ms(opts.queue_lock_ttl, countdown, eta)]
-        )
+        scripts.debounce_keep(connection.client(s), names, [keys.meta(req.id), record_ttl_ms(s, opts, countdown, eta)])
     except Exception as exc:
         if errors.classify(exc) is None:
             raise
