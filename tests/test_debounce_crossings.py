@@ -147,3 +147,26 @@ def test_superseded_copies_redelivered_after_a_worker_death_stay_superseded(
     for res in burst[:-1]:
         assert res.get(timeout=60) == superseded_by(last.id)
     assert e.tags() == ["t2"]
+
+
+def test_revoking_the_pending_run_cancels_the_burst_and_a_later_publish_runs(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    # Documented behaviour (docs/debounce.md, "Revoking a burst's run"): the messages a run superseded are
+    # consumed when they fall due, before the revoked run is (it is due last), so nothing of the burst is
+    # left to hand the run to. Their results name the revoked run; the next publish starts the entity again.
+    cfg = make_cfg(prefix, redis_url, debounce=2.0)
+    fleet.worker(cfg)
+    app = fleet.app(cfg)
+    e = Entity(r, prefix, tmp_path)
+    e.open()
+    t = app.tasks["debounced_gate"]
+    burst = [t.delay(e.k, e.gate, f"t{i}") for i in range(3)]
+    last = burst[-1]
+    app.control.revoke(last.id)
+    for res in burst[:-1]:
+        assert res.get(timeout=60) == superseded_by(last.id)
+    wait_for(lambda: last.state == "REVOKED", 60, what="the pending run to be revoked")
+    again = t.delay(e.k, e.gate, "t3")
+    assert again.get(timeout=60) == {"tag": "t3"}
+    assert e.tags() == ["t3"]
