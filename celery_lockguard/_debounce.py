@@ -22,7 +22,10 @@ message (an ETA message, unacknowledged under ``acks_late``) leaves it to the
 broker's redelivery, and the redelivered copy asks DEBOUNCE_TAKE again
 (*take* if nobody took it, *taken* if the dead worker had: then the lease and
 completion rules handle it as any redelivery). Self-republishes (``retry()``,
-waits, ``replace``) and canvas members bypass debounce (DESIGN).
+waits, ``replace``) and canvas members bypass debounce (DESIGN); so does the
+woken copy a releaser publishes for a parked run (``_republish.send``): it is
+that run, still its burst's, and DEBOUNCE_START decides it like any taken run.
+A burst's keys live :func:`record_ttl_ms`, past a dead worker's redelivery.
 """
 
 from __future__ import annotations
