@@ -47,6 +47,7 @@ from . import _republish as republish
 from . import _scripts as scripts
 from . import _wire
 from ._config import Settings, TaskOptions
+from ._config import settings as settings_of
 from ._decision import (
     Action,
     DebounceAction,
@@ -402,6 +403,44 @@ def keep_for_retry(task: Any, s: Settings, opts: TaskOptions, burst: str, countd
             task_id=req.id,
             reason=f"debounce keep: {exc.__class__.__name__}: {exc}",
         )
+
+
+def discarded(task: Any, request: Any, args: Any, kwargs: Any, reason: str) -> bool:
+    """From the worker's main process: a message of a burst discarded unrun (revoked, expired).
+
+    If it is still its burst's pending run, the burst ends without a run: the publishes it superseded
+    were consumed when they fell due (each before it), so none is left to hand the run to, and their
+    results name this one. Said as ``lock.debounce_revoked`` (warning, with how many publishes the
+    burst superseded), so a lost burst is never silent; the next publish starts the entity again.
+    Returns True when it was the pending run. Best effort: an unreachable Redis only skips the event.
+    """
+    found = getattr(request, "request_dict", None) or {}
+    burst = headers.read_str(request, headers.DEBOUNCE) or str(found.get(headers.DEBOUNCE) or "")
+    s, opts = settings_of(task.app), task.lockguard_options
+    if opts.debounce is None or not burst or not s.enabled:
+        return False
+    key = calls.render(opts, request.id, tuple(args), dict(kwargs)).key
+    record = keys.debounce_name(s.key_prefix, key, task.name)
+    try:
+        pipe = connection.client(s).pipeline(transaction=False)
+        pipe.hget(record, "task_id")
+        pipe.hget(record, "superseded")
+        pending, superseded = pipe.execute()
+    except Exception as exc:
+        if errors.classify(exc) is None:
+            raise
+        return False
+    if pending is None or _text(pending) != keys.meta(request.id):
+        return False
+    emit(
+        "lock.debounce_revoked",
+        task.name,
+        lock_key=key,
+        task_id=request.id,
+        superseded=int(_text(superseded or 0)),
+        reason=f"the burst's run was {reason}: the publishes it superseded will not run",
+    )
+    return True
 
 
 def _outage(

@@ -156,7 +156,7 @@ def test_revoking_the_pending_run_cancels_the_burst_and_a_later_publish_runs(
     # consumed when they fall due, before the revoked run is (it is due last), so nothing of the burst is
     # left to hand the run to. Their results name the revoked run; the next publish starts the entity again.
     cfg = make_cfg(prefix, redis_url, debounce=2.0)
-    fleet.worker(cfg)
+    worker = fleet.worker(cfg)
     app = fleet.app(cfg)
     e = Entity(r, prefix, tmp_path)
     e.open()
@@ -167,6 +167,10 @@ def test_revoking_the_pending_run_cancels_the_burst_and_a_later_publish_runs(
     for res in burst[:-1]:
         assert res.get(timeout=60) == superseded_by(last.id)
     wait_for(lambda: last.state == "REVOKED", 60, what="the pending run to be revoked")
+    # The lost burst is never silent: the worker's main process says so when it discards the run.
+    said = lambda: [x for x in worker.output().splitlines() if "lock.debounce_revoked" in x and last.id in x]  # noqa: E731
+    wait_for(said, 60, what="lock.debounce_revoked")
+    assert "superseded=2" in said()[0], said()
     again = t.delay(e.k, e.gate, "t3")
     assert again.get(timeout=60) == {"tag": "t3"}
     assert e.tags() == ["t3"]
