@@ -22,7 +22,10 @@ message (an ETA message, unacknowledged under ``acks_late``) leaves it to the
 broker's redelivery, and the redelivered copy asks DEBOUNCE_TAKE again
 (*take* if nobody took it, *taken* if the dead worker had: then the lease and
 completion rules handle it as any redelivery). Self-republishes (``retry()``,
-waits, ``replace``) and canvas members bypass debounce (DESIGN).
+waits, ``replace``) and canvas members bypass debounce (DESIGN); so does the
+woken copy a releaser publishes for a parked run (``_republish.send``): it is
+that run, still its burst's, and DEBOUNCE_START decides it like any taken run.
+A burst's keys live :func:`record_ttl_ms`, past a dead worker's redelivery.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from . import _republish as republish
 from . import _scripts as scripts
 from . import _wire
 from ._config import Settings, TaskOptions
+from ._config import settings as settings_of
 from ._decision import (
     Action,
     DebounceAction,
@@ -80,9 +84,16 @@ def superseded_result(survivor: str) -> dict[str, str]:
     return {"lockguard": SUPERSEDED, "superseded_by": survivor}
 
 
-def record_ttl_ms(opts: TaskOptions, delay: float) -> int:
-    """How long a burst's record and run key live: the delay plus ``queue_lock_ttl`` (a message's time in queue)."""
-    return claims.claim_ttl_ms(opts.queue_lock_ttl, delay)
+def record_ttl_ms(s: Settings, opts: TaskOptions, delay: float | None, eta: Any = None) -> int:
+    """How long a burst's record and run key live: as long as any message of the burst may still arrive.
+
+    That is the message's delay (``countdown``/``eta``), plus the transport's redelivery horizon
+    (``visibility_timeout``: a worker that dies holding the message, as it holds every countdown
+    message until due, gives it back that long after it took it), plus ``queue_lock_ttl`` (its time
+    in queue, before and after). Shorter, the dead worker's superseded copies would come back to no
+    record, find it ``missing`` and all run, older arguments after newer.
+    """
+    return claims.claim_ttl_ms(opts.queue_lock_ttl + s.visibility_timeout, delay, eta)
 
 
 def delay_for(opts: TaskOptions, options: dict[str, Any]) -> float:
@@ -161,6 +172,7 @@ def publish(
     facts = DebouncePublish(
         self_republish=task_id is not None and publisher is not None and publisher == task_id,
         in_canvas=claims.in_canvas(options, link),
+        own_copy=republish.is_own_copy(task_id),
     )
     decision = decide_debounce_publish(facts)
     if decision.action is DebouncePublishAction.BYPASS:
@@ -179,7 +191,7 @@ def publish(
         reply = scripts.debounce_publish(
             client,
             [record],
-            [keys.meta(task_id), keys.meta(call.digest), int(delay * 1000), record_ttl_ms(opts, delay)],
+            [keys.meta(task_id), keys.meta(call.digest), int(delay * 1000), record_ttl_ms(s, opts, delay)],
         )
         burst, replaced = _text(reply[0]), _text(reply[1])
         state = "recorded"
@@ -189,7 +201,7 @@ def publish(
             raise
         state, failure = kind, exc
     decision = decide_debounce_publish(
-        DebouncePublish(facts.self_republish, facts.in_canvas, record=state)  # type: ignore[arg-type]
+        DebouncePublish(facts.self_republish, facts.in_canvas, record=state, own_copy=facts.own_copy)  # type: ignore[arg-type]
     )
     if decision.action is DebouncePublishAction.MISCONFIGURED:
         assert failure is not None
@@ -248,7 +260,7 @@ def take(
     record = keys.debounce_name(s.key_prefix, key, task_name)
     run = keys.debounce_run_name(s.key_prefix, key, task_name, burst)
     assert opts.debounce is not None
-    ttl_ms = record_ttl_ms(opts, opts.debounce)
+    ttl_ms = record_ttl_ms(s, opts, opts.debounce)
     reply = scripts.debounce_take(
         client, [record, run], [keys.meta(task_id), keys.meta(burst), int(claims.PUBLISH_GRACE * 1000), ttl_ms]
     )
@@ -380,9 +392,7 @@ def keep_for_retry(task: Any, s: Settings, opts: TaskOptions, burst: str, countd
         keys.debounce_run_name(s.key_prefix, call.key, task.name, burst),
     ]
     try:
-        scripts.debounce_keep(
-            connection.client(s), names, [keys.meta(req.id), claims.claim_ttl_ms(opts.queue_lock_ttl, countdown, eta)]
-        )
+        scripts.debounce_keep(connection.client(s), names, [keys.meta(req.id), record_ttl_ms(s, opts, countdown, eta)])
     except Exception as exc:
         if errors.classify(exc) is None:
             raise
@@ -393,6 +403,44 @@ def keep_for_retry(task: Any, s: Settings, opts: TaskOptions, burst: str, countd
             task_id=req.id,
             reason=f"debounce keep: {exc.__class__.__name__}: {exc}",
         )
+
+
+def discarded(task: Any, request: Any, args: Any, kwargs: Any, reason: str) -> bool:
+    """From the worker's main process: a message of a burst discarded unrun (revoked, expired).
+
+    If it is still its burst's pending run, the burst ends without a run: the publishes it superseded
+    were consumed when they fell due (each before it), so none is left to hand the run to, and their
+    results name this one. Said as ``lock.debounce_revoked`` (warning, with how many publishes the
+    burst superseded), so a lost burst is never silent; the next publish starts the entity again.
+    Returns True when it was the pending run. Best effort: an unreachable Redis only skips the event.
+    """
+    found = getattr(request, "request_dict", None) or {}
+    burst = headers.read_str(request, headers.DEBOUNCE) or str(found.get(headers.DEBOUNCE) or "")
+    s, opts = settings_of(task.app), task.lockguard_options
+    if opts.debounce is None or not burst or not s.enabled:
+        return False
+    key = calls.render(opts, request.id, tuple(args), dict(kwargs)).key
+    record = keys.debounce_name(s.key_prefix, key, task.name)
+    try:
+        pipe = connection.client(s).pipeline(transaction=False)
+        pipe.hget(record, "task_id")
+        pipe.hget(record, "superseded")
+        pending, superseded = pipe.execute()
+    except Exception as exc:
+        if errors.classify(exc) is None:
+            raise
+        return False
+    if pending is None or _text(pending) != keys.meta(request.id):
+        return False
+    emit(
+        "lock.debounce_revoked",
+        task.name,
+        lock_key=key,
+        task_id=request.id,
+        superseded=int(_text(superseded or 0)),
+        reason=f"the burst's run was {reason}: the publishes it superseded will not run",
+    )
+    return True
 
 
 def _outage(

@@ -301,8 +301,12 @@ class Publish:
     duplicate: bool = False
     #: The holder is presumed alive: a queued claim is (its message is in the broker); a running lease if renewed.
     holder_alive: bool = True
-    #: The message republishes the task that is publishing it (same task id): wait, watch, retry, replace.
+    #: The message republishes the task that is publishing it (same task id): ``replace()``, or a body
+    #: publishing its own id.
     self_republish: bool = False
+    #: The message is a delivery's copy of itself sent through ``_republish.send`` (a wait, a safety,
+    #: woken or watch copy, a retry), whoever publishes it: a releaser publishes its waiter's woken copy.
+    own_copy: bool = False
     #: The message belongs to a chain, group or chord (a skip would stall the canvas).
     in_canvas: bool = False
     #: The claim is held by the publishing task itself (a running task scheduling its own follow-up).
@@ -325,6 +329,8 @@ def decide_publish(p: Publish) -> PublishDecision:
     With ``claim=None`` the answer is either :attr:`PublishAction.BYPASS` or
     ``PUBLISH_CLAIMED`` meaning "ask CLAIM, then decide again with its answer".
     """
+    if p.own_copy:
+        return PublishDecision(PublishAction.BYPASS, "own_copy")
     if p.self_republish:
         return PublishDecision(PublishAction.BYPASS, "self_republish")
     if p.claim is None or p.claim == "ok":
@@ -487,10 +493,16 @@ class DebouncePublish:
     #: The message belongs to a chain, group or chord (superseding a member would change the canvas' data).
     in_canvas: bool = False
     record: DebounceRecord | None = None
+    #: A delivery's copy of itself sent through ``_republish.send`` (see :class:`Publish`): a woken copy is
+    #: its parked delivery, still its burst's run, never a new publish (a new burst would replace the
+    #: publishes made while it waited, and start a full delay late).
+    own_copy: bool = False
 
 
 def decide_debounce_publish(p: DebouncePublish) -> DebouncePublishDecision:
     """Decide a debounced publish; call first with ``record=None`` (answer: ``BYPASS`` or ``RECORD``)."""
+    if p.own_copy:
+        return DebouncePublishDecision(DebouncePublishAction.BYPASS, "own_copy")
     if p.self_republish:
         return DebouncePublishDecision(DebouncePublishAction.BYPASS, "self_republish")
     if p.in_canvas:

@@ -101,6 +101,8 @@ def findings(app: Any, s: Settings, tasks: list[Any], given_timeout: float | Non
         name = printable(task.name)
         if acks_late and not opts.completion and opts.on_locked == "skip":
             out.append(_skip_without_completion(task.name, name))
+        if opts.debounce is not None and not acks_late:
+            out.append(_debounce_without_acks_late(task.name, name))
         bound = run_bound(task, app, opts)
         has_limit = bool(limit(task, app, "time_limit") or limit(task, app, "soft_time_limit"))
         if acks_late and bound and not has_limit and scheme in VISIBILITY_SCHEMES and s.visibility_timeout < bound[0]:
@@ -196,5 +198,18 @@ def _skip_without_completion(task_name: str, shown: str) -> Finding:
         "the body and the ack) meets no lease and no record, so the body runs a second time. Set completion=True "
         "(the default): the record, written in the release, answers a redelivery with the first result and "
         "lets the watch copy tell 'finished' from 'died'.",
+        [task_name],
+    )
+
+
+def _debounce_without_acks_late(task_name: str, shown: str) -> Finding:
+    return Finding(
+        "debounce_without_acks_late",
+        f"task {shown!r}: lock_debounce without acks_late. A burst's superseded messages are consumed when they "
+        "fall due and its run is acknowledged when it starts, so a worker killed during the run gives nothing "
+        "back: the burst is lost, and every publish it superseded names a run that never finished. (Before the "
+        "run, a dead worker's messages do come back: the burst's records live the delay plus the transport's "
+        "visibility_timeout plus queue_lock_ttl, so the copies are superseded as before.) Set acks_late=True "
+        "with task_reject_on_worker_lost=True.",
         [task_name],
     )

@@ -54,6 +54,7 @@ _LEVELS: dict[str, int] = {
     "lock.debounced": logging.DEBUG,
     "lock.superseded": logging.INFO,
     "lock.debounce_missing": logging.WARNING,
+    "lock.debounce_revoked": logging.WARNING,
     "workflow.started": logging.DEBUG,
     "workflow.entered": logging.DEBUG,
     "workflow.handed_over": logging.DEBUG,

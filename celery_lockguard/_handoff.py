@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _connection as connection
+from . import _republish as republish
 from . import _scripts as scripts
 from ._config import Settings
 from ._events import emit
@@ -175,18 +176,13 @@ def wake(app: Any, s: Settings, woken: Woken | None, releaser: str, releaser_id:
 
 
 def publish(app: Any, spec: dict[str, Any]) -> None:
-    """Publish a stored signature: through its task when registered here, else by name.
+    """Publish a stored woken copy through the self-republish primitive (:func:`_republish.send`).
 
-    Either way publish-time claims are bypassed: parking is ``while_running``
-    only, whose ``apply_async`` never claims, and ``send_task`` never does.
+    The copy is the parked delivery itself (its task id, its burst, its park token), published by
+    the releasing task: through ``apply_async`` as new work, a debounced waiter would start a new
+    burst with a new countdown and replace the publishes made while it waited.
     """
-    sig = app.signature(spec)
-    opts = dict(sig.options)
-    task = app.tasks.get(sig.task)
-    if task is not None:
-        task.apply_async(sig.args, sig.kwargs, **opts)
-    else:
-        app.send_task(sig.task, sig.args, sig.kwargs, **opts)
+    republish.send(app.signature(spec))
 
 
 def withdraw(app: Any, s: Settings, key: str, park_token: str, task_name: str, task_id: str) -> bool:

@@ -1,8 +1,17 @@
-"""Self-republishes: the wait and the watch copy a delivery leaves behind.
+"""Self-republishes: every message a delivery publishes of itself goes through :func:`send`.
 
-Both publish this very task again under its own task id, so ``apply_async``
-recognises them as self-republishes and never deduplicates them (a claim
-check could swallow the message while ``Retry`` is still raised: a lost job).
+A wait, a park's safety copy, the woken copy a releaser publishes for a parked
+waiter, a watch copy, a debounce run's early re-delivery, a workflow member's
+wait and ``retry()``'s message are copies of one delivery, not new work: they
+must never pass the user's dedupe, claims or debounce (a claim check could
+swallow the message while ``Retry`` is still raised: a lost job; a debounce
+publish would start a new burst and a new countdown for a run already taken).
+:func:`send` publishes them under :func:`own_copy`, a marker naming the
+message's task id that ``apply_async`` reads as the ``own_copy`` fact
+(``_decision.decide_publish`` / ``decide_debounce_publish``: BYPASS) whoever
+publishes it -- the woken copy is published by the *releasing* task.
+``apply_async`` is for new work.
+
 A wait carries the delivery's queue claim on (hand-over); a watch copy never
 carries one (the original adopted it).
 """
@@ -10,6 +19,9 @@ carries one (the original adopted it).
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from . import _headers as headers
@@ -117,6 +129,41 @@ def watch_headers(request: Any, token: str) -> dict[str, Any]:
     return out
 
 
+#: The task id of the copy :func:`send` is publishing in this context (``None``: new work).
+_OWN_COPY: ContextVar[str | None] = ContextVar("lockguard_own_copy", default=None)
+
+
+@contextmanager
+def own_copy(task_id: str | None) -> Iterator[None]:
+    """Within it, a publish of ``task_id`` is a delivery's copy of itself (see :func:`is_own_copy`).
+
+    Keyed by task id, so a publish of other work inside it (a user ``apply_async`` override
+    sending something else) is still new work.
+    """
+    token = _OWN_COPY.set(task_id)
+    try:
+        yield
+    finally:
+        _OWN_COPY.reset(token)
+
+
+def is_own_copy(task_id: str | None) -> bool:
+    """Whether the message ``apply_async`` is publishing is a copy :func:`send` (or ``retry()``) publishes."""
+    return task_id is not None and _OWN_COPY.get() == task_id
+
+
+def send(sig: Any) -> Any:
+    """THE self-republish primitive: publish ``sig``, a copy of a delivery, past dedupe, claims and debounce.
+
+    ``sig`` carries its task id and exactly the headers its decision gave it. A task registered
+    here publishes through its own ``apply_async`` (so a composed class's publish still runs),
+    which reads the marker as the ``own_copy`` fact; one that is not goes by name
+    (``send_task``, which never claims or debounces).
+    """
+    with own_copy(sig.options.get("task_id") or sig.id):
+        return sig.apply_async()
+
+
 def publish(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], countdown: float, hdrs: dict[str, Any]) -> Any:
     """Publish this request again (same task id, same retries count) after ``countdown``; returns the signature."""
     req = task.request
@@ -125,7 +172,7 @@ def publish(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], countdown:
     from ._workflow import before_self_republish
 
     before_self_republish(task, countdown=countdown)  # the hand-over covers the countdown
-    sig.apply_async()
+    send(sig)
     return sig
 
 

@@ -793,7 +793,8 @@ DEBOUNCE_PUBLISH = (
 -- DEBOUNCE_PUBLISH: record a publish of debounced work as the entity's latest pending run (last wins).
 -- KEYS[1] debounce record  {prefix}:v1:{K}:debounce:<task name>   (hash)
 -- ARGV[1] task_id  ARGV[2] args digest  ARGV[3] delay_ms (the message's countdown)
--- ARGV[4] ttl_ms (delay + queue_lock_ttl: as long as any message of the burst may still arrive)
+-- ARGV[4] ttl_ms (delay + visibility_timeout + queue_lock_ttl: as long as any message of the burst, or a
+--         dead worker's redelivered copy of one, may still arrive)
 -- The record becomes {task_id, digest, due_ms = now + delay, state 'publishing', at_ms = now, burst};
 -- the run it replaces (if one was pending) is kept as prev_* so a failed publish can put it back
 -- (DEBOUNCE_SETTLE). The record's TTL is extended, never shortened.
@@ -914,7 +915,7 @@ DEBOUNCE_KEEP = """
 -- the retry may take to come back, so DEBOUNCE_START can still tell whether a later run started since.
 -- KEYS[1] debounce record  {prefix}:v1:{K}:debounce:<task name>
 -- KEYS[2] the burst's run  {prefix}:v1:{K}:debounce:<task name>:run:<burst>
--- ARGV[1] task_id (the retried run)  ARGV[2] ttl_ms (the retry's delay plus queue_lock_ttl)
+-- ARGV[1] task_id (the retried run)  ARGV[2] ttl_ms (the retry's delay + visibility_timeout + queue_lock_ttl)
 -- Both TTLs are extended to ARGV[2], never shortened.
 -- Returns 1 kept; 0 the run key does not name this task id (expired, or not this burst's run: nothing written)
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end

@@ -153,6 +153,20 @@ def _on_revoked(
     else:  # discarded before it ran: its queue claim will never be adopted, its reservation never used
         free_claim_from_main(sender, request.id, args, kwargs, "expired" if expired else "revoked")
         free_reservation_from_main(sender, request, args, kwargs)
+        _debounce_run_discarded(sender, request, args, kwargs, "expired" if expired else "revoked")
+
+
+def _debounce_run_discarded(task: Any, request: Any, args: Any, kwargs: Any, reason: str) -> bool:
+    """A debounced message discarded unrun: if it was its burst's run, say the burst ends without one. Never raises."""
+    from . import _debounce as debounce
+    from ._task import LockGuard
+
+    if not isinstance(task, LockGuard):
+        return False
+    try:
+        return debounce.discarded(task, request, args, kwargs, reason)
+    except Exception:  # noqa: BLE001 - the main process never fails on our account; the event is only a report
+        return False
 
 
 def _workflow_member_aborted(task: Any, request: Any, terminated: bool, reason: str | None = None) -> bool:

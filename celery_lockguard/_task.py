@@ -1218,8 +1218,11 @@ class LockGuard(Task):
         if opts.mode == "while_running" or not s.enabled or not opts.locked or self.app.conf.task_always_eager:
             return super().apply_async(args, kwargs, task_id, link=link, **options)
         publisher = claims.publishing_task_id()
-        if task_id is not None and publisher is not None and publisher == task_id:
-            decision = decide_publish(Publish(opts.on_locked, self_republish=True))  # type: ignore[arg-type]
+        own = task_id is not None and publisher is not None and publisher == task_id
+        own_copy = republish.is_own_copy(task_id)
+        if own or own_copy:
+            facts = Publish(opts.on_locked, self_republish=own, own_copy=own_copy)  # type: ignore[arg-type]
+            decision = decide_publish(facts)
             assert decision.action is PublishAction.BYPASS
             return super().apply_async(args, kwargs, task_id, link=link, **options)
         task_id = task_id or uuid()
@@ -1383,7 +1386,8 @@ class LockGuard(Task):
             else:
                 self._release(s, opts, lease)
         try:
-            return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+            with republish.own_copy(req.id):  # the retry's message is this delivery's copy: never new work
+                return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
         except Retry:
             raise
         except BaseException:

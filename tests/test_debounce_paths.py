@@ -220,3 +220,30 @@ def test_a_retried_run_is_superseded_once_a_later_run_has_started(app: Celery, r
     assert late.retval == {"lockguard": "superseded", "superseded_by": new.id}
     assert ran == ["new"]
     assert [e["superseded_by"] for e in logs if e["event"] == "lock.superseded"] == [new.id]
+
+
+def test_a_copy_sent_through_the_primitive_is_never_debounced_and_new_work_inside_it_is(
+    app: Celery, r: redis.Redis, prefix: str
+) -> None:
+    """The woken copy a releaser publishes is its parked delivery (issue 29): no new record, no countdown;
+    the marker names that copy's id only, so other work published meanwhile is still debounced."""
+    from celery_lockguard import _handoff as handoff
+    from celery_lockguard import _republish as republish
+
+    t = app.tasks["d.reindex"]
+    first = t.delay(21, "first")
+    (msg,) = published(r, app)
+    drain(r, app)
+    record = debounce_name(prefix, "doc:21", "d.reindex")
+    due = r.hget(record, "due_ms")
+    spec = dict(t.signature(tuple(msg.args), msg.kwargs, task_id=msg.task_id, headers=msg.custom()))
+    handoff.publish(app, spec)  # as RELEASE's releaser does, from outside the parked task
+    (woken,) = published(r, app)
+    drain(r, app)
+    assert woken.task_id == first.id and woken.headers.get("eta") is None, "published at once"
+    assert woken.headers[headers.DEBOUNCE] == msg.headers[headers.DEBOUNCE], "still its burst's run"
+    assert r.hget(record, "due_ms") == due and r.hget(record, "superseded") == "0", "the record is untouched"
+    with republish.own_copy(first.id):
+        other = t.delay(21, "other")
+    (new,) = published(r, app)
+    assert new.headers.get("eta") is not None and r.hget(record, "task_id") == other.id, "new work is debounced"

@@ -211,6 +211,9 @@ def test_one_duplicate_rule_for_publish_and_delivery() -> None:
 PUBLISH_TABLE = [
     (Publish("skip", self_republish=True), PublishAction.BYPASS),
     (Publish("skip", claim="held", duplicate=True, self_republish=True), PublishAction.BYPASS),
+    # A delivery's copy of itself (republish.send) bypasses whoever publishes it (a releaser: a woken copy).
+    (Publish("skip", own_copy=True), PublishAction.BYPASS),
+    (Publish("raise", claim="held", duplicate=True, own_copy=True), PublishAction.BYPASS),
     (Publish("skip"), PublishAction.PUBLISH_CLAIMED),
     (Publish("skip", claim="ok"), PublishAction.PUBLISH_CLAIMED),
     (Publish("skip", claim="own"), PublishAction.PUBLISH),
@@ -331,6 +334,9 @@ DEBOUNCE_PUBLISH_TABLE = [
     (DebouncePublish(self_republish=True, record="unavailable"), DebouncePublishAction.BYPASS),
     (DebouncePublish(in_canvas=True), DebouncePublishAction.BYPASS),
     (DebouncePublish(in_canvas=True, record="recorded"), DebouncePublishAction.BYPASS),
+    # A woken copy is its parked delivery, still its burst's run: never a new publish (a new burst).
+    (DebouncePublish(own_copy=True), DebouncePublishAction.BYPASS),
+    (DebouncePublish(own_copy=True, record="recorded"), DebouncePublishAction.BYPASS),
 ]
 
 

@@ -606,3 +606,19 @@ def test_a_beat_entry_whose_task_declares_the_skip_is_no_finding(own_redis: Redi
     locked(app, "beat.declared", lock_ttl=60, on_locked="skip", lock_mode="until_done")
     locked(app, "beat.undeclared", lock_ttl=60, on_locked="skip", lock_mode="until_started")
     assert found(app)["beat_interval_below_hold"].tasks == ["beat.undeclared"]
+
+
+# -- debounce and a dead worker ---------------------------------------------------------------------
+
+
+def test_debounce_without_acks_late_is_flagged(own_redis: RedisServer, prefix: str) -> None:
+    app = make_app(own_redis.url, prefix)
+    locked(app, "deb.early_ack", lock_debounce=1.0)
+    locked(app, "deb.late_ack", lock_debounce=1.0, acks_late=True)
+    locked(app, "deb.plain")
+    f = found(app)["debounce_without_acks_late"]
+    assert f.tasks == ["deb.early_ack"]
+    assert "acks_late=True" in f.message and "burst is lost" in f.message
+    app = make_app(own_redis.url, prefix, task_acks_late=True)
+    locked(app, "deb.setting", lock_debounce=1.0)
+    assert "debounce_without_acks_late" not in found(app)

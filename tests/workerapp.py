@@ -383,6 +383,27 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         """Debounced work on ``res:{key}`` (the search re-index of docs/debounce.md): the last publish wins."""
         return body(self, key, seconds, tag)
 
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="debounced_gate",
+        lock_key="res:{key}",
+        lock_ttl=5,
+        lock_debounce=cfg.get("debounce", 1.5),
+        queue_lock_ttl=cfg.get("debounce_queue_ttl"),
+        acks_late=True,
+        reject_on_worker_lost=True,
+    )
+    def debounced_gate(self: Any, key: str, gate: str, tag: str = "") -> dict[str, Any]:
+        """Debounced work on ``res:{key}`` whose body runs until the test creates ``gate`` (a file, at most 60 s)."""
+        record(ev="start", key=key, tag=tag, task_id=self.request.id)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        record(ev="end", key=key, tag=tag, task_id=self.request.id)
+        return {"tag": tag}
+
     if cfg.get("beat_every"):
         app.conf.beat_schedule = {
             "reindex": {"task": "reindex_catalog", "schedule": float(cfg["beat_every"]), "args": (2.5,)}
