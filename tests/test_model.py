@@ -32,10 +32,11 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from celery_lockguard import AlreadyQueued, LockedTask
+from celery_lockguard import AlreadyQueued, LockContended, LockedTask
 from celery_lockguard import _completion as completion
 from celery_lockguard import _connection as connection
 from celery_lockguard import _handoff as handoff
+from celery_lockguard import _headers as lg_headers
 from celery_lockguard import _lease as L
 from celery_lockguard import _signals as signals
 from celery_lockguard._config import reset
@@ -171,6 +172,7 @@ def machine(mode: str, policy: str, redis_url: str, store: str = "redis") -> typ
                 assert any(m.task_id == msg.task_id for m in self.queued()), (
                     f"{msg.task_id} is in RETRY but no message of it exists"
                 )
+            self.accepted_never_fails_for_contention(msg, out)
             self._settle(msg.task_id, out.state)
             if self.down and out.state != "RETRY":  # it ended during the outage: its claim could not be freed
                 self.excused.add(msg.task_id)
@@ -184,6 +186,7 @@ def machine(mode: str, policy: str, redis_url: str, store: str = "redis") -> typ
             self.trace.append(f"redeliver {msg.task_id[:8]} {msg.custom()} -> {out.state} {self.locks()}")
             if out.state == "RETRY":
                 assert any(m.task_id == msg.task_id for m in self.queued())
+            self.accepted_never_fails_for_contention(msg, out)
             self._settle(msg.task_id, out.state)
 
         @precondition(lambda self: self.r.llen(self.queue_key) > 0)
@@ -280,6 +283,20 @@ def machine(mode: str, policy: str, redis_url: str, store: str = "redis") -> typ
         @invariant()
         def no_body_runs_twice(self) -> None:
             assert all(n <= 1 or tid in self.retried() for tid, n in self.runs.items()), self.runs
+
+        def accepted_never_fails_for_contention(self, msg: Message, out: Any) -> None:
+            """Accepted means it runs: in a queue-time mode ``raise`` answers at publish (``AlreadyQueued``).
+
+            A delivered message then meets a holder by waiting; only a spent wait budget
+            (``lock_max_waits``) may end it with ``LockContended``.
+            """
+            if mode == "while_running" or out.state != "FAILURE" or not isinstance(out.retval, ExceptionInfo):
+                return
+            if isinstance(out.retval.exception, LockContended):
+                waits = int(msg.custom().get(lg_headers.WAITS) or 0)
+                assert waits >= self.task.lockguard_options.max_waits, (
+                    f"accepted {msg.task_id} failed LockContended after {waits} waits\n{self.history()}"
+                )
 
         def retried(self) -> set[str]:
             return {tid for tid, n in self.runs.items() if n == 2}  # a retry() runs the body again, by design

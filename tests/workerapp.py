@@ -247,6 +247,20 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         base=LockedTask,
         bind=True,
         shared=False,
+        name="until_started_raise",
+        lock_key="res:{key}",
+        lock_mode="until_started",
+        on_locked="raise",
+        lock_ttl=5,
+    )
+    def until_started_raise(self: Any, key: str, seconds: float = 0.5, tag: str = "") -> dict[str, Any]:
+        """celery-once's ``unlock_before_run=True`` with its default ``graceful=False`` (docs/migrating.md)."""
+        return body(self, key, seconds, tag)
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
         name="until_done",
         lock_key="res:{key}",
         lock_mode="until_done",
