@@ -1,4 +1,4 @@
-"""docs/migrating.md, row by row: each mapping from celery-once and celery-singleton holds, on the real tracer.
+"""docs/migrating.md, row by row: each mapping from celery-once, celery-singleton and celery-heimdall holds.
 
 Every test names the row(s) it holds. Deliveries go through Celery's real (non-eager) tracer on the real
 Redis (``tests/tracer.py``); what needs two processes at once is held by real prefork workers elsewhere,
@@ -123,10 +123,10 @@ def plant(r: redis.Redis, prefix: str, key: str, t: Any, kwargs: dict[str, Any],
 def test_queueonce_and_singleton_are_until_done_claimed_at_publish_and_held_through_the_body(
     app: Celery, r: redis.Redis, prefix: str
 ) -> None:
-    """once ``base=QueueOnce`` / singleton ``base=Singleton`` -> ``lock_mode="until_done"``.
+    """once ``base=QueueOnce`` / singleton ``base=Singleton`` / heimdall ``unique`` -> ``lock_mode="until_done"``.
 
-    Also once ``graceful=True`` and singleton's "a duplicate ``delay()`` returns the existing task's
-    ``AsyncResult``" -> ``on_locked="skip"`` (the default).
+    Also once ``graceful=True`` and singleton's and heimdall's "a duplicate ``delay()`` returns the
+    existing task's ``AsyncResult``" -> ``on_locked="skip"`` (the default).
     """
     seen: dict[str, Any] = {}
 
@@ -177,7 +177,7 @@ def test_once_keys_empty_is_a_constant_key_one_at_a_time_whatever_the_arguments(
 
 
 def test_once_default_key_is_a_lock_key_over_every_parameter(app: Celery, r: redis.Redis, prefix: str) -> None:
-    """once's default key (task name + every argument) -> ``lock_key`` over every parameter."""
+    """once's and heimdall's default key (task name + every argument) -> ``lock_key`` over every parameter."""
     export = task(app, echo_export, lock_key="export:{account_id}:{fmt}", lock_mode="until_done")
     csv = export.delay(account_id=1, fmt="csv")
     assert export.delay(account_id=1, fmt="csv").id == csv.id
@@ -190,7 +190,7 @@ def test_once_default_key_is_a_lock_key_over_every_parameter(app: Celery, r: red
 def test_once_graceful_false_and_singleton_raise_on_duplicate_raise_already_queued(
     app: Celery, r: redis.Redis, prefix: str
 ) -> None:
-    """once ``graceful=False``; singleton ``raise_on_duplicate`` (task option or ``singleton_raise_on_duplicate``).
+    """once ``graceful=False``; singleton ``raise_on_duplicate``; heimdall ``unique_raises=True``.
 
     -> ``on_locked="raise"`` as a task option or ``lockguard_on_locked``: ``AlreadyQueued(key, task_id)``.
     """
@@ -212,7 +212,10 @@ def test_once_graceful_false_and_singleton_raise_on_duplicate_raise_already_queu
 def test_once_timeout_and_singleton_lock_expiry_are_queue_lock_ttl_then_lock_ttl(
     app: Celery, r: redis.Redis, prefix: str
 ) -> None:
-    """once ``timeout`` / singleton ``lock_expiry`` -> ``queue_lock_ttl`` while queued, ``lock_ttl`` while running."""
+    """once ``timeout`` / singleton ``lock_expiry`` / heimdall ``unique_timeout``.
+
+    -> ``queue_lock_ttl`` while the message waits, then ``lock_ttl`` while the body runs.
+    """
     seen: dict[str, int] = {}
 
     def body(self: Any, n: int) -> int:
@@ -261,7 +264,10 @@ def test_once_unlock_before_run_is_until_started_and_an_accepted_copy_runs_after
 def test_once_backend_url_and_singleton_backend_url_are_lockguard_redis_url_defaulting_to_the_broker(
     redis_url: str, prefix: str
 ) -> None:
-    """once ``ONCE["settings"]["url"]`` / singleton ``singleton_backend_url`` -> ``lockguard_redis_url``."""
+    """once ``ONCE["settings"]["url"]`` / singleton ``singleton_backend_url`` / heimdall's Redis.
+
+    -> ``lockguard_redis_url``, defaulting to the broker when it is Redis.
+    """
     on_broker = Celery("b", broker=redis_url, set_as_current=False)
     assert load_settings(on_broker).redis_url == redis_url, "the broker, when it is Redis"
     elsewhere = Celery("e", broker=redis_url, set_as_current=False)
@@ -392,7 +398,7 @@ def test_singleton_clear_locks_is_lockguard_release_which_bumps_the_fence(
 
 
 def test_singleton_key_prefix_is_lockguard_key_prefix(app: Celery, r: redis.Redis, prefix: str) -> None:
-    """singleton ``singleton_key_prefix`` (``SINGLETONLOCK_``) -> ``lockguard_key_prefix`` (``lockguard``)."""
+    """singleton ``singleton_key_prefix`` / heimdall ``heimdall_lock_prefix`` -> ``lockguard_key_prefix``."""
     assert load_settings(Celery("d", set_as_current=False)).key_prefix == "lockguard"
     t = task(app, echo_user, lock_key="user:{username}", lock_mode="until_done")
     sent = t.delay("ann")
@@ -423,3 +429,67 @@ def test_singleton_uppercase_settings_are_celery_lockguard_with_the_celery_names
     a.config_from_object(Config, namespace="CELERY")
     got = load_settings(a)
     assert (got.key_prefix, got.on_locked) == ("from-django", "raise")
+
+
+# -- celery-heimdall -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["generate_report", lambda customer_id: "generate_report"])
+def test_heimdall_key_function_is_a_constant_or_callable_lock_key(
+    app: Celery, r: redis.Redis, prefix: str, key: Any
+) -> None:
+    """heimdall ``"key": lambda args, kwargs: "generate_report"`` -> a constant or callable ``lock_key``."""
+
+    def body(self: Any, customer_id: int) -> int:
+        return customer_id
+
+    report = task(app, body, lock_key=key, lock_mode="until_done")
+    first = report.delay(1)
+    assert r.hget(lock_name(prefix, "generate_report"), "task_id") == first.id
+    assert report.delay(1).id == first.id
+    other = report.delay(2)  # one entity whatever the arguments; other arguments queue behind, not refused
+    assert other.id != first.id and r.hget(claim_name(prefix, "generate_report"), "task_id") == other.id
+    assert deliver_next(r, app, report).retval == 1 and deliver_next(r, app, report).retval == 2
+
+
+def test_heimdall_unique_wait_for_expiry_is_a_completion_record_kept_for_the_interval(
+    app: Celery, r: redis.Redis, prefix: str
+) -> None:
+    """heimdall ``unique_wait_for_expiry=True`` -> ``idempotency_key`` with ``completion_ttl``: answered, not run."""
+    from celery_lockguard._keys import done_name
+
+    runs: list[int] = []
+
+    def body(self: Any, customer_id: int) -> str:
+        runs.append(customer_id)
+        return f"report {customer_id}"
+
+    report = task(app, body, idempotency_key="report:{customer_id}", completion_ttl=3600)
+    assert deliver(report, kwargs={"customer_id": 1}).retval == "report 1"
+    later = deliver(report, kwargs={"customer_id": 1})  # another call within the hour
+    assert later.state == "SUCCESS" and later.retval == "report 1" and runs == [1], "answered from the record"
+    assert 3_500_000 < r.pttl(done_name(prefix, "report:1")) <= 3_600_000, "kept for the interval"
+    assert deliver(report, kwargs={"customer_id": 2}).retval == "report 2" and runs == [1, 2]
+
+
+def test_heimdall_times_per_is_lock_rate_with_lock_limit_waiting_for_the_window(
+    app: Celery, r: redis.Redis, prefix: str
+) -> None:
+    """heimdall ``times=2, per=60`` -> ``lock_rate="2/60s"`` with ``lock_limit=2``: a third start waits."""
+    seen: dict[str, int] = {}
+
+    def body(self: Any, customer_id: int, n: int) -> int:
+        seen["slot"] = max(seen.get("slot", 0), self.lock.slot)
+        return n
+
+    download = task(app, body, lock_key="amazon:{customer_id}", lock_limit=2, lock_rate="2/60s")
+    assert [deliver(download, kwargs={"customer_id": 1, "n": n}).state for n in (1, 2)] == ["SUCCESS"] * 2
+    third = deliver(download, kwargs={"customer_id": 1, "n": 3})
+    assert third.state == "RETRY", "the window is full: rescheduled"
+    (wait,) = published(r, app)
+    assert wait.headers.get("eta"), "with a countdown until the window has room"
+    assert deliver(download, kwargs={"customer_id": 2, "n": 4}).state == "SUCCESS", "the budget is per key"
+    alone = task(app, body, lock_key="api:{customer_id}", lock_rate="2/60s")  # no lock_limit: one at a time
+    running = plant(r, prefix, "api:1", alone, {"customer_id": 1, "n": 0})
+    assert deliver(alone, kwargs={"customer_id": 1, "n": 5}).state == "RETRY", "a second body waits"
+    L.release(r, running, prefix)
