@@ -675,7 +675,8 @@ WORKFLOW_ENTER = (
 --                                        under the lease already (nothing written)
 --   {'passed', state, task_id, next}     the workflow holds the lease but is at another member
 --   {'held', task_id, task_name, digest, host, pid, state, pttl_ms, ms_since_renewal, token, ttl_ms}
---                                        another holder (as ACQUIRE answers)
+--                                        another holder (as ACQUIRE answers; a first member also meets
+--                                        the slot leases of a lock_limit task on K, as ACQUIRE does)
 --   {'lost'}                             no lease, and this member is not the first
 --   {'ended'}                            the lease is not this workflow's, and the workflow ended
 --                                        (KEYS[3]): a stale copy of a member, nothing written
@@ -683,6 +684,7 @@ WORKFLOW_ENTER = (
 """
     + _NOW
     + _NEXT_FENCE
+    + _HELD_SLOTS
     + """
 local cur = redis.call('HMGET', KEYS[1], 'token', 'task_id', 'task_name', 'digest', 'host', 'pid',
                        'state', 'renewed_at', 'fence', 'ttl', 'workflow', 'next', 'acquired_at', 'par')
@@ -724,6 +726,8 @@ if cur[1] then
           redis.call('PTTL', KEYS[1]), now_ms - (tonumber(cur[8]) or now_ms), cur[1], tonumber(cur[10]) or 0}
 end
 if ARGV[12] ~= '1' then return {'lost'} end
+local slot, busy = held_slot(KEYS[1], KEYS[2])  -- the workflow lease is exclusive, as the single lease
+if slot then return held_slot_reply(KEYS[1], slot, busy, now_ms) end
 local bad = corrupt_fence(KEYS[2])
 if bad then return redis.error_reply(bad) end
 local fence = next_fence(KEYS[2], ARGV[11], now_us)

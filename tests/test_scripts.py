@@ -1253,3 +1253,18 @@ def test_noscript_reload_of_the_scripts_that_read_slots_and_the_single_lease(c: 
     else:
         assert park(c, "p1", key="e").kind == "parked"
     assert c.script_exists(getattr(scripts, name).sha) == [True]
+
+
+def test_a_workflow_first_member_is_refused_by_a_held_slot_and_slots_by_the_workflow(c: Any) -> None:
+    """The workflow lease is exclusive on K like the single lease: never beside a lock_limit slot."""
+    from .test_workflow import KEY, enter, spec
+
+    s0 = slots(c, limit=2, key=KEY, task_id="e0")
+    s1 = slots(c, limit=2, key=KEY, task_id="e1")
+    L.release(c, s0, P)  # only slot 1 is held
+    met = enter(c, spec(), "m1")
+    assert met.kind == "held" and met.holder is not None and (met.holder.task_id, met.holder.slot) == ("e1", 1)
+    assert not c.exists(lock_name(P, KEY)), "nothing written"
+    L.release(c, s1, P)
+    assert enter(c, spec(), "m1").kind == "started"
+    assert isinstance(slots(c, limit=2, key=KEY), L.Holder), "no slot beside the running workflow"
