@@ -434,13 +434,14 @@ def run(
 
 #: (lock_limit, lock_rate): N slots alone, N slots with a start window, and the single lease with a window.
 LIMITS = ((2, None), (2, "3/1s"), (1, "3/1s"))
-LIMIT_STEPS = {"throttled": 0, "slot_waits": 0, "admitted": 0}
+LIMIT_STEPS = {"throttled": 0, "slot_waits": 0, "admitted": 0, "exclusive": 0}
 
 
 def limited_machine(policy: str, limit: int, rate: str | None, redis_url: str) -> type[RuleBasedStateMachine]:
     """Deliveries through the real tracer and planted holders (other workers) race for N slots and a window.
 
-    Checked after every step: never more than N slot leases held (none past slot N-1), never more than
+    A single-lease holder of another task (a delete) joins the entity too. Checked after every step:
+    the single lease never beside a slot, never more than N slot leases held (none past slot N-1), never more than
     the rate's starts in any sliding window (by the server times the starts were admitted), no body twice;
     and, once drained, every job ran, was skipped onto identical running work, or failed visibly.
     """
@@ -531,6 +532,31 @@ def limited_machine(policy: str, limit: int, rate: str | None, redis_url: str) -
             elif isinstance(got, L.Throttled):
                 LIMIT_STEPS["throttled"] += 1
 
+        @rule()
+        def foreign_exclusive(self) -> None:
+            """Another task on the entity with the single lease (a delete beside the exports): exclusive.
+
+            It takes ``{K}:lock`` only while no slot is held, and no slot is taken while it holds it.
+            """
+            tid = f"exclusive-{uuid.uuid4().hex[:8]}"
+            got = L.acquire(
+                self.r,
+                self.prefix,
+                "tenant:1",
+                ttl_ms=60_000,
+                task_id=tid,
+                task_name="delete",
+                digest=tid,
+                worker="elsewhere",
+                fence_ttl_ms=60_000,
+            )
+            if isinstance(got, L.Lease):
+                self.r.hset(got.redis_key, "host", "elsewhere")
+                self.foreign.append(got)
+                LIMIT_STEPS["exclusive"] += 1
+            else:
+                assert isinstance(got, L.Holder), got
+
         @precondition(lambda self: bool(self.foreign))
         @rule(data=st.data())
         def foreign_release(self, data: Any) -> None:
@@ -556,6 +582,10 @@ def limited_machine(policy: str, limit: int, rate: str | None, redis_url: str) -
             ]
             slots = [p[1] for p in held if p is not None]
             assert len(slots) <= limit and all(s < limit for s in slots), slots
+            # The single lease (a holder of {K}:lock with no slot field) is never held beside a slot.
+            lock = self.r.hgetall(lock_name(self.prefix, "tenant:1"))
+            if lock and "slot" not in lock:
+                assert slots == [0], f"the single lease {lock.get('task_id')} beside slots {slots}"
 
         @invariant()
         def starts_within_rate(self) -> None:
