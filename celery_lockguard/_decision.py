@@ -19,7 +19,8 @@ task class only carries the answer out:
 
 Both read the same duplicate rule (:func:`skips_duplicate`): only identical
 work is ever skipped, only behind a holder presumed alive, never with
-``retry``; ``raise`` raises for any holder.
+``retry``; ``raise`` raises for any holder, at publish in a queue-time mode and
+at delivery only in ``while_running`` (:func:`raises_when_delivered`).
 
 What each exit does with what the delivery holds is written on the
 :class:`Action` members; the task class must keep to it.
@@ -140,6 +141,18 @@ def skips_duplicate(on_locked: OnLocked, duplicate: bool, alive: bool) -> bool:
     return on_locked == "skip" and duplicate and alive
 
 
+def raises_when_delivered(mode: LockMode, on_locked: OnLocked) -> bool:
+    """Whether a delivery that meets a holder fails with ``LockContended`` instead of waiting.
+
+    Only in ``while_running``, which has no publish-time check. In a queue-time mode ``raise`` is
+    answered at publish (``AlreadyQueued``); a publish that returned was accepted, and accepted means
+    it runs: meeting a holder when delivered (the work it was accepted behind, different work on the
+    entity, a publish made during an outage or by ``send_task``) it waits like ``retry``, within
+    ``lock_max_waits``.
+    """
+    return on_locked == "raise" and mode == "while_running"
+
+
 #: The decision for every delivery whose ACQUIRE took the lease (``outcome="acquired"``), whatever the other
 #: facts: the runtime uses it without building the facts on that path (the one every locked task takes).
 RUN_ACQUIRED = Decision(Action.RUN, "acquired")
@@ -178,7 +191,7 @@ def decide_delivery(d: Delivery) -> Decision:
         if h.alive:
             return Decision(Action.DROP_AND_WATCH, "redelivery_of_running_original")
         return _wait(d, "holder_of_own_id_dead")
-    if d.on_locked == "raise":
+    if raises_when_delivered(d.mode, d.on_locked):
         return Decision(Action.RAISE, "locked")
     # A follow-up the holder published of itself (a poll loop) is new work, never a duplicate of its parent.
     if h.parent:

@@ -172,8 +172,13 @@ def _what_a_publish_meets(on_locked: str, mode: str) -> str:
 
     (``skip`` with ``until_done`` is no finding: see :func:`_interval`.)
     """
+    if on_locked == "raise" and mode == "while_running":
+        return "it fails with LockContended when delivered"
     if on_locked == "raise":
-        return "it fails: AlreadyQueued at publish (queue-time modes) or LockContended when delivered"
+        # Accepted means it runs: a publish that got past the claim waits for the holder when delivered.
+        return "it is refused with AlreadyQueued at publish while a copy is queued" + (
+            " or running" if mode == "until_done" else "; one copy published during a run waits behind it"
+        )
     if on_locked == "retry":
         return (
             "it waits for the previous run: publishes arrive faster than runs finish, the waiting copies "

@@ -22,6 +22,7 @@ from typing import Any
 from . import _handoff as handoff
 from . import _republish as republish
 from ._config import Settings
+from ._decision import raises_when_delivered
 from ._findings import AMQP_SCHEMES, VISIBILITY_SCHEMES, Finding, broker_scheme, limit, seconds
 from ._terminal import printable
 
@@ -170,7 +171,7 @@ def own_countdowns(opts: Any, s: Settings) -> list[tuple[float, str, str]]:
     ``visibility_timeout``, so on Redis and SQS none outlives it.
     """
     out: list[tuple[float, str, str]] = []
-    if opts.on_locked != "raise" or opts.on_unavailable == "fail_closed":
+    if not raises_when_delivered(opts.mode, opts.on_locked) or opts.on_unavailable == "fail_closed":
         out.append((republish.longest_wait_countdown(s), "a wait's countdown", "wait"))
     if opts.completion:
         out.append((republish.longest_watch_countdown(s), "a watch copy's countdown", "watch"))

@@ -383,7 +383,16 @@ def release_and_wake(
             recorded = 1 if client.set(done_key, record, nx=True, px=completion_ttl_ms) else 0
             done_key = None
     released, recorded_here, woken = release_token(
-        client, prefix, lease.key, lease.token, record, completion_ttl_ms, reserve_ms, done_key, lease.redis_key
+        client,
+        prefix,
+        lease.key,
+        lease.token,
+        record,
+        completion_ttl_ms,
+        reserve_ms,
+        done_key,
+        lease.redis_key,
+        lease.slot,
     )
     lease.released = True
     return released, recorded_here or recorded, woken
@@ -399,12 +408,14 @@ def release_token(
     reserve_ms: int = 0,
     done_key: str | None = None,
     lease_key: str | None = None,
+    slot: int | None = None,
 ) -> tuple[int, int, Woken | None]:
     """RELEASE by token (also a woken copy's reservation, from the worker's main process on a revoke).
 
-    ``lease_key``: the slot lease hash (``Lease.redis_key``) when it is not K's single lease.
+    ``lease_key``: the slot lease hash (``Lease.redis_key``) when it is not K's single lease; ``slot``: its
+    slot (``Lease.slot``), so a waiter of the single lease is woken only once no slot is held.
     """
-    keys, args = _release_call(prefix, key, token, record, completion_ttl_ms, reserve_ms, done_key, lease_key)
+    keys, args = _release_call(prefix, key, token, record, completion_ttl_ms, reserve_ms, done_key, lease_key, slot)
     return _released(key, scripts.release(client, keys, args))
 
 
@@ -417,11 +428,12 @@ def _release_call(
     reserve_ms: int,
     done_key: str | None,
     lease_key: str | None = None,
+    slot: int | None = None,
 ) -> tuple[list[str], list[Any]]:
     keys = [lease_key or lock_name(prefix, key), wait_name(prefix, key), waiters_name(prefix, key)]
     if done_key is not None:
         keys.append(done_key)
-    return keys, [token, record, completion_ttl_ms, reserve_ms]
+    return keys, [token, record, completion_ttl_ms, reserve_ms, "" if slot is None else slot]
 
 
 def _released(key: str, reply: Any) -> tuple[int, int, Woken | None]:
@@ -455,7 +467,7 @@ def release_later(
     if ch is None or not ch.defers_release:
         return False
     keys, args = _release_call(
-        prefix, lease.key, lease.token, record, completion_ttl_ms, reserve_ms, done_key, lease.redis_key
+        prefix, lease.key, lease.token, record, completion_ttl_ms, reserve_ms, done_key, lease.redis_key, lease.slot
     )
 
     def read(reply: Any) -> None:

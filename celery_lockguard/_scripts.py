@@ -59,6 +59,37 @@ end
 """
 )
 
+_HELD_SLOTS = """
+-- The slot leases i >= 1 a lock_limit task holds on K ({K}:lock:<i>; slot 0 is {K}:lock itself), the shared
+-- holders the single lease excludes. {K}:fence:<i> marks that slot i was taken within the fence TTL, and
+-- slot i is taken only while every slot below it is held: the first absent marker ends the scan, so an
+-- entity no lock_limit task ever used costs one EXISTS. Names built from the given ones keep the {K} tag.
+-- Returns the held slot freeing last (the one an exclusive holder waits for) and how many are held, or nil.
+local function held_slot(lock_key, fence_key)
+  local last, last_pttl, count = nil, -1, 0
+  local i = 1
+  while i < 256 and redis.call('EXISTS', fence_key .. ':' .. i) == 1 do
+    local pttl = redis.call('PTTL', lock_key .. ':' .. i)  -- -2: free; -1 (no expiry): frees last
+    if pttl == -1 then pttl = 2^52 end
+    if pttl ~= -2 then
+      count = count + 1
+      if pttl > last_pttl then last, last_pttl = i, pttl end
+    end
+    i = i + 1
+  end
+  return last, count
+end
+-- The 'held' reply (ACQUIRE's layout, plus slot and busy as ACQUIRE_SLOTS) for slot i of lock_key.
+local function held_slot_reply(lock_key, i, count, now_ms)
+  local key = lock_key .. ':' .. i
+  local h = redis.call('HMGET', key, 'token', 'task_id', 'task_name', 'digest', 'host', 'pid', 'state',
+                       'renewed_at', 'ttl')
+  local age = now_ms - (tonumber(h[8]) or now_ms)
+  return {'held', h[2] or '', h[3] or '', h[4] or '', h[5] or '', h[6] or '', h[7] or '',
+          redis.call('PTTL', key), age, h[1] or '', tonumber(h[9]) or 0, i, count}
+end
+"""
+
 ACQUIRE = (
     """
 -- ACQUIRE: take the lease on entity K if it is free (SET NX PX semantics on a hash),
@@ -74,16 +105,23 @@ ACQUIRE = (
 -- ARGV[11] replace_token: take over a lease that still carries this token ('' = never);
 --          how the worker adopts its own queue claim (until_done) or a dead holder of its id
 -- ARGV[12] claim token: free the until_started claim in KEYS[3] once acquired ('' = none)
+-- The single lease is exclusive against the slot leases of a lock_limit task on K (shared holders, as a
+-- read/write lock): a held slot {K}:lock:<i> (i >= 1; slot 0 is KEYS[1]) refuses it like a holder, also
+-- to an adopting replace_token. Found by the fence markers {K}:fence:<i> (KEYS[2] .. ':' .. i): one EXISTS
+-- when no lock_limit task ever used K.
 -- Returns:
 --   {'done', record}     a completion record exists: nothing acquired
 --   {'ok', fence}        acquired; fence = max(previous + 1, server time in us)
 --   {'held', task_id, task_name, digest, host, pid, state, pttl_ms, ms_since_renewal, token, ttl_ms}
 --                        ttl_ms: the holder's own lease TTL (hash field ttl; 0 if missing)
+--   {'held', ..., ttl_ms, slot, busy}  a slot lease (slot >= 1) is held: the one that frees last, and
+--                        how many slots are held; nothing written
 -- Errors (nothing written): 'LOCKGUARD_CORRUPT_FENCE <fence key> <value>' when a fence must be
 --   issued and KEYS[2] is not an integer below 2^53-1 (Lua numbers are doubles: no exact next fence)
 """
     + _NOW
     + _NEXT_FENCE
+    + _HELD_SLOTS
     + """
 if KEYS[4] then
   local rec = redis.call('GET', KEYS[4])
@@ -102,6 +140,8 @@ if cur[1] then
             redis.call('PTTL', KEYS[1]), age, cur[1], tonumber(cur[10]) or 0}
   end
 end
+local slot, busy = held_slot(KEYS[1], KEYS[2])
+if slot then return held_slot_reply(KEYS[1], slot, busy, now_ms) end
 local bad = corrupt_fence(KEYS[2])
 if bad then return redis.error_reply(bad) end
 local fence = next_fence(KEYS[2], ARGV[10], now_us)
@@ -143,6 +183,9 @@ ACQUIRE_SLOTS = (
 --                            written but the window's trim; wait_ms until its oldest start leaves the window
 -- The window holds at most ARGV[13] members (one per admitted start, added only below the bound), trimmed
 -- to the window on every call, PX = the window: memory per entity is bounded by the rate.
+-- Exclusive holders: KEYS[1] held by anything but a slot lease (no 'slot' field: the single lease of a task
+-- without lock_limit, an until_done claim, a workflow, a waiter's reservation) refuses every slot, as a
+-- write lock refuses readers: 'held' names it (slot 0), unless identical work or this task id holds a slot.
 -- Slots past N (a deploy lowered N while the old N's bodies hold them) are read for the duplicate rule only:
 -- their names are built here from KEYS[1] and KEYS[N+1] (same {K} tag); 'held' may then name slot >= N.
 -- Errors (nothing written): 'LOCKGUARD_CORRUPT_FENCE <fence key> <value>' as ACQUIRE, for the slot taken
@@ -158,10 +201,14 @@ if done_key then
   if rec then return {'done', rec} end
 end
 local cur, free, replace, conflict, soonest, soonest_pttl, busy = {}, nil, nil, nil, nil, nil, 0
+local exclusive = false
 for i = 1, n do
   local h = redis.call('HMGET', KEYS[i], 'token', 'task_id', 'task_name', 'digest', 'host', 'pid',
-                       'state', 'renewed_at', 'fence', 'ttl')
+                       'state', 'renewed_at', 'fence', 'ttl', 'slot')
   cur[i] = h
+  if i == 1 and h[1] and not h[11] and h[1] ~= ARGV[1] and (ARGV[11] == '' or h[1] ~= ARGV[11]) then
+    exclusive = true
+  end
   if h[1] then
     if h[1] == ARGV[1] then
       redis.call('PEXPIRE', KEYS[i], ARGV[2])
@@ -203,6 +250,7 @@ end
 local slot = replace
 if not slot then
   if conflict then return held(conflict) end
+  if exclusive then return held(1) end
   if not free then return held(soonest) end
   slot = free
 end
@@ -245,6 +293,10 @@ RELEASE = (
 -- KEYS[4] completion record (absent when nothing is recorded or it lives in another slot)
 -- ARGV[1] token  ARGV[2] completion record (JSON)  ARGV[3] completion_ttl_ms
 -- ARGV[4] reservation ttl_ms for a woken waiter ('' or 0: nobody is woken)
+-- ARGV[5] the slot KEYS[1] is, for a lock_limit task's slot lease (absent or '': the single lease). Waiters
+--         park only for the single lease, which excludes every slot: a slot's release wakes one only when
+--         the entity is then wholly free ({K}:lock and every slot {K}:lock:<i>, found by the fence markers
+--         {K}:fence:<i>), and the reservation is {K}:lock. Names are built from KEYS[1] (same {K} tag).
 -- Returns {released, recorded} or {released, recorded, park_token, entry}
 --   released: 1 deleted; 0 the key was gone (expired); -1 another token holds it (left alone)
 --   recorded: 1 record written; 0 none asked, or an earlier record was kept (first wins)
@@ -254,6 +306,7 @@ RELEASE = (
 --   the entry's message, then CONFIRM_WAKE makes it 'woken'.
 """
     + _NOW
+    + _HELD_SLOTS
     + """
 local released = 0
 local token = redis.call('HGET', KEYS[1], 'token')
@@ -269,15 +322,22 @@ if KEYS[4] then
 end
 local reserve_ms = tonumber(ARGV[4] or '') or 0
 if released ~= 1 or not KEYS[3] or reserve_ms <= 0 then return {released, recorded} end
+local lease_key = KEYS[1]
+local slot = tonumber(ARGV[5] or '')
+if slot then
+  if slot > 0 then lease_key = string.sub(KEYS[1], 1, #KEYS[1] - #tostring(slot) - 1) end
+  if redis.call('EXISTS', lease_key) == 1 then return {released, recorded} end
+  if held_slot(lease_key, string.sub(lease_key, 1, #lease_key - 4) .. 'fence') then return {released, recorded} end
+end
 while true do
   local p = redis.call('LPOP', KEYS[2])
   if not p then break end
   local e = redis.call('HMGET', KEYS[3], 's:' .. p, 'd:' .. p, 'm:' .. p, 't:' .. p, 'n:' .. p, 'g:' .. p)
   if e[1] == 'parked' and (tonumber(e[2]) or 0) >= now_ms and e[3] then
-    redis.call('HSET', KEYS[1], 'token', p, 'task_id', e[4] or '', 'task_name', e[5] or '', 'digest', e[6] or '',
+    redis.call('HSET', lease_key, 'token', p, 'task_id', e[4] or '', 'task_name', e[5] or '', 'digest', e[6] or '',
                'host', '', 'pid', 0, 'worker', '', 'state', 'handed', 'acquired_at', now_ms,
                'renewed_at', now_ms, 'ttl', reserve_ms, 'fence', '')
-    redis.call('PEXPIRE', KEYS[1], reserve_ms)
+    redis.call('PEXPIRE', lease_key, reserve_ms)
     redis.call('HSET', KEYS[3], 's:' .. p, 'waking', 'w:' .. p, now_ms)
     return {released, recorded, p, e[3]}
   end
@@ -497,12 +557,20 @@ PARK = (
 -- ARGV[9] when this delivery first parked (ms; '' = now): a copy parking again (its holder outlived a
 --         whole safety countdown) goes back ahead of every waiter that parked after it, not to the tail
 -- Returns {'parked', lease pttl_ms} | {'free'} (no lease: acquire now) | {'full', waiters}
--- Stale entries at the head of the queue are dropped first.
+-- Stale entries at the head of the queue are dropped first. A slot lease of a lock_limit task held on K
+-- ({K}:lock:<i>, found by the fence markers {K}:fence:<i> named from KEYS[3]) is a holder too: the
+-- single lease waits for every slot, and the last slot's RELEASE wakes the waiter.
 """
     + _NOW
     + _PURGE_STALE_HEAD
+    + _HELD_SLOTS
     + """
-if redis.call('EXISTS', KEYS[3]) == 0 then return {'free'} end
+local lease_pttl = redis.call('PTTL', KEYS[3])
+if lease_pttl == -2 then
+  local slot = held_slot(KEYS[3], string.sub(KEYS[3], 1, #KEYS[3] - 4) .. 'fence')
+  if not slot then return {'free'} end
+  lease_pttl = redis.call('PTTL', KEYS[3] .. ':' .. slot)
+end
 purge_stale_head()
 local n = redis.call('LLEN', KEYS[1])
 if n >= tonumber(ARGV[8]) then return {'full', n} end
@@ -521,7 +589,7 @@ redis.call('HSET', KEYS[2], 'm:' .. p, ARGV[2], 's:' .. p, 'parked', 'd:' .. p, 
 for i = 1, 2 do
   if redis.call('PTTL', KEYS[i]) < tonumber(ARGV[7]) then redis.call('PEXPIRE', KEYS[i], ARGV[7]) end
 end
-return {'parked', redis.call('PTTL', KEYS[3])}
+return {'parked', lease_pttl}
 """
 )
 
@@ -607,7 +675,8 @@ WORKFLOW_ENTER = (
 --                                        under the lease already (nothing written)
 --   {'passed', state, task_id, next}     the workflow holds the lease but is at another member
 --   {'held', task_id, task_name, digest, host, pid, state, pttl_ms, ms_since_renewal, token, ttl_ms}
---                                        another holder (as ACQUIRE answers)
+--                                        another holder (as ACQUIRE answers; a first member also meets
+--                                        the slot leases of a lock_limit task on K, as ACQUIRE does)
 --   {'lost'}                             no lease, and this member is not the first
 --   {'ended'}                            the lease is not this workflow's, and the workflow ended
 --                                        (KEYS[3]): a stale copy of a member, nothing written
@@ -615,6 +684,7 @@ WORKFLOW_ENTER = (
 """
     + _NOW
     + _NEXT_FENCE
+    + _HELD_SLOTS
     + """
 local cur = redis.call('HMGET', KEYS[1], 'token', 'task_id', 'task_name', 'digest', 'host', 'pid',
                        'state', 'renewed_at', 'fence', 'ttl', 'workflow', 'next', 'acquired_at', 'par')
@@ -657,6 +727,8 @@ if cur[1] then
           redis.call('PTTL', KEYS[1]), now_ms - (tonumber(cur[8]) or now_ms), cur[1], tonumber(cur[10]) or 0}
 end
 if ARGV[12] ~= '1' then return {'lost'} end
+local slot, busy = held_slot(KEYS[1], KEYS[2])  -- the workflow lease is exclusive, as the single lease
+if slot then return held_slot_reply(KEYS[1], slot, busy, now_ms) end
 local bad = corrupt_fence(KEYS[2])
 if bad then return redis.error_reply(bad) end
 local fence = next_fence(KEYS[2], ARGV[11], now_us)

@@ -871,8 +871,9 @@ class LockGuard(Task):
         # exactly (it declines on Cluster when the record lives in another slot).
         deferring = later and ch is not None and ch.defers_release
         report = _ReleaseReport(self.app, s, self.name, lease, scope, detached=deferring)
-        # A slot lease wakes nobody: slot and rate waiters back off instead of parking (docs/limits.md).
-        reserve_ms = int(handoff.RESERVATION_TTL * 1000) if lease.slot is None else 0
+        # Slot and rate waiters back off instead of parking (docs/limits.md); only a waiter of the single lease
+        # parks, and a slot's release wakes it once no slot is left held (RELEASE checks, given the slot).
+        reserve_ms = int(handoff.RESERVATION_TTL * 1000)
         try:
             if deferring and lease_ops.release_later(
                 client, lease, s.key_prefix, report, scope, record, ttl_ms, reserve_ms

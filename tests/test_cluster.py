@@ -528,3 +528,25 @@ def test_a_slot_past_a_lowered_lock_limit_is_read_on_cluster(rc: Any, cprefix: s
         L.release(rc, lease, cprefix)
     again = take(2, "t1")
     assert isinstance(again, L.Holder) and again.slot == 2 and again.token == held.token
+
+
+def test_the_single_lease_and_the_slots_exclude_each_other_on_cluster(rc: Any, cprefix: str) -> None:
+    """ACQUIRE, PARK and RELEASE build slot names from K's keys: they keep {K}, so one node runs each script."""
+
+    def take(limit: int, task_id: str) -> Any:
+        return L.acquire(
+            rc, cprefix, "tenant:x", ttl_ms=5000, task_id=task_id, task_name="n", digest=task_id, worker="w",
+            fence_ttl_ms=60_000, limit=limit,
+        )  # fmt: skip
+
+    s0, s1 = take(2, "e0"), take(2, "e1")
+    L.release(rc, s0, cprefix)
+    met = take(1, "d")
+    assert isinstance(met, L.Holder) and (met.task_id, met.slot) == ("e1", 1)
+    from celery_lockguard import _handoff as handoff
+
+    parked = handoff.park(rc, cprefix, "tenant:x", "p1", "{}", task_id="d", task_name="n", digest="d", countdown=5)
+    assert parked.kind == "parked"
+    released, _, woken = L.release_and_wake(rc, s1, cprefix, reserve_ms=3000)
+    assert released == 1 and woken is not None and woken.park_token == "p1"
+    assert isinstance(take(2, "e2"), L.Holder), "the waiter's reservation excludes the slots"

@@ -70,6 +70,14 @@ TABLE = [
     ("held", OTHER_DUP_DEAD, {}, Action.WAIT),
     ("held", OTHER_DIFFERENT, {}, Action.WAIT),
     ("held", OTHER_DIFFERENT, {"on_locked": "raise"}, Action.RAISE),
+    # Accepted means it runs: in a queue-time mode raise answered at publish; delivered, the copy waits.
+    ("held", OTHER_DUP_ALIVE, {"on_locked": "raise", "mode": "until_started"}, Action.WAIT),
+    ("held", OTHER_DUP_ALIVE, {"on_locked": "raise", "mode": "until_done"}, Action.WAIT),
+    ("held", OTHER_DIFFERENT, {"on_locked": "raise", "mode": "until_started"}, Action.WAIT),
+    ("held", OTHER_DIFFERENT, {"on_locked": "raise", "mode": "until_done"}, Action.WAIT),
+    ("held", OTHER_DUP_DEAD, {"on_locked": "raise", "mode": "until_done"}, Action.WAIT),
+    ("held", PARENT, {"on_locked": "raise", "mode": "until_started"}, Action.WAIT),
+    ("held", OTHER_DIFFERENT, {"on_locked": "raise", "mode": "until_done", "waits": 3, "max_waits": 3}, Action.GIVE_UP),
     ("held", OTHER_DIFFERENT, {"waits": 3, "max_waits": 3}, Action.GIVE_UP),
     ("held", OWN_ALIVE, {}, Action.DROP_AND_WATCH),
     ("held", OWN_ALIVE, {"on_locked": "raise"}, Action.DROP_AND_WATCH),
@@ -162,6 +170,11 @@ def test_the_whole_space_keeps_the_promises() -> None:
         if action is Action.RAISE:
             assert case.on_locked == "raise"
             assert (h is not None and not h.own_id) or case.outcome == "throttled"
+        # Accepted means it runs: a queue-time mode answered raise at publish, so a delivery meeting a holder
+        # never fails for it; it waits (within the budget), exactly as under retry.
+        if case.mode != "while_running" and case.outcome == "held" and case.on_locked == "raise":
+            assert action is not Action.RAISE
+            assert action is decide_delivery(replace(case, on_locked="retry")).action
         # A full start window is never skipped, never run, never parked on: it waits, raises or gives up.
         if case.outcome == "throttled":
             assert action in (Action.WAIT, Action.RAISE, Action.GIVE_UP)

@@ -142,3 +142,43 @@ def test_raise_fails_visibly_with_lock_throttled_when_the_window_is_full(
         second.get(timeout=60)
     assert type(err.value).__name__ == "LockThrottled" and second.state == "FAILURE"
     assert "1/1m" in str(err.value)
+
+
+def test_a_single_lease_and_the_slots_of_one_entity_exclude_each_other(fleet: Any, redis_url: str, prefix: str) -> None:
+    """docs/limits.md's export(partner) with lock_limit=2 beside delete_partner(partner) with the single lease.
+
+    The delete must never overlap an export and exports never overlap a delete (shared/exclusive, as
+    Redisson's RReadWriteLock), by the lock server's clock read in the bodies. A delete published while
+    both exports run parks behind them, and the release of the last slot wakes it (``lock.woken``).
+    """
+    from .conftest import make_cfg
+
+    cfg = make_cfg(prefix, redis_url)
+    fleet.worker(cfg, concurrency=4)
+    app = fleet.app(cfg)
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    partner = f"p{uuid.uuid4().hex[:6]}"
+    export, delete = app.tasks["export_partner"], app.tasks["delete_partner"]
+
+    def started(tag: str) -> bool:
+        return any(x["ev"] == "start" and x["tag"] == tag for x in rows(r, prefix, partner))
+
+    d1 = delete.delay(partner, 1.5, "d1")  # the delete holds the entity: exports wait for it
+    wait_for(lambda: started("d1"), 60, what="the first delete to start")
+    exports = [export.delay(partner, 2.5, f"e{i}") for i in range(2)]
+    wait_for(lambda: started("e0") and started("e1"), 60, what="both exports to start")
+    d2 = delete.delay(partner, 0.5, "d2")  # the exports hold both slots: the delete waits for both
+    e2 = export.delay(partner, 0.3, "e2")  # both slots taken: a third export waits, never beside d2
+    for res in (d1, *exports, d2, e2):
+        assert res.get(timeout=90)["tag"]
+    recs = rows(r, prefix, partner)
+    starts = {x["task_id"]: x for x in recs if x["ev"] == "start"}
+    spans = {starts[x["task_id"]]["tag"]: (starts[x["task_id"]]["at"], x["at"]) for x in recs if x["ev"] == "end"}
+    assert set(spans) == {"d1", "d2", "e0", "e1", "e2"}, spans
+    for d in ("d1", "d2"):
+        for e in ("e0", "e1", "e2"):
+            (ds, de), (es, ee) = spans[d], spans[e]
+            assert de <= es or ee <= ds, f"{d} {spans[d]} overlaps {e} {spans[e]}"
+    assert most_at_once([spans[e] for e in ("e0", "e1", "e2")]) <= 2
+    # d2 parked behind the slots, and the release of the last one woke it (not its safety copy, a TTL later).
+    assert [x["woken"] for x in recs if x["ev"] == "start" and x["tag"] == "d2"] == [True], recs

@@ -32,10 +32,11 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from celery_lockguard import AlreadyQueued, LockedTask
+from celery_lockguard import AlreadyQueued, LockContended, LockedTask
 from celery_lockguard import _completion as completion
 from celery_lockguard import _connection as connection
 from celery_lockguard import _handoff as handoff
+from celery_lockguard import _headers as lg_headers
 from celery_lockguard import _lease as L
 from celery_lockguard import _signals as signals
 from celery_lockguard._config import reset
@@ -171,6 +172,7 @@ def machine(mode: str, policy: str, redis_url: str, store: str = "redis") -> typ
                 assert any(m.task_id == msg.task_id for m in self.queued()), (
                     f"{msg.task_id} is in RETRY but no message of it exists"
                 )
+            self.accepted_never_fails_for_contention(msg, out)
             self._settle(msg.task_id, out.state)
             if self.down and out.state != "RETRY":  # it ended during the outage: its claim could not be freed
                 self.excused.add(msg.task_id)
@@ -184,6 +186,7 @@ def machine(mode: str, policy: str, redis_url: str, store: str = "redis") -> typ
             self.trace.append(f"redeliver {msg.task_id[:8]} {msg.custom()} -> {out.state} {self.locks()}")
             if out.state == "RETRY":
                 assert any(m.task_id == msg.task_id for m in self.queued())
+            self.accepted_never_fails_for_contention(msg, out)
             self._settle(msg.task_id, out.state)
 
         @precondition(lambda self: self.r.llen(self.queue_key) > 0)
@@ -280,6 +283,20 @@ def machine(mode: str, policy: str, redis_url: str, store: str = "redis") -> typ
         @invariant()
         def no_body_runs_twice(self) -> None:
             assert all(n <= 1 or tid in self.retried() for tid, n in self.runs.items()), self.runs
+
+        def accepted_never_fails_for_contention(self, msg: Message, out: Any) -> None:
+            """Accepted means it runs: in a queue-time mode ``raise`` answers at publish (``AlreadyQueued``).
+
+            A delivered message then meets a holder by waiting; only a spent wait budget
+            (``lock_max_waits``) may end it with ``LockContended``.
+            """
+            if mode == "while_running" or out.state != "FAILURE" or not isinstance(out.retval, ExceptionInfo):
+                return
+            if isinstance(out.retval.exception, LockContended):
+                waits = int(msg.custom().get(lg_headers.WAITS) or 0)
+                assert waits >= self.task.lockguard_options.max_waits, (
+                    f"accepted {msg.task_id} failed LockContended after {waits} waits\n{self.history()}"
+                )
 
         def retried(self) -> set[str]:
             return {tid for tid, n in self.runs.items() if n == 2}  # a retry() runs the body again, by design
@@ -417,13 +434,14 @@ def run(
 
 #: (lock_limit, lock_rate): N slots alone, N slots with a start window, and the single lease with a window.
 LIMITS = ((2, None), (2, "3/1s"), (1, "3/1s"))
-LIMIT_STEPS = {"throttled": 0, "slot_waits": 0, "admitted": 0}
+LIMIT_STEPS = {"throttled": 0, "slot_waits": 0, "admitted": 0, "exclusive": 0}
 
 
 def limited_machine(policy: str, limit: int, rate: str | None, redis_url: str) -> type[RuleBasedStateMachine]:
     """Deliveries through the real tracer and planted holders (other workers) race for N slots and a window.
 
-    Checked after every step: never more than N slot leases held (none past slot N-1), never more than
+    A single-lease holder of another task (a delete) joins the entity too. Checked after every step:
+    the single lease never beside a slot, never more than N slot leases held (none past slot N-1), never more than
     the rate's starts in any sliding window (by the server times the starts were admitted), no body twice;
     and, once drained, every job ran, was skipped onto identical running work, or failed visibly.
     """
@@ -514,6 +532,31 @@ def limited_machine(policy: str, limit: int, rate: str | None, redis_url: str) -
             elif isinstance(got, L.Throttled):
                 LIMIT_STEPS["throttled"] += 1
 
+        @rule()
+        def foreign_exclusive(self) -> None:
+            """Another task on the entity with the single lease (a delete beside the exports): exclusive.
+
+            It takes ``{K}:lock`` only while no slot is held, and no slot is taken while it holds it.
+            """
+            tid = f"exclusive-{uuid.uuid4().hex[:8]}"
+            got = L.acquire(
+                self.r,
+                self.prefix,
+                "tenant:1",
+                ttl_ms=60_000,
+                task_id=tid,
+                task_name="delete",
+                digest=tid,
+                worker="elsewhere",
+                fence_ttl_ms=60_000,
+            )
+            if isinstance(got, L.Lease):
+                self.r.hset(got.redis_key, "host", "elsewhere")
+                self.foreign.append(got)
+                LIMIT_STEPS["exclusive"] += 1
+            else:
+                assert isinstance(got, L.Holder), got
+
         @precondition(lambda self: bool(self.foreign))
         @rule(data=st.data())
         def foreign_release(self, data: Any) -> None:
@@ -539,6 +582,10 @@ def limited_machine(policy: str, limit: int, rate: str | None, redis_url: str) -
             ]
             slots = [p[1] for p in held if p is not None]
             assert len(slots) <= limit and all(s < limit for s in slots), slots
+            # The single lease (a holder of {K}:lock with no slot field) is never held beside a slot.
+            lock = self.r.hgetall(lock_name(self.prefix, "tenant:1"))
+            if lock and "slot" not in lock:
+                assert slots == [0], f"the single lease {lock.get('task_id')} beside slots {slots}"
 
         @invariant()
         def starts_within_rate(self) -> None:

@@ -18,7 +18,7 @@ import redis
 from celery import Celery, uuid
 from structlog.testing import capture_logs
 
-from celery_lockguard import LockedTask
+from celery_lockguard import AlreadyQueued, LockedTask
 from celery_lockguard import _connection as connection
 from celery_lockguard import _headers as headers
 from celery_lockguard import _lease as L
@@ -70,7 +70,11 @@ def hold(
 # -- 1. queue-time claims never outlive the work -------------------------------------------------
 
 
-def test_until_started_claim_is_freed_when_the_delivery_raises(app: Celery, r: redis.Redis, prefix: str) -> None:
+def test_until_started_raise_delivery_waits_behind_a_holder_with_its_claim(
+    app: Celery, r: redis.Redis, prefix: str
+) -> None:
+    """Accepted means it runs: ``raise`` answered at publish; delivered behind a holder, the copy waits."""
+
     @app.task(
         base=LockedTask, bind=True, name="p.us_raise", lock_key="k:{a}", lock_mode="until_started", on_locked="raise"
     )
@@ -81,10 +85,13 @@ def test_until_started_claim_is_freed_when_the_delivery_raises(app: Celery, r: r
     sent = t.apply_async(args=(1,))
     assert r.exists(claim_name(prefix, "k:1"))
     (msg,) = published(r, app)
-    assert deliver(t, (1,), task_id=sent.id, headers=msg.custom()).state == "FAILURE"
-    assert not r.exists(claim_name(prefix, "k:1")), "the claim of a delivery that raised must be freed"
-    again = t.apply_async(args=(1,))
-    assert again.id != sent.id, "identical work published afterwards is not swallowed"
+    r.delete(f"{prefix}:kombu:{app.conf.task_default_queue}")
+    assert deliver(t, (1,), task_id=sent.id, headers=msg.custom()).state == "RETRY"
+    (wait,) = published(r, app)
+    assert wait.task_id == sent.id, "the accepted publish waits under its own id"
+    assert r.hget(claim_name(prefix, "k:1"), "task_id") is not None, "its claim travels with the wait"
+    with pytest.raises(AlreadyQueued):  # identical work is still queued: refused at publish
+        t.apply_async(args=(1,))
 
 
 def test_until_started_claim_is_freed_when_the_wait_budget_is_spent(app: Celery, r: redis.Redis, prefix: str) -> None:

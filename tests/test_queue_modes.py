@@ -59,6 +59,45 @@ def test_until_started_keeps_one_queued_copy_behind_the_running_one(env: Any) ->
     assert len(sp) == 2 and no_overlap(sp)
 
 
+def test_until_started_raise_runs_a_copy_accepted_while_the_first_runs(env: Any) -> None:
+    """Accepted means it runs: ``raise`` refuses at publish, never at execution (celery-once's ``unlock_before_run``).
+
+    B is published while A runs (A's claim was freed when it started), so B is accepted; a second worker
+    process picks B up while A still holds the lease. B must wait and run after A, not fail ``LockContended``.
+    """
+    app, r, cfg, _ = env
+    k = key()
+    t = app.tasks["until_started_raise"]
+    a = t.delay(k, 2.0, "a")
+    wait_for(lambda: rows(r, cfg["prefix"], k), 30, what="A to start")
+    b = t.delay(k, 2.0, "a")  # identical work while A runs: accepted (no AlreadyQueued)
+    assert b.id != a.id
+    with pytest.raises(AlreadyQueued) as err:  # B holds the queue claim until it starts: refused at publish
+        t.delay(k, 2.0, "a")
+    assert err.value.task_id == b.id
+    assert a.get(timeout=30)["tag"] == "a"
+    assert b.get(timeout=60)["tag"] == "a"
+    sp = spans(rows(r, cfg["prefix"], k))
+    assert len(sp) == 2 and no_overlap(sp)
+
+
+def test_until_done_raise_runs_different_work_accepted_while_the_first_runs(env: Any) -> None:
+    """Accepted means it runs, in until_done too: different work on the entity is published (never
+    AlreadyQueued), and delivered while the first still runs it waits, then runs, instead of failing."""
+    app, r, cfg, _ = env
+    k = key()
+    t = app.tasks["until_done_raise"]
+    a = t.delay(k, 2.0, "a")
+    wait_for(lambda: rows(r, cfg["prefix"], k), 30, what="A to start")
+    with pytest.raises(AlreadyQueued):
+        t.delay(k, 2.0, "a")  # identical work running: refused at publish
+    b = t.delay(k, 0.2, "b")  # different work on the entity: accepted
+    assert a.get(timeout=30)["tag"] == "a"
+    assert b.get(timeout=60)["tag"] == "b"
+    sp = spans(rows(r, cfg["prefix"], k))
+    assert len(sp) == 2 and no_overlap(sp)
+
+
 def test_until_done_dedupes_queued_and_running_identical_work_only(env: Any) -> None:
     app, r, cfg, _ = env
     k = key()

@@ -674,10 +674,11 @@ def test_noscript_after_script_flush_reloads_the_handoff_scripts(c: Any, name: s
 
 def slots(c: Any, limit: int = 3, rate: tuple[int, int] | None = None, key: str = "e", **kw: Any) -> Any:
     """ACQUIRE_SLOTS as the runtime calls it; each call is different work (its own digest) unless told."""
+    ttl_ms = kw.pop("ttl_ms", 5000)
     args = {"task_id": f"t-{L.new_token()[:8]}", "task_name": "n", "worker": "w@h", "fence_ttl_ms": 60_000}
     args["digest"] = args["task_id"]
     args.update(kw)
-    return L.acquire(c, P, key, ttl_ms=kw.pop("ttl_ms", 5000), limit=limit, rate=rate, **args)
+    return L.acquire(c, P, key, ttl_ms=ttl_ms, limit=limit, rate=rate, **args)
 
 
 def test_slots_fill_lowest_first_then_the_holder_that_frees_first_is_met(c: Any) -> None:
@@ -1107,3 +1108,163 @@ def test_noscript_after_script_flush_reloads_the_debounce_scripts(c: Any, name: 
     else:
         assert dstart(c, "t1", "t1") == ["run", ""]
     assert c.script_exists(getattr(scripts, name).sha) == [True]
+
+
+# -- the single lease and the slots of one entity: exclusive and shared (issue 29 item 12) ------------------
+
+
+def plain(c: Any, key: str = "e", **kw: Any) -> Any:
+    """ACQUIRE (the single lease) on the entity the slot tests use."""
+    return take(c, key=key, **kw)
+
+
+def commands(c: Any) -> dict[str, int]:
+    """Calls per command on this server so far (commands a script runs count too)."""
+    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in c.info("commandstats").items()}
+
+
+def test_a_held_slot_refuses_the_single_lease_and_reports_it_as_a_waitable_holder(c: Any) -> None:
+    s0 = slots(c, limit=2, task_id="e0")
+    s1 = slots(c, limit=2, task_id="e1", ttl_ms=8000)
+    assert (s0.slot, s1.slot) == (0, 1)
+    assert isinstance(plain(c, task_id="d"), L.Holder)  # slot 0 is {K}:lock itself: held as before
+    L.release(c, s0, P)
+    fences = c.get(fence_name(P, "e"))
+    met = plain(c, task_id="d", digest="dd")
+    assert isinstance(met, L.Holder), "the single lease ran beside slot 1"
+    assert (met.task_id, met.slot, met.busy, met.token) == ("e1", 1, 1, s1.token) and 4000 < met.pttl_ms <= 8000
+    assert met.ttl_ms == 8000 and met.state == "running"
+    assert not c.exists(lock_name(P, "e")) and c.get(fence_name(P, "e")) == fences, "nothing written"
+    # An adopting replace_token (an until_done claim, a woken reservation) is refused by a held slot too.
+    c.hset(lock_name(P, "e"), mapping={"token": "claim", "task_id": "d", "state": "queued"})
+    c.pexpire(lock_name(P, "e"), 5000)
+    assert isinstance(plain(c, task_id="d", replace_token="claim"), L.Holder)
+    assert c.hget(lock_name(P, "e"), "token") == "claim"
+    c.delete(lock_name(P, "e"))
+    assert L.release(c, s1, P) == (1, 0)
+    got = plain(c, task_id="d")
+    assert isinstance(got, L.Lease), "every slot free: the single lease is taken"
+
+
+def test_the_single_lease_waits_for_the_slot_that_frees_last_and_an_expired_slot_frees_it(c: Any) -> None:
+    slots(c, limit=3, task_id="e0", ttl_ms=60_000)
+    s1 = slots(c, limit=3, task_id="e1", ttl_ms=9000)
+    s2 = slots(c, limit=3, task_id="e2", ttl_ms=300)
+    c.delete(lock_name(P, "e"))  # slot 0 expired
+    met = plain(c)
+    assert isinstance(met, L.Holder) and met.slot == 1 and met.busy == 2 and met.task_id == "e1"
+    c.delete(s1.redis_key)  # expired too
+    wait_for(lambda: not c.exists(s2.redis_key), 5, what="slot 2 to expire")
+    assert isinstance(plain(c), L.Lease), "expired slots hold nothing"
+
+
+def test_the_single_lease_acquire_is_one_round_trip_and_one_exists_on_a_plain_entity(c: Any) -> None:
+    plain(c, key="warm")  # loads the script
+    before = commands(c)
+    lease = plain(c, key="plain")
+    after = commands(c)
+    assert isinstance(lease, L.Lease)
+    assert after["evalsha"] - before.get("evalsha", 0) == 1
+    assert after.get("exists", 0) - before.get("exists", 0) == 1, "the slot check costs one EXISTS"
+    # With lock_limit slots on the entity: still one round trip.
+    a, b = slots(c, limit=2, key="lim"), slots(c, limit=2, key="lim")
+    L.release(c, a, P)
+    before = commands(c)
+    assert isinstance(plain(c, key="lim"), L.Holder)
+    assert commands(c)["evalsha"] - before["evalsha"] == 1
+    L.release(c, b, P)
+
+
+def test_the_single_lease_refuses_every_slot_even_with_slots_free(c: Any) -> None:
+    d = plain(c, task_id="d", digest="dd")
+    met = slots(c, limit=3, task_id="e", digest="ee")
+    assert isinstance(met, L.Holder), "a slot was taken beside the single lease"
+    assert (met.task_id, met.slot) == ("d", 0) and met.token == d.token
+    assert not c.exists(f"{P}:v1:{{e}}:lock:1") and not c.exists(f"{P}:v1:{{e}}:fence:1"), "nothing written"
+    # a waiter's reservation, an until_done claim or a workflow lease in {K}:lock are exclusive holders too
+    L.release(c, d, P)
+    c.hset(lock_name(P, "e"), mapping={"token": "p1", "task_id": "w", "state": "handed"})
+    c.pexpire(lock_name(P, "e"), 3000)
+    assert isinstance(slots(c, limit=3), L.Holder)
+    c.delete(lock_name(P, "e"))
+    # identical work in a slot is still met first (the duplicate rule), and a slot-0 holder is shared
+    e0 = slots(c, limit=3, task_id="e0", digest="same")
+    assert isinstance(e0, L.Lease) and c.hget(lock_name(P, "e"), "slot") == "0"
+    assert isinstance(slots(c, limit=3, task_id="e1"), L.Lease)
+    dup = slots(c, limit=3, task_id="e2", digest="same")
+    assert isinstance(dup, L.Holder) and dup.task_id == "e0"
+
+
+def test_park_behind_slots_only_parks_with_the_slots_ttl(c: Any) -> None:
+    slots(c, limit=2, task_id="e0")
+    s1 = slots(c, limit=2, task_id="e1", ttl_ms=7000)
+    c.delete(lock_name(P, "e"))  # slot 0 gone: only slot 1 is held
+    parked = park(c, "p1", key="e")
+    assert parked.kind == "parked" and 5000 < parked.pttl_ms <= 7000
+    assert c.lrange(wait_name(P, "e"), 0, -1) == ["p1"]
+    L.release(c, s1, P)  # no reservation asked: the waiter stays
+    assert park(c, "p2", key="e").kind == "free", "no lease and no slot: acquire now"
+
+
+def test_the_last_slot_release_wakes_the_single_lease_waiter_into_k_lock(c: Any) -> None:
+    s0, s1 = slots(c, limit=2, task_id="e0"), slots(c, limit=2, task_id="e1")
+    assert isinstance(plain(c, task_id="d"), L.Holder)
+    assert park(c, "p1", key="e", task_id="d").kind == "parked"
+    # Slot 1 goes first: slot 0 is still held, nobody is woken.
+    assert L.release_and_wake(c, s1, P, reserve_ms=3000) == (1, 0, None)
+    assert c.lrange(wait_name(P, "e"), 0, -1) == ["p1"]
+    # A wrong token or an expired slot wakes nobody.
+    impostor = L.Lease("e", P, "not-the-token", 1, 5000, 0.0, "t9", "n", slot=0)
+    assert L.release_and_wake(c, impostor, P, reserve_ms=3000) == (-1, 0, None)
+    # The last slot (slot 0, {K}:lock) goes: the entity is wholly free and handed to the waiter.
+    released, _, woken = L.release_and_wake(c, s0, P, reserve_ms=3000)
+    assert released == 1 and woken is not None and woken.park_token == "p1"
+    held = c.hgetall(lock_name(P, "e"))
+    assert (held["token"], held["state"], held["task_id"]) == ("p1", "handed", "d") and "slot" not in held
+    assert isinstance(slots(c, limit=2), L.Holder), "the reservation is exclusive: no export barges in"
+    adopted = plain(c, task_id="d", replace_token="p1")
+    assert isinstance(adopted, L.Lease)
+
+
+def test_a_slot_above_zero_released_last_hands_k_lock_to_the_waiter(c: Any) -> None:
+    s0, s1 = slots(c, limit=2, task_id="e0"), slots(c, limit=2, task_id="e1")
+    park(c, "p1", key="e", task_id="d")
+    L.release(c, s0, P)
+    released, _, woken = L.release_and_wake(c, s1, P, reserve_ms=3000)
+    assert released == 1 and woken is not None and woken.park_token == "p1"
+    assert c.hget(lock_name(P, "e"), "token") == "p1" and not c.exists(s1.redis_key)
+    # An expired (missing) slot lease wakes nobody.
+    L.release(c, L.Lease("e", P, "p1", 0, 3000, 0.0, "d", "n"), P)
+    park(c, "p2", key="e")  # no holder: free
+    assert L.release_and_wake(c, s1, P, reserve_ms=3000) == (0, 0, None)
+
+
+@pytest.mark.parametrize("name", ["acquire", "acquire_slots", "release", "park"])
+def test_noscript_reload_of_the_scripts_that_read_slots_and_the_single_lease(c: Any, name: str) -> None:
+    s1 = slots(c, limit=2, task_id="e0"), slots(c, limit=2, task_id="e1")
+    c.delete(lock_name(P, "e"))
+    c.script_flush()
+    if name == "acquire":
+        assert isinstance(plain(c), L.Holder)
+    elif name == "acquire_slots":
+        assert isinstance(slots(c, limit=2), L.Lease)
+    elif name == "release":
+        assert L.release_and_wake(c, s1[1], P, reserve_ms=3000) == (1, 0, None)
+    else:
+        assert park(c, "p1", key="e").kind == "parked"
+    assert c.script_exists(getattr(scripts, name).sha) == [True]
+
+
+def test_a_workflow_first_member_is_refused_by_a_held_slot_and_slots_by_the_workflow(c: Any) -> None:
+    """The workflow lease is exclusive on K like the single lease: never beside a lock_limit slot."""
+    from .test_workflow import KEY, enter, spec
+
+    s0 = slots(c, limit=2, key=KEY, task_id="e0")
+    s1 = slots(c, limit=2, key=KEY, task_id="e1")
+    L.release(c, s0, P)  # only slot 1 is held
+    met = enter(c, spec(), "m1")
+    assert met.kind == "held" and met.holder is not None and (met.holder.task_id, met.holder.slot) == ("e1", 1)
+    assert not c.exists(lock_name(P, KEY)), "nothing written"
+    L.release(c, s1, P)
+    assert enter(c, spec(), "m1").kind == "started"
+    assert isinstance(slots(c, limit=2, key=KEY), L.Holder), "no slot beside the running workflow"

@@ -247,6 +247,20 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         base=LockedTask,
         bind=True,
         shared=False,
+        name="until_started_raise",
+        lock_key="res:{key}",
+        lock_mode="until_started",
+        on_locked="raise",
+        lock_ttl=5,
+    )
+    def until_started_raise(self: Any, key: str, seconds: float = 0.5, tag: str = "") -> dict[str, Any]:
+        """celery-once's ``unlock_before_run=True`` with its default ``graceful=False`` (docs/migrating.md)."""
+        return body(self, key, seconds, tag)
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
         name="until_done",
         lock_key="res:{key}",
         lock_mode="until_done",
@@ -340,6 +354,41 @@ def create_app(cfg: dict[str, Any]) -> Celery:
     )
     def export_limited(self: Any, tenant: str, seconds: float = 0.5, tag: str = "") -> dict[str, Any]:
         return admitted(self, tenant, seconds, tag)
+
+    def server_timed(self: Any, key: str, seconds: float, tag: str) -> dict[str, Any]:
+        """A body that records the lock server's TIME (ms) when it starts and ends: one clock for every worker."""
+
+        def now_ms() -> int:
+            sec, usec = lock_redis.time()
+            return int(sec) * 1000 + int(usec) // 1000
+
+        lease = self.lock
+        slot = lease.slot if lease else None
+        woken = bool(headers.read(self.request, headers.WOKEN))  # a releaser's wake, not a safety copy
+        record(ev="start", key=key, tag=tag, task_id=self.request.id, slot=slot, at=now_ms(), woken=woken)
+        time.sleep(seconds)
+        record(ev="end", key=key, tag=tag, task_id=self.request.id, slot=slot, at=now_ms())
+        return {"tag": tag, "slot": slot}
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="export_partner",
+        lock_key="partner:{partner}",
+        lock_limit=2,
+        lock_ttl=3,
+        on_locked="retry",
+        max_retries=0,
+    )
+    def export_partner(self: Any, partner: str, seconds: float = 0.5, tag: str = "") -> dict[str, Any]:
+        """docs/limits.md's two exports per partner: shared holders of ``partner:{partner}``."""
+        return server_timed(self, partner, seconds, tag)
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="delete_partner", lock_key="partner:{partner}", lock_ttl=3)
+    def delete_partner(self: Any, partner: str, seconds: float = 0.5, tag: str = "") -> dict[str, Any]:
+        """The single lease on the same entity: exclusive against every export slot (issue 29 item 12)."""
+        return server_timed(self, partner, seconds, tag)
 
     @app.task(
         base=LockedTask,
