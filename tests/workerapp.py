@@ -383,6 +383,10 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         """Debounced work on ``res:{key}`` (the search re-index of docs/debounce.md): the last publish wins."""
         return body(self, key, seconds, tag)
 
+    from .wakeapp import register as register_wake_tasks
+
+    register_wake_tasks(app, cfg, record)
+
     if cfg.get("beat_every"):
         app.conf.beat_schedule = {
             "reindex": {"task": "reindex_catalog", "schedule": float(cfg["beat_every"]), "args": (2.5,)}
