@@ -156,3 +156,70 @@ def test_a_holder_terminated_from_the_main_process_wakes_the_waiter_once_its_gra
     # The main process cut the lease to the shorten grace (2 s); once it is out, the end wakes the waiter.
     assert started(r, prefix, waiter.id, BOUND + 2) - revoked_at < BOUND
     assert waiter.get(timeout=30)["tag"] == "waiter"
+
+
+# -- a workflow's lease --------------------------------------------------------------------------------------
+
+
+def _plain_started(r: redis.Redis, cfg: dict[str, Any], tenant: str, timeout: float) -> float:
+    from .test_workflow_workers import rows
+
+    def start() -> float | None:
+        return next((x["t"] for x in rows(r, cfg, tenant) if x["tag"] == "plain" and x["ev"] == "start"), None)
+
+    return wait_for(start, timeout, what="the plain task waiting on the workflow's entity to start")
+
+
+def test_revoking_the_member_a_workflow_gap_waits_for_wakes_the_parked_waiter(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    from celery import chain
+
+    from celery_lockguard import workflow
+
+    from .test_workflow_workers import lease_of, start_worker
+    from .workflowapp import PIPELINE, create_app
+
+    cfg = make_cfg(prefix, redis_url)
+    start_worker(fleet, cfg)
+    app = create_app(cfg)
+    tenant = f"t-{uuid.uuid4().hex[:6]}"
+    step = app.tasks["wf.step"]
+    sig = chain(step.s(tenant=tenant, tag="s1"), step.s(tenant=tenant, tag="s2").set(countdown=5))
+    res = workflow(sig, lock_key=PIPELINE, tenant=tenant, gap_ttl=300).apply_async()
+    wait_for(lambda: lease_of(r, cfg, tenant).get("state") == "gap", 60, what="s1 to hand the lease on")
+    app.tasks["wf.plain"].delay(tenant=tenant, tag="plain")  # parks behind the gap: safety copy 300 s away
+    parked(r, prefix, f"tenant:{tenant}:pipeline")
+    app.control.revoke(res.id)  # s2 waits for its countdown: WORKFLOW_ABORT frees the gap when it arrives
+    wait_for(lambda: lease_of(r, cfg, tenant).get("state") != "gap", 30, what="the revoked member's gap to end")
+    freed_at = time.time()
+    assert _plain_started(r, cfg, tenant, BOUND) - freed_at < BOUND
+
+
+def test_terminating_a_running_workflow_member_wakes_the_parked_waiter_once_the_grace_is_out(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    from celery import chain
+
+    from celery_lockguard import workflow
+
+    from .test_workflow_workers import rows, start_worker
+    from .workflowapp import PIPELINE, create_app
+
+    cfg = make_cfg(prefix, redis_url)
+    start_worker(fleet, cfg)
+    app = create_app(cfg)
+    tenant = f"t-{uuid.uuid4().hex[:6]}"
+    sig = chain(
+        app.tasks["wf.gate"].s(tenant=tenant, tag="held", gate=str(tmp_path / "never")),
+        app.tasks["wf.step"].s(tenant=tenant, tag="s2"),
+    )
+    workflow(sig, lock_key=PIPELINE, tenant=tenant, lock_ttl=60, gap_ttl=300).apply_async()
+    wait_for(lambda: any(x["tag"] == "held" for x in rows(r, cfg, tenant)), 60, what="the gated member to start")
+    running = next(x for x in rows(r, cfg, tenant) if x["tag"] == "held")
+    app.tasks["wf.plain"].delay(tenant=tenant, tag="plain")  # parks behind the workflow: 60 s away
+    parked(r, prefix, f"tenant:{tenant}:pipeline")
+    app.control.revoke(running["task_id"], terminate=True, signal="SIGKILL")
+    revoked_at = time.time()
+    # Cut to the shorten grace (2 s) by the main process; once it is out, the lease's end wakes the waiter.
+    assert _plain_started(r, cfg, tenant, BOUND + 2) - revoked_at < BOUND
