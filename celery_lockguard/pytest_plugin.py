@@ -249,6 +249,7 @@ class LockguardHelper:
             yield got
         finally:
             # The one path every lease end takes (_handoff.release): release by token, wake the oldest waiter.
+            got.released = True
             _handoff.release(task.app, s, client, got.key, got.token, "lockguard.testing.holder", got.task_id)
 
     # processes
