@@ -43,6 +43,7 @@ from . import _connection as connection
 from . import _doctor as doctor
 from . import _exporter as exporter_server
 from . import _fence_targets as fence_targets
+from . import _handoff as handoff
 from . import _inventory
 from . import _lease as lease_ops
 from . import _metrics as metrics
@@ -340,8 +341,10 @@ def release(
             code = {"unreachable": EX_UNAVAILABLE, "no_table": EX_CONFIG}.get(exc.reason, EX_USAGE)
             raise CeleryCommandException(f"{printable(exc, None)}; nothing was released", code) from None
         try:
-            deleted, fence, evicted = lease_ops.force_release(
-                client, s.key_prefix, entity, fence_ttl_ms=int(s.fence_ttl * 1000), slot=slot
+            # A lease end like any other: FORCE_RELEASE hands the entity to its oldest parked waiter, whose
+            # woken copy is published below through the app (by name if its task is not imported here).
+            deleted, fence, evicted, woken = lease_ops.force_release(
+                client, s.key_prefix, entity, int(s.fence_ttl * 1000), slot=slot, reserve_ms=handoff.reserve_ms()
             )
         except BaseException as exc:
             fence_targets.close(opened)
@@ -365,6 +368,7 @@ def release(
                 fence=fence,
                 reason="operator",
             )
+            woke = handoff.wake(_app(ctx), s, woken, task_name, evicted or holder.get("task_id") or "", client)
         if deleted:
             # Its holder's own release will find the lease gone and count an expiry: stats subtracts this.
             metrics.count(task_name, metrics.OPERATOR_RELEASE)
@@ -378,6 +382,8 @@ def release(
         click.echo(f"released {named} (was {was}); fence is now {fence}")
     else:
         click.echo(f"{named} was already free when released; fence bumped to {fence}")
+    if woke and woken is not None:
+        click.echo(f"woke the oldest waiter ({printable(handoff.task_id_of(woken) or '-')}): it starts now")
     if written:
         targets = ", ".join(f"{table} in {d}" for d in written)
         click.echo(f"fence {fence} written to {targets}: the evicted holder's advance_fence there raises StaleFence")

@@ -23,6 +23,27 @@ then drops itself. Never both, never neither.
 The releaser's part is :func:`wake`, called once on RELEASE's reply. A failed
 wake publish never fails the releasing task: the waiter's safety copy takes
 over after the grace.
+
+**Every lease end wakes** (DESIGN, turn 3). The Lua side is one function,
+``wake_oldest`` (``_scripts._WAKE_OLDEST``), shared by RELEASE, FORCE_RELEASE
+and WAKE; the Python side is :func:`wake`, on each of their replies:
+
+* a task's release: ``LockGuard._release`` (RELEASE, reply read now or later);
+* a release by token outside a task body -- a workflow's end, the testing
+  helper ``lockguard.hold()``, a discarded woken copy: :func:`release`;
+* an operator's forced release (``celery lockguard release``): FORCE_RELEASE, then :func:`wake`;
+* a lease that ends with nobody to release it -- cut short from the worker's
+  main process (hard time limit, terminate), freed by WORKFLOW_ABORT: WAKE
+  (:func:`wake_if_free`, after the grace when the lease was only shortened:
+  :func:`wake_later`);
+* ``lock_limit`` slots: the same, on the slot's own lease hash; a limited task's
+  waiter parks behind its N slots (PARK with every slot) and its woken copy
+  adopts the slot reserved for it (ACQUIRE_SLOTS' ``replace_token``).
+
+Only a lease that expires under a holder that is gone for good (SIGKILL, a
+lost host) ends with no code running: its waiters start with their safety
+copy, at the TTL (the RELEASE of a holder that outlived its own TTL still
+wakes, since the entity is free).
 """
 
 from __future__ import annotations
@@ -30,6 +51,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,8 +60,9 @@ from . import _republish as republish
 from . import _scripts as scripts
 from ._config import Settings
 from ._events import emit
-from ._keys import lock_name, meta, wait_name, waiters_name
+from ._keys import meta, slot_lock_name, wait_name, waiters_name
 from ._lease import Woken, release_token
+from ._lease import wake_if_free as wake_script
 
 #: Most entries one entity's waiter queue holds; past it a waiting delivery backs off as before.
 MAX_WAITERS = 1000
@@ -109,16 +132,18 @@ def park(
     digest: str,
     countdown: float,
     first_parked_ms: int | None = None,
+    limit: int = 1,
 ) -> Parked:
     """Append this delivery to ``key``'s waiter queue (PARK); one round trip.
 
     ``first_parked_ms``: when this delivery first parked (a copy parking again behind a holder
     that outlived its safety countdown): it goes back ahead of everyone who parked after it.
+    ``limit``: a ``lock_limit`` entity's N slots: it parks only while every one is taken.
     """
     lifetime_ms = int((countdown + ENTRY_SLACK) * 1000)
     reply = scripts.park(
         client,
-        [wait_name(prefix, key), waiters_name(prefix, key), lock_name(prefix, key)],
+        [wait_name(prefix, key), waiters_name(prefix, key), *(slot_lock_name(prefix, key, i) for i in range(limit))],
         [
             park_token,
             message,
@@ -147,7 +172,7 @@ def confirm(client: Any, prefix: str, key: str, park_token: str) -> bool:
     return bool(scripts.confirm_wake(client, [waiters_name(prefix, key)], [park_token]))
 
 
-def wake(app: Any, s: Settings, woken: Woken | None, releaser: str, releaser_id: str) -> bool:
+def wake(app: Any, s: Settings, woken: Woken | None, releaser: str, releaser_id: str, client: Any = None) -> bool:
     """Publish the woken copy of the waiter RELEASE handed the entity to, then confirm; never raises.
 
     Called once, on RELEASE's reply. A failed publish is logged
@@ -169,7 +194,7 @@ def wake(app: Any, s: Settings, woken: Woken | None, releaser: str, releaser_id:
         return False
     emit("lock.woken", releaser, **fields)
     try:
-        confirm(connection.client(s), s.key_prefix, woken.key, woken.park_token)
+        confirm(client or connection.client(s), s.key_prefix, woken.key, woken.park_token)
     except Exception as exc:  # noqa: BLE001 - the woken copy marks its entry running on arrival anyway
         emit("lock.backend_unavailable", releaser, **fields, reason=f"confirm wake: {exc.__class__.__name__}")
     return True
@@ -185,7 +210,67 @@ def publish(app: Any, spec: dict[str, Any]) -> None:
     republish.send(app.signature(spec))
 
 
-def withdraw(app: Any, s: Settings, key: str, park_token: str, task_name: str, task_id: str) -> bool:
+def reserve_ms() -> int:
+    """The TTL (ms) every lease end gives the reservation it makes for the waiter it wakes."""
+    return int(RESERVATION_TTL * 1000)
+
+
+def release(
+    app: Any,
+    s: Settings,
+    client: Any,
+    key: str,
+    token: str,
+    releaser: str,
+    releaser_id: str,
+    lease_key: str | None = None,
+) -> int:
+    """End a lease by its token outside a task's own release and wake its oldest waiter; RELEASE's ``released``.
+
+    The one path for a workflow's end, the testing helper ``hold()`` and a discarded woken copy's
+    reservation. Raises what RELEASE raises (the caller decides how loud); :func:`wake` never raises.
+    """
+    released, _, woken = release_token(client, s.key_prefix, key, token, reserve_ms=reserve_ms(), lease_key=lease_key)
+    wake(app, s, woken, releaser, releaser_id, client)
+    return released
+
+
+def wake_if_free(app: Any, s: Settings, key: str, releaser: str, releaser_id: str, limit: int = 1) -> bool:
+    """WAKE: a lease of ``key`` ended with nobody to release it; if the entity is free, wake its oldest waiter.
+
+    ``limit``: the entity's ``lock_limit`` (its N slot leases). Never raises; True if a woken copy went out.
+    """
+    try:
+        woken = wake_script(connection.client(s), s.key_prefix, key, reserve_ms(), limit)
+    except Exception as exc:  # noqa: BLE001 - the waiters' safety copies take over at the TTL
+        emit("lock.backend_unavailable", releaser, lock_key=key, task_id=releaser_id, reason=f"wake: {exc}")
+        return False
+    return wake(app, s, woken, releaser, releaser_id)
+
+
+def wake_later(app: Any, s: Settings, key: str, delay: float, releaser: str, releaser_id: str, limit: int = 1) -> None:
+    """:func:`wake_if_free` after ``delay`` seconds, on a daemon timer: for a lease cut to a grace, not deleted.
+
+    The worker's main process shortens a hard-limited or terminated holder's lease rather than delete
+    it (the child may not be dead yet); once the grace has run out the entity is free, and this wakes
+    its oldest waiter then instead of leaving it to its safety copy (the holder's whole TTL).
+    """
+    timer = threading.Timer(delay, wake_if_free, (app, s, key, releaser, releaser_id, limit))
+    timer.daemon = True
+    timer.start()
+
+
+def task_id_of(woken: Woken | None) -> str | None:
+    """The task id of a woken waiter's message (for an operator's output), or ``None``."""
+    if woken is None:
+        return None
+    try:
+        return str(json.loads(woken.message).get("options", {}).get("task_id") or "") or None
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+def withdraw(app: Any, s: Settings, key: str, park_token: str, task_name: str, task_id: str, limit: int = 1) -> bool:
     """A safety copy the worker discards (revoked, expired) before it ran: its entry leaves the waiter queue.
 
     From the worker's main process; best effort. CHECK_PARKED as the copy would have run it on
@@ -202,26 +287,30 @@ def withdraw(app: Any, s: Settings, key: str, park_token: str, task_name: str, t
         emit("lock.backend_unavailable", task_name, lock_key=key, task_id=task_id, reason=f"withdraw: {exc}")
         return False
     if state == "waking":
-        return abandon(app, s, key, park_token, task_name, task_id)
+        return abandon(app, s, key, park_token, task_name, task_id, limit)
     if state == "parked":
         emit("lock.handoff_dropped", task_name, lock_key=key, task_id=task_id, reason="discarded_while_parked")
     return state == "parked"
 
 
-def abandon(app: Any, s: Settings, key: str, park_token: str, task_name: str, task_id: str) -> bool:
+def abandon(app: Any, s: Settings, key: str, park_token: str, task_name: str, task_id: str, limit: int = 1) -> bool:
     """A woken copy the worker discards (revoked, expired): free its reservation and wake the next waiter.
 
     From the worker's main process; best effort. Without it the other waiters
     would wait for their safety copies, not just for the reservation's short TTL.
+    ``limit``: the entity's ``lock_limit``: the reservation may be on any of its slot leases.
     """
+    released = 0
     try:
-        released, _, woken = release_token(
-            connection.client(s), s.key_prefix, key, park_token, reserve_ms=int(RESERVATION_TTL * 1000)
-        )
+        client = connection.client(s)
+        for slot in range(limit):
+            lease_key = slot_lock_name(s.key_prefix, key, slot) if limit > 1 else None
+            released = release(app, s, client, key, park_token, task_name, task_id, lease_key=lease_key)
+            if released == 1:
+                break
     except Exception as exc:  # noqa: BLE001 - the reservation then lapses by its TTL
         emit("lock.backend_unavailable", task_name, lock_key=key, task_id=task_id, reason=f"abandon: {exc}")
         return False
     if released == 1:
         emit("lock.released", task_name, lock_key=key, task_id=task_id, reason="reservation freed")
-    wake(app, s, woken, task_name, task_id)
     return released == 1

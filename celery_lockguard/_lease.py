@@ -522,21 +522,35 @@ def unadmit(client: Any, prefix: str, lease: Lease) -> int:
     return int(client.zrem(rate_name(prefix, lease.key), lease.token))
 
 
-def force_release(client: Any, prefix: str, key: str, fence_ttl_ms: int, slot: int = 0) -> tuple[bool, int, str]:
-    """Evict any holder of ``key`` (slot ``slot`` of a ``lock_limit`` entity) and bump its fence.
+def force_release(
+    client: Any, prefix: str, key: str, fence_ttl_ms: int, slot: int = 0, reserve_ms: int = 0
+) -> tuple[bool, int, str, Woken | None]:
+    """Evict any holder of ``key`` (slot ``slot`` of a ``lock_limit`` entity), bump its fence, wake its oldest waiter.
 
-    Returns (deleted, new fence, evicted task id). Raises
-    :class:`~celery_lockguard.exceptions.CorruptFence` (nothing deleted) when the fence counter is corrupt.
+    Returns (deleted, new fence, evicted task id, woken): ``woken`` is the waiter the freed lease
+    was handed to (``reserve_ms`` > 0), whose message the caller publishes (``_handoff.wake``).
+    Raises :class:`~celery_lockguard.exceptions.CorruptFence` (nothing deleted) when the fence
+    counter is corrupt.
     """
     keys = [slot_lock_name(prefix, key, slot), slot_fence_name(prefix, key, slot)]
+    keys += [wait_name(prefix, key), waiters_name(prefix, key)]
     try:
-        deleted, fence, holder = scripts.force_release(client, keys, [fence_ttl_ms])
+        reply = scripts.force_release(client, keys, [fence_ttl_ms, reserve_ms])
     except ResponseError as exc:
         corrupt = scripts.corrupt_fence(exc, keys[1])
         if corrupt is not None:
             raise corrupt from exc
         raise
-    return bool(deleted), int(fence), holder
+    woken = Woken(key, reply[3], reply[4]) if len(reply) > 4 else None
+    return bool(reply[0]), int(reply[1]), reply[2], woken
+
+
+def wake_if_free(client: Any, prefix: str, key: str, reserve_ms: int, limit: int = 1) -> Woken | None:
+    """WAKE: if ``key`` (any of its ``limit`` slots) is free, hand it to its oldest waiter; the waiter, or ``None``."""
+    keys = [wait_name(prefix, key), waiters_name(prefix, key)]
+    keys += [slot_lock_name(prefix, key, i) for i in range(limit)]
+    reply = scripts.wake(client, keys, [reserve_ms])
+    return Woken(key, reply[1], reply[2]) if reply[0] == "woken" else None
 
 
 @dataclass(frozen=True)

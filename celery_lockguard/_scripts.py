@@ -282,6 +282,52 @@ return {'ok', fence, slot - 1}
 """
 )
 
+#: Lua: the one wake-up every lease end shares (RELEASE, FORCE_RELEASE, WAKE; _handoff's module docstring).
+#: wake_oldest(queue, entries, freed, reserve_ms) hands the lease hash ``freed`` (K's lease or one of its
+#: lock_limit slots, which the caller has just seen free, or freed) to the oldest live waiter, as a
+#: reservation (token = park token, state 'handed', PX reserve_ms); marks its entry 'waking' (waking_at =
+#: now) and returns {park token, message}; nil when no waiter can be woken now. A *shared* waiter (k:P =
+#: 's', a lock_limit task's) takes ``freed`` itself, the slot that came free; an *exclusive* one (the single
+#: lease, which excludes every slot) takes K's lease, and only once the entity is wholly free (K's lease
+#: and every slot, :data:`_HELD_SLOTS`): until then it stays first and nobody behind it is woken (FIFO,
+#: as a write lock's queue). Stale entries met at the head (state not 'parked', or past their deadline)
+#: are dropped. Needs now_ms (_NOW) and held_slot (_HELD_SLOTS, included before it).
+_WAKE_OLDEST = """
+local function wake_oldest(queue, entries, freed, reserve_ms)
+  local lock_key = string.match(freed, '^(.*}:lock):%d+$') or freed
+  while true do
+    local p = redis.call('LINDEX', queue, 0)
+    if not p then return nil end
+    local e = redis.call('HMGET', entries, 's:' .. p, 'd:' .. p, 'm:' .. p, 't:' .. p, 'n:' .. p, 'g:' .. p,
+                         'k:' .. p)
+    if e[1] == 'parked' and (tonumber(e[2]) or 0) >= now_ms and e[3] then
+      local target, slot = freed, false
+      if e[7] == 's' then
+        slot = true
+      else
+        target = lock_key
+        if redis.call('EXISTS', lock_key) == 1 then return nil end
+        if held_slot(lock_key, string.sub(lock_key, 1, #lock_key - 4) .. 'fence') then return nil end
+      end
+      redis.call('LPOP', queue)
+      redis.call('HSET', target, 'token', p, 'task_id', e[4] or '', 'task_name', e[5] or '', 'digest', e[6] or '',
+                 'host', '', 'pid', 0, 'worker', '', 'state', 'handed', 'acquired_at', now_ms,
+                 'renewed_at', now_ms, 'ttl', reserve_ms, 'fence', '')
+      -- a shared waiter's reservation is a slot: it refuses the single lease, not the other slots
+      if slot then redis.call('HSET', target, 'slot', string.match(target, ':(%d+)$') or 0) end
+      redis.call('PEXPIRE', target, reserve_ms)
+      redis.call('HSET', entries, 's:' .. p, 'waking', 'w:' .. p, now_ms)
+      return {p, e[3]}
+    end
+    redis.call('LPOP', queue)
+    if e[1] == 'parked' or not e[1] then
+      redis.call('HDEL', entries, 's:' .. p, 'd:' .. p, 'm:' .. p, 't:' .. p, 'n:' .. p, 'g:' .. p, 'w:' .. p,
+                 'o:' .. p, 'k:' .. p)
+    end
+  end
+end
+"""
+
 RELEASE = (
     """
 -- RELEASE: delete the lease only if it still carries our token, and record completion
@@ -293,12 +339,14 @@ RELEASE = (
 -- KEYS[4] completion record (absent when nothing is recorded or it lives in another slot)
 -- ARGV[1] token  ARGV[2] completion record (JSON)  ARGV[3] completion_ttl_ms
 -- ARGV[4] reservation ttl_ms for a woken waiter ('' or 0: nobody is woken)
--- ARGV[5] the slot KEYS[1] is, for a lock_limit task's slot lease (absent or '': the single lease). Waiters
---         park only for the single lease, which excludes every slot: a slot's release wakes one only when
---         the entity is then wholly free ({K}:lock and every slot {K}:lock:<i>, found by the fence markers
---         {K}:fence:<i>), and the reservation is {K}:lock. Names are built from KEYS[1] (same {K} tag).
+-- ARGV[5] ignored (the slot KEYS[1] is; wake_oldest reads it from KEYS[1]'s name)
+--   Who is woken (wake_oldest): a shared (lock_limit) waiter into KEYS[1] itself, the slot that came
+--   free; an exclusive one (the single lease) into {K}:lock once the entity is wholly free ({K}:lock and
+--   every slot {K}:lock:<i>, found by the fence markers {K}:fence:<i>). Names keep KEYS[1]'s {K} tag.
 -- Returns {released, recorded} or {released, recorded, park_token, entry}
---   released: 1 deleted; 0 the key was gone (expired); -1 another token holds it (left alone)
+--   released: 1 deleted; 0 the key was gone (expired); -1 another token holds it (left alone).
+--   The oldest waiter is woken when the lease is free afterwards (released 1 or 0): a lease that
+--   expired under its holder ends with its release too, so its waiters need not wait for their safety copies.
 --   recorded: 1 record written; 0 none asked, or an earlier record was kept (first wins)
 --   park_token, entry: the waiter woken. Stale entries met on the way (state not 'parked', or past
 --   their deadline) are dropped. The lease hash becomes its reservation (token = park_token,
@@ -307,6 +355,7 @@ RELEASE = (
 """
     + _NOW
     + _HELD_SLOTS
+    + _WAKE_OLDEST
     + """
 local released = 0
 local token = redis.call('HGET', KEYS[1], 'token')
@@ -321,31 +370,9 @@ if KEYS[4] then
   if redis.call('SET', KEYS[4], ARGV[2], 'NX', 'PX', ARGV[3]) then recorded = 1 end
 end
 local reserve_ms = tonumber(ARGV[4] or '') or 0
-if released ~= 1 or not KEYS[3] or reserve_ms <= 0 then return {released, recorded} end
-local lease_key = KEYS[1]
-local slot = tonumber(ARGV[5] or '')
-if slot then
-  if slot > 0 then lease_key = string.sub(KEYS[1], 1, #KEYS[1] - #tostring(slot) - 1) end
-  if redis.call('EXISTS', lease_key) == 1 then return {released, recorded} end
-  if held_slot(lease_key, string.sub(lease_key, 1, #lease_key - 4) .. 'fence') then return {released, recorded} end
-end
-while true do
-  local p = redis.call('LPOP', KEYS[2])
-  if not p then break end
-  local e = redis.call('HMGET', KEYS[3], 's:' .. p, 'd:' .. p, 'm:' .. p, 't:' .. p, 'n:' .. p, 'g:' .. p)
-  if e[1] == 'parked' and (tonumber(e[2]) or 0) >= now_ms and e[3] then
-    redis.call('HSET', lease_key, 'token', p, 'task_id', e[4] or '', 'task_name', e[5] or '', 'digest', e[6] or '',
-               'host', '', 'pid', 0, 'worker', '', 'state', 'handed', 'acquired_at', now_ms,
-               'renewed_at', now_ms, 'ttl', reserve_ms, 'fence', '')
-    redis.call('PEXPIRE', lease_key, reserve_ms)
-    redis.call('HSET', KEYS[3], 's:' .. p, 'waking', 'w:' .. p, now_ms)
-    return {released, recorded, p, e[3]}
-  end
-  if e[1] == 'parked' or not e[1] then
-    redis.call('HDEL', KEYS[3], 's:' .. p, 'd:' .. p, 'm:' .. p, 't:' .. p, 'n:' .. p, 'g:' .. p, 'w:' .. p,
-               'o:' .. p)
-  end
-end
+if released == -1 or not KEYS[3] or reserve_ms <= 0 then return {released, recorded} end
+local woken = wake_oldest(KEYS[2], KEYS[3], KEYS[1], reserve_ms)
+if woken then return {released, recorded, woken[1], woken[2]} end
 return {released, recorded}
 """
 )
@@ -392,21 +419,59 @@ return 1
 FORCE_RELEASE = (
     """
 -- FORCE_RELEASE: an operator evicts whoever holds K and bumps the fence, so the evicted
--- holder's later fenced writes are rejected.
+-- holder's later fenced writes are rejected; then, as RELEASE does, hands the entity to its oldest
+-- live waiter (a forced release is a lease end like any other: it wakes).
 -- KEYS[1] lease hash   KEYS[2] fence counter
--- ARGV[1] fence_ttl_ms
--- Returns {deleted (1|0), new fence, evicted task_id or ''}
+-- KEYS[3] waiter queue {prefix}:v1:{K}:wait   KEYS[4] waiter entries {prefix}:v1:{K}:waiters
+--         (both absent: nobody is woken)
+-- ARGV[1] fence_ttl_ms  ARGV[2] reservation ttl_ms for a woken waiter ('' or 0: nobody is woken)
+-- Returns {deleted (1|0), new fence, evicted task_id or ''} or, when a waiter was woken,
+--   {deleted, new fence, evicted task_id, park_token, entry} (as RELEASE's: publish the entry's message)
 -- Errors (nothing written, the holder is left alone): 'LOCKGUARD_CORRUPT_FENCE <fence key> <value>'
 --   when KEYS[2] is not an integer below 2^53-1
 """
     + _NOW
     + _NEXT_FENCE
+    + _HELD_SLOTS
+    + _WAKE_OLDEST
     + """
 local bad = corrupt_fence(KEYS[2])
 if bad then return redis.error_reply(bad) end
 local holder = redis.call('HGET', KEYS[1], 'task_id') or ''
 local deleted = redis.call('DEL', KEYS[1])
-return {deleted, next_fence(KEYS[2], ARGV[1], now_us), holder}
+local fence = next_fence(KEYS[2], ARGV[1], now_us)
+local reserve_ms = tonumber(ARGV[2] or '') or 0
+if KEYS[4] and reserve_ms > 0 then
+  local woken = wake_oldest(KEYS[3], KEYS[4], KEYS[1], reserve_ms)
+  if woken then return {deleted, fence, holder, woken[1], woken[2]} end
+end
+return {deleted, fence, holder}
+"""
+)
+
+WAKE = (
+    """
+-- WAKE: a lease ended with no RELEASE to wake its waiters (cut short from the worker's main process,
+-- expired under a killed holder, a workflow's lease freed by WORKFLOW_ABORT): if the entity is free
+-- now, hand it to its oldest live waiter exactly as RELEASE does.
+-- KEYS[1] waiter queue {prefix}:v1:{K}:wait   KEYS[2] waiter entries {prefix}:v1:{K}:waiters
+-- KEYS[3..] the entity's lease hashes: K's lease, or the N slot leases of a lock_limit entity
+-- ARGV[1] reservation ttl_ms for the woken waiter
+-- Returns {'held'} every lease hash is taken (nothing written) | {'none'} free, and no live waiter
+--   (stale entries dropped) | {'woken', park_token, entry, index}: KEYS[2 + index] became its reservation
+"""
+    + _NOW
+    + _HELD_SLOTS
+    + _WAKE_OLDEST
+    + """
+for i = 3, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 0 then
+    local woken = wake_oldest(KEYS[1], KEYS[2], KEYS[i], tonumber(ARGV[1]))
+    if woken then return {'woken', woken[1], woken[2], i - 2} end
+    return {'none'}
+  end
+end
+return {'held'}
 """
 )
 
@@ -528,7 +593,7 @@ return 1
 _PURGE_STALE_HEAD = """
 local function drop(p)
   redis.call('HDEL', KEYS[2], 's:' .. p, 'd:' .. p, 'm:' .. p, 't:' .. p, 'n:' .. p, 'g:' .. p, 'w:' .. p,
-             'o:' .. p)
+             'o:' .. p, 'k:' .. p)
 end
 local function purge_stale_head()
   while true do
@@ -549,27 +614,44 @@ PARK = (
 -- KEYS[2] waiter entries {prefix}:v1:{K}:waiters  (hash; per park token P: m:P message, s:P state,
 --         d:P deadline ms, t:P task id, n:P task name, g:P args digest, w:P waking_at ms,
 --         o:P when the delivery first parked, ms)
--- KEYS[3] lease hash     {prefix}:v1:{K}:lock
+-- KEYS[3..] lease hashes {prefix}:v1:{K}:lock, or the N slot leases of a lock_limit entity (all must be
+--         taken for the delivery to park: a free one means acquire now)
 -- ARGV[1] park token P  ARGV[2] message (JSON: what the releaser re-publishes)
 -- ARGV[3] task_id  ARGV[4] task_name  ARGV[5] args digest
 -- ARGV[6] entry lifetime ms: past it a still-parked entry is stale (never woken; its copy decides afresh)
 -- ARGV[7] keys ttl ms (both waiter keys; extended, never shortened)  ARGV[8] most waiters per entity
 -- ARGV[9] when this delivery first parked (ms; '' = now): a copy parking again (its holder outlived a
 --         whole safety countdown) goes back ahead of every waiter that parked after it, not to the tail
--- Returns {'parked', lease pttl_ms} | {'free'} (no lease: acquire now) | {'full', waiters}
--- Stale entries at the head of the queue are dropped first. A slot lease of a lock_limit task held on K
--- ({K}:lock:<i>, found by the fence markers {K}:fence:<i> named from KEYS[3]) is a holder too: the
--- single lease waits for every slot, and the last slot's RELEASE wakes the waiter.
+-- Returns {'parked', pttl_ms} (the holder that frees first) | {'free'} (acquire now) | {'full', waiters}
+-- Stale entries at the head of the queue are dropped first. The waiter's kind is kept as k:P: with KEYS[3]
+-- alone it is *exclusive* (the single lease): a slot lease of a lock_limit task held on K ({K}:lock:<i>,
+-- found by the fence markers {K}:fence:<i> named from KEYS[3]) is a holder too, and the release that
+-- leaves the entity wholly free wakes it. With the N slot leases it is *shared* ('s'): any free slot means
+-- acquire now, unless K's lease is held by an exclusive holder (no 'slot' field), which refuses every slot.
 """
     + _NOW
     + _PURGE_STALE_HEAD
     + _HELD_SLOTS
     + """
-local lease_pttl = redis.call('PTTL', KEYS[3])
-if lease_pttl == -2 then
-  local slot = held_slot(KEYS[3], string.sub(KEYS[3], 1, #KEYS[3] - 4) .. 'fence')
-  if not slot then return {'free'} end
-  lease_pttl = redis.call('PTTL', KEYS[3] .. ':' .. slot)
+local pttl = nil
+if #KEYS == 3 then
+  pttl = redis.call('PTTL', KEYS[3])
+  if pttl == -2 then
+    local slot = held_slot(KEYS[3], string.sub(KEYS[3], 1, #KEYS[3] - 4) .. 'fence')
+    if not slot then return {'free'} end
+    pttl = redis.call('PTTL', KEYS[3] .. ':' .. slot)
+  end
+else
+  local h = redis.call('HMGET', KEYS[3], 'token', 'slot')
+  if h[1] and not h[2] then
+    pttl = redis.call('PTTL', KEYS[3])
+  else
+    for i = 3, #KEYS do
+      local t = redis.call('PTTL', KEYS[i])
+      if t == -2 then return {'free'} end
+      if not pttl or (t >= 0 and t < pttl) then pttl = t end
+    end
+  end
 end
 purge_stale_head()
 local n = redis.call('LLEN', KEYS[1])
@@ -589,7 +671,8 @@ redis.call('HSET', KEYS[2], 'm:' .. p, ARGV[2], 's:' .. p, 'parked', 'd:' .. p, 
 for i = 1, 2 do
   if redis.call('PTTL', KEYS[i]) < tonumber(ARGV[7]) then redis.call('PEXPIRE', KEYS[i], ARGV[7]) end
 end
-return {'parked', lease_pttl}
+if #KEYS > 3 then redis.call('HSET', KEYS[2], 'k:' .. p, 's') end
+return {'parked', pttl}
 """
 )
 
@@ -611,7 +694,8 @@ CHECK_PARKED = (
     + """
 local p = ARGV[1]
 local function drop()
-  redis.call('HDEL', KEYS[2], 's:' .. p, 'd:' .. p, 'm:' .. p, 't:' .. p, 'n:' .. p, 'g:' .. p, 'w:' .. p, 'o:' .. p)
+  redis.call('HDEL', KEYS[2], 's:' .. p, 'd:' .. p, 'm:' .. p, 't:' .. p, 'n:' .. p, 'g:' .. p, 'w:' .. p, 'o:' .. p,
+             'k:' .. p)
 end
 local e = redis.call('HMGET', KEYS[2], 's:' .. p, 'w:' .. p)
 local state = e[1] or 'missing'
@@ -1097,6 +1181,7 @@ release = Script("RELEASE", RELEASE)
 renew = Script("RENEW", RENEW)
 shorten = Script("SHORTEN", SHORTEN)
 force_release = Script("FORCE_RELEASE", FORCE_RELEASE)
+wake = Script("WAKE", WAKE)
 claim = Script("CLAIM", CLAIM)
 release_claim = Script("RELEASE_CLAIM", RELEASE_CLAIM)
 handover = Script("HANDOVER", HANDOVER)

@@ -209,8 +209,8 @@ def free_reservation_from_main(task: Any, request: Any, args: Any, kwargs: Any) 
     except Exception:  # noqa: BLE001 - a key that cannot render never parked
         return False
     if not woken:
-        return handoff.withdraw(task.app, s, key, park_token, task.name, request.id)
-    return handoff.abandon(task.app, s, key, park_token, task.name, request.id)
+        return handoff.withdraw(task.app, s, key, park_token, task.name, request.id, limit=opts.limit)
+    return handoff.abandon(task.app, s, key, park_token, task.name, request.id, limit=opts.limit)
 
 
 def free_claim_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason: str) -> bool:
@@ -279,4 +279,9 @@ def shorten_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason: s
             reason=reason,
             grace_ms=int(s.shorten_grace * 1000),
         )
+        # Nobody releases a lease cut to the grace: once the grace is out, its end wakes the oldest waiter
+        # (else the waiter starts with its safety copy, the holder's whole TTL after it parked).
+        from . import _handoff as handoff
+
+        handoff.wake_later(task.app, s, key, s.shorten_grace + 0.05, task.name, task_id, limit=opts.limit)
     return shortened

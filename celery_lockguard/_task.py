@@ -409,10 +409,11 @@ class LockGuard(Task):
         reserved = park_token  # a reservation RELEASE may have made for us: freed on every exit that does not run
         if park_token:
             replace_token = park_token
-        # Slot and rate waiters back off with a countdown instead (docs/limits.md): a release of one of N slots
-        # hands over nothing to wake for, and a start window is freed by time, not by a release.
+        # A lock_limit waiter parks behind its N slots (a slot's release wakes it into that slot); a lock_rate
+        # waiter backs off with a countdown instead (docs/limits.md): its start window is freed by time, not
+        # by a release.
         can_park = opts.mode == "while_running" and not claim_token and not watch_copy and not req.is_eager
-        can_park = can_park and not opts.slotted
+        can_park = can_park and opts.rate is None
         free_retries = 0
         while True:
             token = lease_ops.new_token()
@@ -505,7 +506,7 @@ class LockGuard(Task):
                 self._free_claim(s, opts, call, claim_token)
             if reserved and action in FREES_CLAIM:
                 # answered from the record, skipped, gave up...: the reservation must not hold up the next waiter
-                handoff.abandon(self.app, s, call.key, reserved, self.name, req.id)
+                handoff.abandon(self.app, s, call.key, reserved, self.name, req.id, limit=opts.limit)
             if action is Action.WAIT:
                 attempt = token if outcome == "unavailable" and got is None else None
                 sig = self._wait(s, opts, call, decision, holder, attempt, handed, first_ms, throttled=throttled)
@@ -871,9 +872,9 @@ class LockGuard(Task):
         # exactly (it declines on Cluster when the record lives in another slot).
         deferring = later and ch is not None and ch.defers_release
         report = _ReleaseReport(self.app, s, self.name, lease, scope, detached=deferring)
-        # Slot and rate waiters back off instead of parking (docs/limits.md); only a waiter of the single lease
-        # parks, and a slot's release wakes it once no slot is left held (RELEASE checks, given the slot).
-        reserve_ms = int(handoff.RESERVATION_TTL * 1000)
+        # Every lease end wakes, a slot lease's too: a shared (lock_limit) waiter into that very slot, an
+        # exclusive one once the entity is wholly free (RELEASE checks, given the slot).
+        reserve_ms = handoff.reserve_ms()
         try:
             if deferring and lease_ops.release_later(
                 client, lease, s.key_prefix, report, scope, record, ttl_ms, reserve_ms
@@ -1120,6 +1121,7 @@ class LockGuard(Task):
                     digest=call.digest,
                     countdown=countdown,
                     first_parked_ms=hdrs[headers.PARKED_AT],
+                    limit=opts.limit,
                 ).kind
             except Exception as exc:
                 if errors.classify(exc) is None:

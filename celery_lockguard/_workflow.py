@@ -57,6 +57,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from . import _claims as claims
 from . import _connection as connection
 from . import _errors as errors
+from . import _handoff as handoff
 from . import _headers as headers
 from . import _keys as keys
 from . import _lease as lease_ops
@@ -718,7 +719,7 @@ def _end_unlocked(task: Any, s: Settings, spec: Spec) -> None:
     req = task.request
     fields = {"lock_key": spec.key, "task_id": req.id, "workflow_id": spec.id, "workflow": spec.name}
     try:
-        if abort(connection.client(s), s, spec, req.id):
+        if abort(connection.client(s), s, spec, req.id, task.app):
             emit("workflow.released_on_error", task.name, **fields, reason="fail_open")
     except Exception as exc:  # the lease, no longer renewed, frees within the gap TTL
         if errors.classify(exc) is None:
@@ -865,9 +866,8 @@ def _finish(task: Any, s: Settings, spec: Spec, client: Any, lease: Lease, start
     hold_ms = (time.monotonic() - started_at) * 1000
     try:
         mark_ended(client, s, spec)  # before the release: a stale copy never finds the lease free and W unknown
-        released, _recorded, woken = lease_ops.release_token(
-            client, s.key_prefix, spec.key, lease.token, reserve_ms=_reserve_ms()
-        )
+        # The one path that ends a lease and wakes the entity's oldest waiter (_handoff.release).
+        released = handoff.release(task.app, s, client, spec.key, lease.token, task.name, req.id)
     except Exception as exc:  # noqa: BLE001 - the body's outcome stands; the lease expires by its TTL
         lease.released = True
         emit("lock.backend_unavailable", task.name, **fields, reason=f"release: {_describe(exc)}")
@@ -879,18 +879,19 @@ def _finish(task: Any, s: Settings, spec: Spec, client: Any, lease: Lease, start
     else:
         event = "workflow.released_on_error" if released == 1 else "lock.expired_before_release"
     emit(event, task.name, **fields, fence=lease.fence, hold_ms=round(hold_ms), reason=outcome)
-    from . import _handoff as handoff
-
-    handoff.wake(task.app, s, woken, task.name, req.id)
 
 
-def abort(client: Any, s: Settings, spec: Spec, task_id: Any) -> bool:
+def abort(client: Any, s: Settings, spec: Spec, task_id: Any, app: Any = None) -> bool:
     """WORKFLOW_ABORT for the member ``task_id`` (a gap waiting for its slot freed, its running lease cut to the
     shorten grace), then WORKFLOW_END if it ended the lease: True if it did."""
     args = [spec.id, keys.meta(str(task_id)), int(s.shorten_grace * 1000), spec.slot]
     ended = bool(scripts.workflow_abort(client, [keys.lock_name(s.key_prefix, spec.key)], args))
     if ended:
         mark_ended(client, s, spec)
+        # Freed (a gap) or cut to the grace (a running member): either way its end wakes the oldest waiter.
+        if app is not None:
+            handoff.wake_if_free(app, s, spec.key, spec.name, str(task_id))
+            handoff.wake_later(app, s, spec.key, s.shorten_grace + 0.05, spec.name, str(task_id))
     return ended
 
 
@@ -899,12 +900,6 @@ def mark_ended(client: Any, s: Settings, spec: Spec) -> None:
     scripts.workflow_end(
         client, [keys.workflows_ended_name(s.key_prefix, spec.key)], [spec.id, int(ENDED_WINDOW * 1000)]
     )
-
-
-def _reserve_ms() -> int:
-    from . import _handoff as handoff
-
-    return int(handoff.RESERVATION_TTL * 1000)
 
 
 def hand_on(
@@ -1092,7 +1087,7 @@ def abort_from_main(task: Any, request: Any, terminated: bool, reason: str | Non
     grace_ms = int(s.shorten_grace * 1000)
     fields = {"lock_key": spec.key, "task_id": request.id, "workflow_id": spec.id, "workflow": spec.name}
     try:
-        ended = abort(connection.client(s), s, spec, request.id)
+        ended = abort(connection.client(s), s, spec, request.id, task.app)
     except Exception as exc:
         if errors.classify(exc) is None:
             raise

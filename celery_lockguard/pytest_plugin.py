@@ -222,9 +222,11 @@ class LockguardHelper:
         With ``duplicate=False`` the holder does different work on the same entity (another
         task name), so a contender waits; with ``duplicate=True`` it looks like identical
         work (same task name and arguments digest), so ``on_locked="skip"`` skips. Yields
-        the lease (``.fence``, ``.token``); released on exit if still held.
+        the lease (``.fence``, ``.token``); released on exit if still held, as a task's
+        release is: the oldest waiter parked behind it is woken at once (its woken copy
+        published through ``task.app``), not left to its safety copy.
         """
-        from . import _calls, _connection, _lease
+        from . import _calls, _connection, _handoff, _lease
         from ._config import settings
 
         s = settings(task.app)
@@ -246,7 +248,9 @@ class LockguardHelper:
         try:
             yield got
         finally:
-            _lease.release(client, got, s.key_prefix)
+            # The one path every lease end takes (_handoff.release): release by token, wake the oldest waiter.
+            got.released = True
+            _handoff.release(task.app, s, client, got.key, got.token, "lockguard.testing.holder", got.task_id)
 
     # processes
 

@@ -581,3 +581,34 @@ def test_a_safety_copy_whose_holder_still_runs_keeps_its_place_in_the_queue(
     assert release(app, r, prefix, lease)
     woken = messages(r, app, "W1")[-1]
     assert woken.headers[headers.WOKEN] == 1  # the oldest waiter goes first
+
+
+def test_a_limited_waiter_parks_behind_its_slots_and_is_woken_into_the_slot_freed(
+    app: Celery, r: redis.Redis, prefix: str
+) -> None:
+    """``lock_limit``: a slot's release is a lease end like any other (it wakes), and a discarded woken copy
+    frees the slot reserved for it and wakes the next waiter into that slot."""
+    from celery_lockguard import _signals
+    from celery_lockguard._keys import slot_lock_name
+
+    runs: list[str] = []
+    t = waiter(app, runs, name="h.limited", lock_limit=2)
+    common = {"task_name": "other", "worker": "w", "fence_ttl_ms": 60_000, "limit": 2}
+    slots = [L.acquire(r, prefix, "inv:21", ttl_ms=30_000, task_id=f"x{i}", digest=f"d{i}", **common) for i in range(2)]
+    first, second = deliver(t, (21, 100)), deliver(t, (21, 200))
+    assert first.state == second.state == "RETRY" and runs == []
+    assert r.llen(wait_name(prefix, "inv:21")) == 2, "both parked behind the two slots, not backing off"
+    freed = slots[1]
+    assert isinstance(freed, L.Lease) and freed.slot == 1
+    assert release(app, r, prefix, freed)
+    slot_one = slot_lock_name(prefix, "inv:21", 1)
+    assert r.hget(slot_one, "task_id") == first.task_id and r.hget(slot_one, "state") == "handed"
+    woken = messages(r, app, first.task_id)[-1]
+    assert woken.headers.get(headers.WOKEN) == 1
+    # the worker discards that woken copy (revoked): its slot goes to the next waiter
+    assert _signals.free_reservation_from_main(t, _Discarded(woken), [21, 100], {})
+    assert r.hget(slot_one, "task_id") == second.task_id
+    again = messages(r, app, second.task_id)[-1]
+    assert again.headers.get(headers.WOKEN) == 1
+    assert redeliver(t, again).state == "SUCCESS" and runs == [f"{second.task_id}:200"]
+    assert r.hget(lock_name(prefix, "inv:21"), "task_id") == "x0", "slot 0's holder was never touched"

@@ -67,7 +67,7 @@ def test_a_forced_release_of_one_slot_fences_that_slot_only(own_redis: RedisServ
     db, table = conn
     c = own_redis.client()
     zero, one = take(c, "t-0"), take(c, "t-1")
-    deleted, fence, evicted = L.force_release(c, "lg", "tenant:a", 60_000, slot=1)
+    deleted, fence, evicted, _ = L.force_release(c, "lg", "tenant:a", 60_000, slot=1)
     assert deleted and evicted == "t-1" and fence > one.fence
     bump_fence(db, one.fence_row, fence, table)  # what `lockguard release --slot 1 --fence-dsn` writes
     with pytest.raises(StaleFence):

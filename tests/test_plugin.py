@@ -43,7 +43,7 @@ def test_the_documented_samples_pass_under_the_plugin(pytester: pytest.Pytester)
     samples = doc_samples()
     pytester.makepyfile(**{name.removesuffix(".py"): code for name, code in samples.items()})
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", "-W", "ignore::DeprecationWarning")
-    result.assert_outcomes(passed=5)
+    result.assert_outcomes(passed=6)
 
 
 def test_the_plugin_is_registered_and_lists_its_fixtures(pytester: pytest.Pytester) -> None:

@@ -47,6 +47,7 @@ def test_every_script_declares_keys_argv_and_returns() -> None:
         scripts.RENEW,
         scripts.SHORTEN,
         scripts.FORCE_RELEASE,
+        scripts.WAKE,
         scripts.CLAIM,
         scripts.RELEASE_CLAIM,
         scripts.HANDOVER,
@@ -173,14 +174,14 @@ def test_shorten_only_for_matching_task_and_host_and_never_lengthens(c: Any) -> 
 
 def test_force_release_deletes_and_bumps_fence(c: Any) -> None:
     lease = take(c)
-    deleted, fence, holder = L.force_release(c, P, "k", 60_000)
-    assert deleted and holder == "t1" and fence > lease.fence
+    deleted, fence, holder, woken = L.force_release(c, P, "k", 60_000)
+    assert deleted and holder == "t1" and fence > lease.fence and woken is None
     assert not c.exists(lock_name(P, "k"))
     assert L.force_release(c, P, "k", 60_000)[0] is False
     assert take(c).fence > fence
 
 
-@pytest.mark.parametrize("name", ["acquire", "release", "renew", "shorten", "force_release"])
+@pytest.mark.parametrize("name", ["acquire", "release", "renew", "shorten", "force_release", "wake"])
 def test_noscript_after_script_flush_reloads(c: Any, name: str) -> None:
     lease = take(c)
     c.script_flush()
@@ -193,6 +194,8 @@ def test_noscript_after_script_flush_reloads(c: Any, name: str) -> None:
         assert L.renew(c, [lease]) == [1]
     elif name == "shorten":
         assert L.shorten(c, P, "k", "t1", 1000)
+    elif name == "wake":
+        assert L.wake_if_free(c, P, "k", 3000) is None  # held: nothing written
     else:
         assert L.force_release(c, P, "k", 1000)[0]
     assert c.script_exists(getattr(scripts, name).sha) == [True]
@@ -587,14 +590,16 @@ def test_release_wakes_the_oldest_live_waiter_and_reserves_the_lease_for_it(c: A
     assert isinstance(take(c, task_id="fresh"), L.Holder), "nobody barges in meanwhile"
 
 
-def test_release_with_the_wrong_token_or_an_expired_lease_wakes_nobody(c: Any) -> None:
+def test_release_with_the_wrong_token_wakes_nobody_and_of_an_expired_lease_wakes_the_oldest(c: Any) -> None:
     lease = take(c)
     park(c, "p1")
     impostor = L.Lease("k", P, "not-the-token", 1, 5000, 0.0, "t9", "n")
     assert L.release_and_wake(c, impostor, P, reserve_ms=3000) == (-1, 0, None)
-    c.delete(lock_name(P, "k"))  # expired
-    assert L.release_and_wake(c, lease, P, reserve_ms=3000) == (0, 0, None)
-    assert c.lrange(wait_name(P, "k"), 0, -1) == ["p1"], "the waiter stays parked for its safety copy"
+    assert c.lrange(wait_name(P, "k"), 0, -1) == ["p1"], "the holder is still there: the waiter stays parked"
+    c.delete(lock_name(P, "k"))  # expired under its holder, and nobody took it
+    released, _, woken = L.release_and_wake(c, lease, P, reserve_ms=3000)
+    assert released == 0 and woken is not None and woken.park_token == "p1", "the entity is free: its end wakes"
+    assert c.hget(lock_name(P, "k"), "token") == "p1" and c.hget(lock_name(P, "k"), "state") == "handed"
 
 
 def test_release_with_an_empty_queue_or_without_reserve_wakes_nobody(c: Any) -> None:
@@ -1268,3 +1273,95 @@ def test_a_workflow_first_member_is_refused_by_a_held_slot_and_slots_by_the_work
     L.release(c, s1, P)
     assert enter(c, spec(), "m1").kind == "started"
     assert isinstance(slots(c, limit=2, key=KEY), L.Holder), "no slot beside the running workflow"
+
+
+# -- every lease end wakes: FORCE_RELEASE, WAKE, PARK and RELEASE on slots --------------------------------
+
+
+def test_force_release_wakes_the_oldest_waiter_into_the_freed_lease_and_bumps_the_fence(c: Any) -> None:
+    lease = take(c)
+    park(c, "p1", task_id="w1")
+    park(c, "p2", task_id="w2")
+    deleted, fence, holder, woken = L.force_release(c, P, "k", 60_000, reserve_ms=3000)
+    assert deleted and holder == "t1" and fence > lease.fence
+    assert woken is not None and (woken.key, woken.park_token) == ("k", "p1") and '"id":"p1"' in woken.message
+    held = c.hgetall(lock_name(P, "k"))
+    assert (held["token"], held["state"], held["task_id"]) == ("p1", "handed", "w1")
+    assert 0 < c.pttl(lock_name(P, "k")) <= 3000
+    assert c.hget(waiters_name(P, "k"), "s:p1") == "waking" and c.lrange(wait_name(P, "k"), 0, -1) == ["p2"]
+    # the evicted holder's late release finds another token: it wakes nobody and leaves the reservation
+    assert L.release_and_wake(c, lease, P, reserve_ms=3000) == (-1, 0, None)
+    adopted = take(c, task_id="w1", replace_token="p1")
+    assert isinstance(adopted, L.Lease) and adopted.fence > fence, "the woken waiter's fence is above the bump"
+
+
+def test_force_release_of_a_missing_lease_still_wakes_and_without_reserve_wakes_nobody(c: Any) -> None:
+    lease = take(c)
+    park(c, "p1")
+    assert L.force_release(c, P, "k", 60_000)[3] is None, "reserve_ms 0: nobody woken"
+    assert c.lrange(wait_name(P, "k"), 0, -1) == ["p1"] and not c.exists(lock_name(P, "k"))
+    deleted, _, holder, woken = L.force_release(c, P, "k", 60_000, reserve_ms=3000)  # already free
+    assert not deleted and holder == "" and woken is not None and woken.park_token == "p1"
+    assert lease.fence < int(c.get(fence_name(P, "k")))
+
+
+def test_force_release_of_one_slot_reserves_that_slot_for_the_waiter(c: Any) -> None:
+    from celery_lockguard._keys import slot_lock_name
+
+    a, b = slots(c, limit=2, key="k"), slots(c, limit=2, key="k")
+    parked = handoff.park(c, P, "k", "p1", '{"id":"p1"}', task_id="w", task_name="n", digest="d", countdown=5, limit=2)
+    assert parked.kind == "parked"
+    _, _, _, woken = L.force_release(c, P, "k", 60_000, slot=1, reserve_ms=3000)
+    assert woken is not None and c.hget(slot_lock_name(P, "k", 1), "token") == "p1"
+    took = slots(c, limit=2, key="k", task_id="w", replace_token="p1")
+    assert isinstance(took, L.Lease) and took.slot == 1 and c.hget(a.redis_key, "token") == a.token
+    assert b.slot == 1
+
+
+def test_wake_answers_held_while_every_lease_is_taken_and_wakes_once_one_is_free(c: Any) -> None:
+    take(c, ttl_ms=60_000)
+    park(c, "p1", task_id="w1")
+    assert L.wake_if_free(c, P, "k", 3000) is None
+    assert c.lrange(wait_name(P, "k"), 0, -1) == ["p1"] and c.hget(lock_name(P, "k"), "task_id") == "t1"
+    c.pexpire(lock_name(P, "k"), 1)  # cut to a grace by the main process, which then ran out
+    wait_for(lambda: not c.exists(lock_name(P, "k")), 5, what="the shortened lease to expire")
+    woken = L.wake_if_free(c, P, "k", 3000)
+    assert woken is not None and woken.park_token == "p1"
+    assert c.hget(lock_name(P, "k"), "state") == "handed" and c.hget(waiters_name(P, "k"), "s:p1") == "waking"
+    assert L.wake_if_free(c, P, "k", 3000) is None, "the reservation holds the entity now"
+
+
+def test_wake_on_a_missing_key_with_no_waiter_writes_nothing(c: Any) -> None:
+    assert scripts.wake(c, [wait_name(P, "k"), waiters_name(P, "k"), lock_name(P, "k")], [3000]) == ["none"]
+    assert not c.exists(lock_name(P, "k")) and not c.exists(wait_name(P, "k"))
+
+
+def test_wake_skips_stale_entries_and_reserves_the_first_free_slot(c: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery_lockguard._keys import slot_lock_name
+
+    a, b = slots(c, limit=2, key="k"), slots(c, limit=2, key="k")
+    monkeypatch.setattr(handoff, "ENTRY_SLACK", 0.0)
+    assert handoff.park(c, P, "k", "old", "{}", task_id="o", task_name="n", digest="d", countdown=0.05, limit=2).kind
+    monkeypatch.setattr(handoff, "ENTRY_SLACK", 30.0)
+    handoff.park(c, P, "k", "live", '{"id":"live"}', task_id="l", task_name="n", digest="d", countdown=5, limit=2)
+    wait_for(lambda: _stale(c, "old"), 5, what="stale entry")
+    assert L.wake_if_free(c, P, "k", 3000, limit=2) is None  # both slots taken
+    c.delete(b.redis_key)  # slot 1 expired
+    woken = L.wake_if_free(c, P, "k", 3000, limit=2)
+    assert woken is not None and woken.park_token == "live" and c.hget(slot_lock_name(P, "k", 1), "token") == "live"
+    assert c.hget(a.redis_key, "token") == a.token and not c.hexists(waiters_name(P, "k"), "m:old")
+
+
+def test_park_behind_slots_parks_only_while_every_slot_is_taken(c: Any) -> None:
+    def park_slots(p: str) -> handoff.Parked:
+        return handoff.park(c, P, "k", p, "{}", task_id="w", task_name="n", digest="d", countdown=5, limit=2)
+
+    a = slots(c, limit=2, key="k", ttl_ms=60_000)
+    assert park_slots("p0").kind == "free", "slot 1 is free: acquire now"
+    b = slots(c, limit=2, key="k", ttl_ms=2_000)
+    got = park_slots("p1")
+    assert got.kind == "parked" and 0 < got.pttl_ms <= 2_000, "the pttl is the slot that frees first"
+    assert c.lrange(wait_name(P, "k"), 0, -1) == ["p1"]
+    released, _, woken = L.release_and_wake(c, b, P, reserve_ms=3000)
+    assert released == 1 and woken is not None and woken.park_token == "p1"
+    assert c.hget(b.redis_key, "token") == "p1" and c.hget(a.redis_key, "token") == a.token

@@ -452,6 +452,9 @@ def create_app(cfg: dict[str, Any]) -> Celery:
             time.sleep(0.02)
         record(ev="end", key=key, tag=tag, task_id=self.request.id)
         return {"tag": tag}
+    from .wakeapp import register as register_wake_tasks
+
+    register_wake_tasks(app, cfg, record)
 
     if cfg.get("beat_every"):
         app.conf.beat_schedule = {
