@@ -1365,3 +1365,56 @@ def test_park_behind_slots_parks_only_while_every_slot_is_taken(c: Any) -> None:
     released, _, woken = L.release_and_wake(c, b, P, reserve_ms=3000)
     assert released == 1 and woken is not None and woken.park_token == "p1"
     assert c.hget(b.redis_key, "token") == "p1" and c.hget(a.redis_key, "token") == a.token
+
+
+# -- shared (lock_limit) and exclusive (single lease) waiters in one queue ----------------------------------
+
+
+def park_shared(c: Any, p: str, key: str = "e", limit: int = 2, task_id: str = "w") -> handoff.Parked:
+    """PARK as a lock_limit task's waiter: behind all ``limit`` slots (a shared waiter)."""
+    message = f'{{"task":"n","id":"{p}"}}'
+    return handoff.park(
+        c, P, key, p, message, task_id=task_id, task_name="n", digest="dw", countdown=5.0, limit=limit
+    )
+
+
+def test_an_exclusive_head_waiter_holds_the_queue_until_the_entity_is_wholly_free(c: Any) -> None:
+    s0, s1 = slots(c, limit=2, task_id="e0"), slots(c, limit=2, task_id="e1")
+    assert park(c, "x1", key="e", task_id="d").kind == "parked"  # the single lease: exclusive
+    assert park_shared(c, "s1").kind == "parked"  # a third export: shared, behind both slots
+    assert c.hget(waiters_name(P, "e"), "k:s1") == "s" and c.hget(waiters_name(P, "e"), "k:x1") is None
+    # Slot 1 frees: the head is exclusive and slot 0 still held, so nobody is woken (nor the export behind it).
+    assert L.release_and_wake(c, s1, P, reserve_ms=3000) == (1, 0, None)
+    assert c.lrange(wait_name(P, "e"), 0, -1) == ["x1", "s1"]
+    # Slot 0 frees: wholly free, the exclusive head gets {K}:lock (no 'slot' field: exclusive).
+    released, _, woken = L.release_and_wake(c, s0, P, reserve_ms=3000)
+    assert released == 1 and woken is not None and woken.park_token == "x1"
+    held = c.hgetall(lock_name(P, "e"))
+    assert held["token"] == "x1" and "slot" not in held
+    d = take(c, key="e", task_id="d", replace_token="x1")
+    assert isinstance(d, L.Lease)
+    # The single lease ends: the shared waiter is woken into {K}:lock as slot 0, a shared reservation.
+    released, _, woken = L.release_and_wake(c, d, P, reserve_ms=3000)
+    assert released == 1 and woken is not None and woken.park_token == "s1"
+    assert c.hget(lock_name(P, "e"), "slot") == "0"
+    assert isinstance(slots(c, limit=2, task_id="e9"), L.Lease), "a shared reservation refuses no other slot"
+    assert isinstance(slots(c, limit=2, task_id="w", replace_token="s1"), L.Lease)  # the woken export adopts it
+
+
+def test_a_shared_waiter_parks_behind_an_exclusive_holder_although_slots_are_free(c: Any) -> None:
+    d = take(c, key="e", task_id="d")
+    assert isinstance(d, L.Lease)
+    parked = park_shared(c, "s1", limit=3)
+    assert parked.kind == "parked" and parked.pttl_ms > 0, "slot 1 and 2 are free, but the single lease refuses them"
+    released, _, woken = L.release_and_wake(c, d, P, reserve_ms=3000)
+    assert released == 1 and woken is not None and woken.park_token == "s1"
+    assert park_shared(c, "s2", limit=3).kind == "free", "slot 0 reserved as a slot: slots 1 and 2 free"
+
+
+def test_a_shared_head_waiter_is_woken_into_the_very_slot_that_came_free(c: Any) -> None:
+    s0, s1 = slots(c, limit=2, task_id="e0"), slots(c, limit=2, task_id="e1")
+    assert park_shared(c, "s1").kind == "parked"
+    released, _, woken = L.release_and_wake(c, s1, P, reserve_ms=3000)
+    assert released == 1 and woken is not None and woken.park_token == "s1"
+    assert c.hget(s1.redis_key, "token") == "s1" and c.hget(s1.redis_key, "slot") == "1"
+    assert c.hget(lock_name(P, "e"), "token") == s0.token, "slot 0 untouched"
