@@ -42,6 +42,88 @@ _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})
 PREFIX_FORBIDDEN = "{}*?[]\\"
 
 
+#: Every setting the library reads, without its ``lockguard_`` prefix. A ``lockguard_*`` (or
+#: ``CELERY_LOCKGUARD_*``) name on ``app.conf`` outside this set is a typo and is refused
+#: (:func:`check_setting_names`): a misspelled default TTL would silently keep the 30 s one.
+#: A new setting goes here first; ``tests/test_config.py`` holds every ``setting(app, "...")`` to it.
+KNOWN_SETTINGS = frozenset(
+    {
+        "completion_backend",
+        "completion_table",
+        "completion_ttl",
+        "debounce",
+        "default_ttl",
+        "enabled",
+        "fence_dsn",
+        "fence_table",
+        "fence_ttl",
+        "idempotency_mismatch",
+        "key_prefix",
+        "keys",
+        "lock_limit",
+        "lock_rate",
+        "log_backend",
+        "max_waits",
+        "metrics_flush_interval",
+        "on_locked",
+        "on_unavailable",
+        "redis_cluster",
+        "redis_kwargs",
+        "redis_url",
+        "sentinel_kwargs",
+        "sentinel_master",
+        "sentinels",
+        "shorten_grace",
+        "socket_timeout",
+    }
+)
+#: How a configuration name may start when it means one of ours (compared in lower case).
+_SETTING_PREFIXES = ("celery_lockguard_", "lockguard_")
+
+
+def check_setting_names(app: Any) -> None:
+    """Refuse a ``lockguard_*`` name on ``app.conf`` that the library never reads, naming the nearest one.
+
+    Misspelled options are refused by :func:`check_option_names`; a misspelled
+    setting would otherwise pass ``doctor`` and worker start and keep its
+    default. Both spellings count (``lockguard_x`` and, for
+    ``namespace="CELERY"``, ``CELERY_LOCKGUARD_X``); a known name in another
+    case (``LOCKGUARD_REDIS_URL``, which neither spelling reads) is refused too,
+    but other ``LOCKGUARD_*`` names are left alone (a Django settings module
+    loaded with ``namespace="CELERY"`` brings every setting of the project).
+    """
+    try:
+        names = list(app.conf.keys())
+    except AttributeError:  # a bare mapping without keys(): nothing to check
+        return
+    for key in names:
+        if not isinstance(key, str):
+            continue
+        lowered = key.lower()
+        prefix = next((p for p in _SETTING_PREFIXES if lowered.startswith(p)), None)
+        if prefix is None:
+            continue
+        name = lowered[len(prefix) :]
+        upper = prefix == "celery_lockguard_"
+        spelled = f"CELERY_LOCKGUARD_{name.upper()}" if upper else f"lockguard_{name}"
+        if name in KNOWN_SETTINGS and key == spelled:
+            continue
+        if name not in KNOWN_SETTINGS and not key.startswith(("lockguard_", "CELERY_LOCKGUARD_")):
+            continue  # LOCKGUARD_FOO in a Django settings module may be the project's own name
+        if name in KNOWN_SETTINGS and key.startswith(("lockguard_", "CELERY_LOCKGUARD_")):
+            nearest = spelled
+        elif name in KNOWN_SETTINGS:
+            nearest = f"lockguard_{name} (or CELERY_LOCKGUARD_{name.upper()} with namespace='CELERY')"
+        else:
+            match = max(sorted(KNOWN_SETTINGS), key=lambda known: difflib.SequenceMatcher(None, name, known).ratio())
+            nearest = f"CELERY_LOCKGUARD_{match.upper()}" if upper else f"lockguard_{match}"
+        # The value is not quoted: a misspelled DSN or URL setting carries a password.
+        raise ConfigurationError(
+            f"setting {key} is not a LockGuard setting; did you mean {nearest}? "
+            "(every setting: docs/reference.md, Settings)"
+        )
+
+
 def setting(app: Any, name: str, default: Any = None) -> Any:
     """Read ``lockguard_<name>`` from the app's configuration (both spellings)."""
     conf = app.conf
@@ -143,7 +225,8 @@ def _visibility_timeout(app: Any, transport: Any) -> float:
 
 
 def load_settings(app: Any) -> Settings:
-    """Read and validate the ``lockguard_*`` settings of ``app``."""
+    """Read and validate the ``lockguard_*`` settings of ``app`` (an unknown one is refused first)."""
+    check_setting_names(app)
     key_prefix = check_prefix(str(setting(app, "key_prefix", "lockguard")), "setting lockguard_key_prefix")
     on_locked = setting(app, "on_locked", "skip")
     if on_locked not in ON_LOCKED:
@@ -556,6 +639,7 @@ def validate_tasks(app: Any) -> None:
     from ._events import logger  # kept out of import time: the worker-side modules load on use
     from ._task import LockGuard, missing_task_class  # _task.py imports this module
 
+    check_setting_names(app)  # also in an app without locked tasks: a typo there is a typo too
     locked = [app.tasks[n] for n in sorted(app.tasks) if isinstance(app.tasks[n], LockGuard)]
     if not locked:
         return
