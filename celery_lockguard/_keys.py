@@ -24,6 +24,11 @@ it safe to use as a lock name:
   ``lock_key="{tenant}"`` with ``""`` would name ``...:{}:lock``, an empty hash
   tag, and put the lease, fence and claim of one entity in different Cluster
   slots.
+* One entity per key: a field whose value is ``None`` is refused like an empty
+  one (:class:`EmptyField`). ``str(None)`` is ``"None"``, the key of the string
+  ``"None"``: every call missing its value would share one lease and one
+  completion record. ``None`` inside a dict or list renders as JSON ``null``
+  there, part of a container's text, and stays allowed.
 
 How a value becomes text (:func:`text`, the documented rule): a ``str`` is
 itself; ``dict``, ``list``, ``tuple``, ``set`` and ``frozenset`` render as
@@ -254,7 +259,14 @@ class KeyRenderer:
         """Render the key for one call: ``arguments`` is the bound signature."""
         if callable(self.source):
             value = self.source(*args, **kwargs)
-            if not isinstance(value, str) or not value:
+            if value is None or value == "":
+                # Like a template's empty or None field: it names no entity. Not "no lock": a task that
+                # may run unlocked has no lock_key, and a lock silently dropped per call would be a hole.
+                raise EmptyField(
+                    f"task {self.task_name!r}: option {self.option} callable returned {value!r}, "
+                    "expected a non-empty str: it names no entity; pass a value or guard the call"
+                )
+            if not isinstance(value, str):
                 raise ConfigurationError(
                     f"task {self.task_name!r}: option {self.option} callable returned {value!r}, "
                     "expected a non-empty str"
@@ -264,8 +276,17 @@ class KeyRenderer:
         for literal, field in self._parts:
             out.append(literal)
             if field is not None:
+                raw = arguments[field]
+                if raw is None:
+                    # str(None) is "None", the key of the string "None": every call with a missing value
+                    # would share one lease and one completion record.
+                    raise EmptyField(
+                        f"task {self.task_name!r}: option {self.option}={self.source!r}: field {{{field}}} "
+                        "is None; None names no entity (it would render 'None', the key of the string "
+                        "'None', shared by every such call): pass a value or guard the call"
+                    )
                 try:
-                    value = text(arguments[field])
+                    value = text(raw)
                 except UnstableText as exc:
                     raise UnstableText(
                         f"task {self.task_name!r}: option {self.option}: field {{{field}}}: {exc}"
