@@ -15,9 +15,13 @@ A completion record says "the work of scope S ran and returned R".
 
 Both stores are namespaced by ``lockguard_key_prefix``: two apps sharing a
 database (or a Redis) and an idempotency template never answer each other's
-tasks. In PostgreSQL the stored scope is ``{namespace}:v1:{S}`` (with the
-braces), the shape of the Redis key: no schema change, one primary key, and
-injective, since a namespace has no braces. A column would have needed a
+tasks. Within one app a record answers only the task that wrote it (or the
+tasks sharing its ``idempotency_namespace``): the scope a store is given is
+a record scope (``_keys.record_scope``: ``by:<task>:<S>``, ``ns:<name>:<S>``
+or ``task:<id>``). In PostgreSQL the stored scope is
+``{namespace}:v1:{S}:by:<task>`` (``_keys.record_key``), the shape of the
+Redis key: no schema change, one primary key, and injective, since a
+namespace has no braces and an owner no ``:``. A column would have needed a
 migration of every 0.1.0 table; 0.1.0 rows (bare scopes) are simply not seen
 (docs/upgrading.md).
 """
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias
 
 from ._config import is_sql_identifier
-from ._keys import checkpoint_name, done_name
+from ._keys import checkpoint_name, done_name, record_key
 from .exceptions import CheckpointNotSerializable
 
 #: Largest JSON result kept in a completion record; larger results record ``None``.
@@ -170,8 +174,9 @@ class PostgresStore:
         self._ready = False
 
     def stored_scope(self, scope: str) -> str:
-        """The ``scope`` column of ``scope``'s rows: ``{namespace}:v1:{scope}``, like the Redis key."""
-        return f"{self.namespace}:v1:{{{scope}}}"
+        """The ``scope`` column of record scope ``scope``'s rows: ``{namespace}:v1:{S}`` and the record's
+        owner (``{namespace}:v1:{S}:by:<task>``), like the Redis key (:func:`~celery_lockguard._keys.record_key`)."""
+        return record_key(self.namespace, scope)
 
     def schema_sql(self) -> str:
         """DDL of the table; run by :meth:`create_table` on first use (see docs)."""

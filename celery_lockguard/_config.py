@@ -16,8 +16,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ._keys import KeyRenderer
+from ._keys import NAMESPACE, KeyRenderer
 from ._keys import digest_order as _digest_order
+from ._keys import record_prefix as _record_prefix
 from .exceptions import ConfigurationError
 
 ON_LOCKED = ("skip", "retry", "raise")
@@ -473,6 +474,14 @@ class TaskOptions:
     limit: int = 1
     #: ``lock_rate``: starts admitted per entity per sliding window, fleet-wide; ``None``: no rate.
     rate: Rate | None = None
+    #: ``idempotency_namespace``: the name of the records this task shares with others, or ``None``
+    #: (its records answer this task only).
+    idempotency_namespace: str | None = None
+
+    @functools.cached_property
+    def record_prefix(self) -> str:
+        """What precedes S in the record scope (``_keys.record_prefix``), made once per task."""
+        return _record_prefix(self.task_name, self.idempotency_namespace)
 
     @functools.cached_property
     def positional_names(self) -> tuple[str, ...] | None:
@@ -717,6 +726,7 @@ def resolve_task_options(task: Any) -> TaskOptions:
             "during a run is one more run after it, so its delivery waits for the running body (use 'skip' or 'retry')"
         )
     limit, rate = _limits(task, s, mode)
+    namespace = _namespace_option(task, idem is not None)
     if debounce is not None and (limit > 1 or rate is not None):
         raise ConfigurationError(
             f"task {name!r}: option lock_debounce={debounce!r} runs one burst's run at a time on the single "
@@ -751,7 +761,30 @@ def resolve_task_options(task: Any) -> TaskOptions:
         debounce=debounce,
         limit=limit,
         rate=rate,
+        idempotency_namespace=namespace,
     )
+
+
+def _namespace_option(task: Any, keyed: bool) -> str | None:
+    """``idempotency_namespace``: a short plain name, on a task with an ``idempotency_key``.
+
+    Without an ``idempotency_key`` the scope is the task id, which no other task shares: a
+    namespace there would be a no-op the reader takes for sharing.
+    """
+    value = getattr(task, "idempotency_namespace", None)
+    if value is None:
+        return None
+    if not isinstance(value, str) or NAMESPACE.match(value) is None:
+        raise ConfigurationError(
+            f"task {task.name!r}: option idempotency_namespace={value!r} must be a name of 1-64 letters, digits, "
+            "'_', '.' or '-' (starting with a letter or digit), shared by the tasks whose records answer each other"
+        )
+    if not keyed:
+        raise ConfigurationError(
+            f"task {task.name!r}: option idempotency_namespace={value!r} needs an idempotency_key: without one "
+            "the scope is the task id, which no other task shares"
+        )
+    return value
 
 
 def _debounce_option(task: Any, s: Settings, locked: bool) -> float | None:

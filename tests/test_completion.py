@@ -60,15 +60,16 @@ def test_same_id_is_skipped_with_the_recorded_result(app: Celery) -> None:
     assert [e["completed_by"] for e in logs if e["event"] == "completion.skipped"] == ["same"]
 
 
-def test_two_ids_one_idempotency_key_run_once_even_across_task_types(app: Celery) -> None:
+def test_two_ids_one_idempotency_key_run_once_across_task_types_that_share_a_namespace(app: Celery) -> None:
+    """Tasks that mean to share records say so (``idempotency_namespace``); the sharing was implicit before."""
     runs: list[str] = []
 
-    @task(app, idempotency_key="invoice:{invoice_id}:charge")
+    @task(app, idempotency_key="invoice:{invoice_id}:charge", idempotency_namespace="billing")
     def charge(self: Any, invoice_id: int) -> str:
         runs.append("charge")
         return "charged"
 
-    @task(app, idempotency_key="invoice:{invoice_id}:charge")
+    @task(app, idempotency_key="invoice:{invoice_id}:charge", idempotency_namespace="billing")
     def charge_v2(self: Any, invoice_id: int, note: str = "") -> str:
         runs.append("v2")
         return "charged-v2"
@@ -77,6 +78,28 @@ def test_two_ids_one_idempotency_key_run_once_even_across_task_types(app: Celery
     assert charge.apply(args=(9,), task_id="b").get() == "charged"
     assert charge_v2.apply(args=(9,), task_id="c").get() == "charged"
     assert runs == ["charge"]
+
+
+def test_one_rendered_key_of_two_task_types_is_two_records_without_a_namespace(app: Celery) -> None:
+    """Issue 29 item 7: keys are injective within one template only. ``ref("payment:42")`` wrote the record
+    ``pay(42)`` was then answered from: pay's body never ran and its caller got ref's result."""
+    runs: list[str] = []
+
+    @task(app, idempotency_key="{ref}")
+    def ref(self: Any, ref: str) -> str:
+        self.checkpoint("provider", runs.append, f"ref {ref}")
+        return "ref's result"
+
+    @task(app, idempotency_key="payment:{invoice}")
+    def pay(self: Any, invoice: int) -> str:
+        assert self.completion_scope == "payment:42"  # what a provider sees is unchanged
+        self.checkpoint("provider", runs.append, f"pay {invoice}")  # ref's checkpoint does not answer it
+        return "paid"
+
+    assert ref.apply(args=("payment:42",)).get() == "ref's result"
+    assert pay.apply(args=(42,)).get() == "paid"
+    assert pay.apply(args=(42,)).get() == "paid"  # its own record still answers it
+    assert runs == ["ref payment:42", "pay 42"]
 
 
 def test_a_retried_task_is_not_skipped(app: Celery) -> None:
@@ -335,3 +358,62 @@ def test_concurrent_first_use_of_a_fresh_table_creates_it_once(postgres_url: str
         finally:
             with psycopg.connect(postgres_url, autocommit=True) as conn:
                 conn.execute(f"DROP TABLE IF EXISTS {table}")
+
+
+# -- records answer the task that wrote them (issue 29 item 7), through the real tracer ----------------
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_record_answers_only_its_task_unless_they_share_a_namespace(
+    redis_url: str, prefix: str, backend: tuple[str, str], shared: bool
+) -> None:
+    """Two task types whose templates render one S (``"{ref}"`` with ``"payment:42"``, ``"payment:{invoice}"``
+    with 42), delivered by Celery's real tracer on a real Redis (and PostgreSQL): without a namespace each
+    body runs and each record answers only its own task; with ``idempotency_namespace="payments"`` on both,
+    the second is answered from the first's record, which lives under the namespace."""
+    import redis as redis_lib
+
+    from celery_lockguard._keys import done_name
+
+    from .tracer import deliver, make_app
+
+    app = make_app("records", redis_url, prefix)
+    app.conf.lockguard_completion_backend, app.conf.lockguard_completion_table = backend
+    runs: list[str] = []
+    opts: dict[str, Any] = {"idempotency_namespace": "payments"} if shared else {}
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="refunds.by_ref", idempotency_key="{ref}", **opts)
+    def by_ref(self: Any, ref: str) -> str:
+        runs.append(f"by_ref {ref}")
+        return "refunded"
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="payments.pay", idempotency_key="payment:{invoice}", **opts
+    )
+    def pay(self: Any, invoice: int) -> str:
+        runs.append(f"pay {invoice}")
+        return "paid"
+
+    first = deliver(by_ref, ("payment:42",))
+    second = deliver(pay, (42,))
+    assert (first.state, first.retval) == ("SUCCESS", "refunded")
+    if shared:
+        assert runs == ["by_ref payment:42"]  # declared shared: one effect, answered from the record
+        assert (second.state, second.retval) == ("SUCCESS", "refunded")
+        owners = ["ns:payments:payment:42"]
+    else:
+        assert runs == ["by_ref payment:42", "pay 42"]  # pay's body ran: ref's record never answers it
+        assert (second.state, second.retval) == ("SUCCESS", "paid")
+        assert deliver(pay, (42,)).retval == "paid" and deliver(by_ref, ("payment:42",)).retval == "refunded"
+        assert len(runs) == 2  # and each task's own record still answers its duplicates
+        owners = ["by:payments.pay:payment:42", "by:refunds.by_ref:payment:42"]
+    if backend[0] == "redis":
+        r = redis_lib.Redis.from_url(redis_url, decode_responses=True)
+        assert sorted(k for k in r.scan_iter(match=f"{prefix}:v1:*:done")) == [done_name(prefix, o) for o in owners]
+        assert done_name(prefix, owners[0]).startswith(f"{prefix}:v1:{{payment:42}}:")  # the lease's slot
+    else:
+        from celery_lockguard._keys import record_key
+
+        with psycopg.connect(backend[0]) as conn:
+            rows = conn.execute(f"SELECT scope FROM {backend[1]} WHERE name = '' ORDER BY scope").fetchall()
+        assert [row[0] for row in rows] == [record_key(prefix, o) for o in owners]

@@ -622,3 +622,58 @@ def test_every_setting_the_library_reads_is_a_known_setting() -> None:
     assert documented == KNOWN_SETTINGS
     unknown = {n for n in read if n not in KNOWN_SETTINGS and n != "x" and not n.startswith(("test_", "template_"))}
     assert not unknown, unknown
+
+
+@pytest.mark.parametrize(
+    ("opts", "needle"),
+    [
+        ({"idempotency_key": "pay:{a}", "idempotency_namespace": ""}, "idempotency_namespace='' must be a name"),
+        ({"idempotency_key": "pay:{a}", "idempotency_namespace": "pay:ments"}, "idempotency_namespace='pay:ments'"),
+        ({"idempotency_key": "pay:{a}", "idempotency_namespace": "x" * 65}, "must be a name of 1-64"),
+        ({"idempotency_key": "pay:{a}", "idempotency_namespace": 7}, "idempotency_namespace=7"),
+        ({"lock_key": "k:{a}", "idempotency_namespace": "payments"}, "needs an idempotency_key"),
+        ({"idempotency_key": "pay:{a}", "idempotency_namspace": "payments"}, "did you mean idempotency_namespace?"),
+    ],
+)
+def test_a_bad_idempotency_namespace_names_the_task_and_the_value(opts: dict[str, Any], needle: str) -> None:
+    app = make()
+
+    @app.task(base=LockedTask, shared=False, name="pay.charge", **opts)
+    def charge(a: int) -> None: ...
+
+    with pytest.raises(ConfigurationError, match=r"'pay\.charge'") as err:
+        charge.lockguard_options  # noqa: B018 - resolving is the check
+    assert needle in str(err.value)
+
+
+def test_an_idempotency_namespace_is_resolved_once_into_the_record_prefix() -> None:
+    app = make()
+
+    @app.task(
+        base=LockedTask, shared=False, name="pay.charge", idempotency_key="pay:{a}", idempotency_namespace="p-1.x"
+    )
+    def charge(a: int) -> None: ...
+
+    @app.task(base=LockedTask, shared=False, name="pay.refund", idempotency_key="pay:{a}")
+    def refund(a: int) -> None: ...
+
+    assert charge.lockguard_options.idempotency_namespace == "p-1.x"
+    assert charge.lockguard_options.record_prefix == "ns:p-1.x:"
+    assert refund.lockguard_options.record_prefix == "by:pay.refund:"
+
+
+def test_describe_names_the_namespace_a_task_shares_its_records_in() -> None:
+    from celery_lockguard import _inventory
+
+    app = make()
+
+    @app.task(base=LockedTask, shared=False, name="pay.charge", idempotency_key="pay:{a}", idempotency_namespace="pay")
+    def charge(a: int) -> None: ...
+
+    @app.task(base=LockedTask, shared=False, name="pay.refund", idempotency_key="pay:{a}")
+    def refund(a: int) -> None: ...
+
+    rows = {r["task"]: r for r in _inventory.inventory(app)}
+    assert rows["pay.charge"]["completion_namespace"] == "pay" and rows["pay.refund"]["completion_namespace"] is None
+    text = _inventory.markdown(app, list(rows.values()))
+    assert "`pay:{a}` (shared: `pay`)" in text

@@ -288,3 +288,31 @@ def test_calls_with_a_none_field_share_no_lease_and_no_record(redis_url: str, pr
     assert ran == []
     assert not list(redis.Redis.from_url(redis_url).scan_iter(match=f"{prefix}:v1:*"))  # no lease, no record
     assert deliver(charge, (42, 100)).retval == 100 and ran == [(42, 100)]
+
+
+def test_record_scopes_of_tasks_and_namespaces_never_meet_and_keep_the_scope_slot() -> None:
+    """Issue 29 item 7: one rendered S is one record per task (``by:<task>:S``), or per named namespace
+    (``ns:<name>:S``); task-id scopes are their own. The Redis key keeps S as its hash tag."""
+    from celery_lockguard._cluster import slot
+    from celery_lockguard._keys import checkpoint_name, done_name, record_key, record_scope, task_scope
+
+    s = "payment:42"
+    scopes = [
+        record_scope(s, "payments.pay"),
+        record_scope(s, "refunds.by_ref"),
+        record_scope(s, "x", "payments"),
+        record_scope(s, "y", "payments"),
+        record_scope("42", "payments.pay:payment"),  # a task name with ":" cannot imitate another task's record
+        task_scope("payment:42"),
+    ]
+    assert scopes[2] == scopes[3] == "ns:payments:payment:42"  # the namespace, not the task, owns it
+    assert scopes[0] == "by:payments.pay:payment:42" and scopes[4] == "by:payments.pay%3Apayment:42"
+    assert len({scopes[0], scopes[1], scopes[2], scopes[4], scopes[5]}) == 5
+    names = {done_name("lg", x) for x in scopes}
+    assert len(names) == 5 and done_name("lg", scopes[0]) == "lg:v1:{payment:42}:by:payments.pay:done"
+    assert checkpoint_name("lg", scopes[2]) == "lg:v1:{payment:42}:ns:payments:cp"
+    assert record_key("lg", scopes[1]) == "lg:v1:{payment:42}:by:refunds.by_ref"  # the PostgreSQL scope column
+    assert all(slot(done_name("lg", x)) == slot(lock_name("lg", s)) for x in scopes[:3])  # no extra round trip
+    assert done_name("lg", "task:t-1") == "lg:v1:{task:t-1}:done"  # task-id scopes: the format is unchanged
+    braces = record_scope(s, "we{ird} name")
+    assert "{" not in braces and "}" not in braces and " " not in braces
