@@ -59,6 +59,7 @@ from ._keys import (
     checkpoint_name,
     done_name,
     fence_row,
+    meta,
     parse_lock_name,
     parse_slot_lock_name,
     record_scope,
@@ -689,6 +690,41 @@ def completions_forget(
     with _log_to_stderr():
         emit("completion.forgotten", None, scope=scope, reason="operator")
     click.echo(f"forgot {scope!r}")
+
+
+@completions.command(name="carry-over", cls=CeleryCommand)
+@_yes_option("Carry-over Options")
+@click.pass_context
+def completions_carry_over(ctx: click.Context, yes: bool, **_: Any) -> None:
+    """Copy records of the earlier format (named by the idempotency key alone) to the task that wrote them."""
+    from ._completion import carry_over_redis
+
+    s = _settings(ctx)
+    owners = {}
+    for task in doctor.locked_tasks(_app(ctx)):
+        try:
+            opts = task.lockguard_options
+        except ConfigurationError as exc:
+            raise CeleryCommandException(redact(exc), EX_CONFIG) from exc
+        if opts.idempotency_key is not None and opts.completion:
+            owners[meta(task.name)] = opts.record_prefix
+    if not yes:
+        click.confirm(
+            f"Copy the earlier-format completion records of {len(owners)} task(s) to their new names?", abort=True
+        )
+    if s.completion_backend == "redis":
+        with _redis(s) as client:
+            copied = carry_over_redis(client, s.key_prefix, owners)
+    else:
+        try:
+            copied = _postgres_store(s).carry_over(owners)
+        except Exception as exc:  # noqa: BLE001 - any failure of the store is reported, redacted
+            raise CeleryCommandException(
+                f"the completion database {redact(s.completion_backend)} failed: "
+                f"{redact_text(exc, s.completion_backend)}",
+                EX_UNAVAILABLE,
+            ) from None
+    click.echo(f"carried over {copied} record(s)")
 
 
 # -- exporter --------------------------------------------------------------------------------

@@ -417,3 +417,74 @@ def test_a_record_answers_only_its_task_unless_they_share_a_namespace(
         with psycopg.connect(backend[0]) as conn:
             rows = conn.execute(f"SELECT scope FROM {backend[1]} WHERE name = '' ORDER BY scope").fetchall()
         assert [row[0] for row in rows] == [record_key(prefix, o) for o in owners]
+
+
+def test_carry_over_moves_earlier_format_records_to_the_task_that_wrote_them(
+    redis_url: str, prefix: str, backend: tuple[str, str]
+) -> None:
+    """The upgrade path of issue 29 item 7: records named by S alone are not read any more (a duplicate
+    would run once more); ``lockguard completions carry-over`` copies each to its writer's record scope,
+    with its checkpoints and TTL, and leaves task-id scopes and other tasks' records alone."""
+    import redis as redis_lib
+    from celery.bin.base import CLIContext
+    from click.testing import CliRunner
+
+    from celery_lockguard._cli import lockguard
+    from celery_lockguard._keys import checkpoint_name, done_name
+
+    from .tracer import deliver, make_app
+
+    app = make_app("carry", redis_url, prefix)
+    app.conf.lockguard_completion_backend, app.conf.lockguard_completion_table = backend
+    runs: list[str] = []
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="payments.pay", idempotency_key="payment:{invoice}")
+    def pay(self: Any, invoice: int) -> str:
+        self.checkpoint("card", runs.append, f"card {invoice}")
+        return "paid now"
+
+    def old_record(task_name: str, result: str) -> str:
+        return f'{{"task_id":"old-{task_name}","task":"{task_name}","digest":"","result":"{result}"}}'
+
+    legacy = {  # S -> (writer, result): as the earlier release stored them
+        "payment:42": ("payments.pay", "paid before"),
+        "payment:43": ("refunds.by_ref", "refunded before"),  # another task's record: never pay's
+    }
+    if backend[0] == "redis":
+        r = redis_lib.Redis.from_url(redis_url, decode_responses=True)
+        for scope, (writer, result) in legacy.items():
+            r.set(f"{prefix}:v1:{{{scope}}}:done", old_record(writer, result), px=600_000)
+        r.hset(f"{prefix}:v1:{{payment:42}}:cp", "card", '{"value":null}')
+        r.pexpire(f"{prefix}:v1:{{payment:42}}:cp", 600_000)
+        r.set(done_name(prefix, "task:t-1"), old_record("payments.pay", "x"), px=600_000)
+    else:
+        PostgresStore(backend[0], backend[1], namespace=prefix).create_table()
+        for scope, (writer, result) in legacy.items():
+            with psycopg.connect(backend[0], autocommit=True) as conn:
+                conn.execute(
+                    f"INSERT INTO {backend[1]} (scope, name, value, task_id, expires_at) "
+                    "VALUES (%s, %s, %s, %s, now() + interval '10 minutes')",
+                    (f"{prefix}:v1:{{{scope}}}", "", old_record(writer, result), f"old-{writer}"),
+                )
+        with psycopg.connect(backend[0], autocommit=True) as conn:
+            conn.execute(
+                f"INSERT INTO {backend[1]} (scope, name, value, expires_at) "
+                "VALUES (%s, 'cp:card', '{\"value\":null}', now() + interval '10 minutes')",
+                (f"{prefix}:v1:{{payment:42}}",),
+            )
+
+    obj = CLIContext(app=app, no_color=True, workdir=None, quiet=True)
+    out = CliRunner().invoke(lockguard, ["completions", "carry-over", "--yes"], obj=obj)
+    assert out.exit_code == 0, out.output
+    assert "carried over 1 record(s)" in out.output
+    assert deliver(pay, (42,)).retval == "paid before"  # answered from the record it wrote before the upgrade
+    assert deliver(pay, (43,)).retval == "paid now"  # refunds.by_ref's record did not become pay's
+    assert runs == ["card 43"]
+    if backend[0] == "redis":
+        assert r.hget(checkpoint_name(prefix, "by:payments.pay:payment:42"), "card") == '{"value":null}'
+        assert 0 < r.pttl(done_name(prefix, "by:payments.pay:payment:42")) <= 600_000
+    else:
+        entries = PostgresStore(backend[0], backend[1], namespace=prefix).entries("by:payments.pay:payment:42")
+        assert [name for name, _, _ in entries] == ["", "cp:card"]
+    again = CliRunner().invoke(lockguard, ["completions", "carry-over", "--yes"], obj=obj)
+    assert "carried over 0 record(s)" in again.output  # an existing new record is never replaced
