@@ -352,7 +352,7 @@ def _owner_of(scope: str, record: str | None, owners: dict[str, str]) -> str | N
         return None
     try:
         data = json.loads(record)
-    except ValueError:
+    except (ValueError, RecursionError):  # a planted record, not JSON or nested past the parser
         return None
     task = data.get("task") if isinstance(data, dict) else None
     return owners.get(task) if isinstance(task, str) else None
@@ -366,20 +366,32 @@ def carry_over_redis(client: Any, prefix: str, owners: dict[str, str]) -> int:
     For a rolling upgrade (docs/upgrading.md): run it once the last worker of the earlier release has
     stopped, so their duplicates are answered as before instead of running once more.
     """
+    from redis.exceptions import ResponseError
+
     head, tail = f"{prefix}:v1:{{", "}:done"
     copied = 0
     for key in client.scan_iter(match=f"{prefix}:v1:{{*}}:done", count=1000):
-        name = key.decode() if isinstance(key, bytes) else key
+        try:
+            name = key.decode() if isinstance(key, bytes) else key
+        except UnicodeDecodeError:  # not a name a worker writes (anyone may plant one)
+            continue
         if not (name.startswith(head) and name.endswith(tail)):
             continue
         scope = name[len(head) : -len(tail)]
-        record, ttl = client.get(name), client.pttl(name)
-        owner = _owner_of(scope, record.decode() if isinstance(record, bytes) else record, owners)
+        try:
+            record, ttl = client.get(name), client.pttl(name)
+        except ResponseError:  # a planted key of another type
+            continue
+        text = record.decode("utf-8", "replace") if isinstance(record, bytes) else record
+        owner = _owner_of(scope, text, owners)
         if owner is None or not isinstance(ttl, int) or ttl <= 0:
             continue
         target = owner + scope
         old_cp = name[: -len(":done")] + ":cp"  # by its name: an S like "by:a:b" must not parse as an owner
-        checkpoints = client.hgetall(old_cp)
+        try:
+            checkpoints = client.hgetall(old_cp)
+        except ResponseError:
+            checkpoints = {}
         if checkpoints and not client.exists(checkpoint_name(prefix, target)):
             cp_ttl = client.pttl(old_cp)
             pipe = client.pipeline(transaction=True)

@@ -457,6 +457,8 @@ def test_carry_over_moves_earlier_format_records_to_the_task_that_wrote_them(
         r.hset(f"{prefix}:v1:{{payment:42}}:cp", "card", '{"value":null}')
         r.pexpire(f"{prefix}:v1:{{payment:42}}:cp", 600_000)
         r.set(done_name(prefix, "task:t-1"), old_record("payments.pay", "x"), px=600_000)
+        r.hset(f"{prefix}:v1:{{planted}}:done", "a", "a hash where a record belongs")  # skipped, no crash
+        r.set(f"{prefix}:v1:{{deep}}:done", "[" * 100_000, px=600_000)
     else:
         PostgresStore(backend[0], backend[1], namespace=prefix).create_table()
         for scope, (writer, result) in legacy.items():
