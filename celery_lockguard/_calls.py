@@ -28,6 +28,9 @@ class CallNames(NamedTuple):
     digest: str
     #: True when the scope is the task id (records live ``completion_ttl_task``, not the scope TTL).
     scope_is_task: bool
+    #: Where the completion record and checkpoints live: S of this task (``by:<task>:<S>``), of the
+    #: tasks sharing its ``idempotency_namespace`` (``ns:<name>:<S>``), or the task-id scope itself.
+    record: str
 
 
 def render(opts: TaskOptions, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallNames:
@@ -46,7 +49,11 @@ def render(opts: TaskOptions, task_id: str, args: tuple[Any, ...], kwargs: dict[
     digest = keys.digest_in_order(opts.digest_order, args) if positional else keys.digest(arguments)
     if opts.idempotency_key is not None:
         scope, scope_is_task = opts.idempotency_key.render(arguments, args, kwargs), False
+        record = opts.record_prefix + scope
     else:
         scope, scope_is_task = keys.task_scope(task_id), True
+        record = scope
+    # The lease stays on S itself (not on the record scope): calls of one effect exclude each other
+    # whatever task they are, and old and new workers keep excluding each other during an upgrade.
     key = opts.lock_key.render(arguments, args, kwargs) if opts.lock_key is not None else scope
-    return CallNames(key, scope, digest, scope_is_task)
+    return CallNames(key, scope, digest, scope_is_task, record)

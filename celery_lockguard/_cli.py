@@ -56,7 +56,16 @@ from ._connection import UNAVAILABLE_ERRORS
 from ._debounce import DebounceRow, read_debounce
 from ._events import emit
 from ._holders import HeldLease, entity_use, idle_windows, read_leases
-from ._keys import checkpoint_name, done_name, fence_row, parse_lock_name, parse_slot_lock_name, slot_lock_name
+from ._keys import (
+    checkpoint_name,
+    done_name,
+    fence_row,
+    meta,
+    parse_lock_name,
+    parse_slot_lock_name,
+    record_scope,
+    slot_lock_name,
+)
 from ._redact import redact, redact_text
 from ._terminal import duration, plural, printable
 from .exceptions import ConfigurationError, CorruptFence
@@ -581,6 +590,38 @@ def completions() -> None:
     """Completion records and checkpoints of a scope (``task:<task id>``, or an idempotency key)."""
 
 
+_SCOPE = "Scope Options"
+
+
+def _scope_options(fn: Any) -> Any:
+    """``--task`` / ``--namespace``: whose records an idempotency key SCOPE names (``_keys.record_scope``)."""
+    fn = click.option(
+        "--namespace",
+        default=None,
+        cls=CeleryOption,
+        help_group=_SCOPE,
+        help="The idempotency_namespace the tasks of SCOPE share.",
+    )(fn)
+    return click.option(
+        "--task",
+        "task_name",
+        default=None,
+        cls=CeleryOption,
+        help_group=_SCOPE,
+        help="The task whose idempotency_key rendered SCOPE (its records answer that task only).",
+    )(fn)
+
+
+def _record_scope(scope: str, task_name: str | None, namespace: str | None) -> str:
+    """The stored scope: SCOPE itself (``task:<id>``, or a record scope as events name it), or the record
+    scope of an idempotency key SCOPE of one task (``--task``) or of a namespace (``--namespace``)."""
+    if task_name is not None and namespace is not None:
+        raise CeleryCommandException("give --task or --namespace, not both", EX_FAILURE)
+    if namespace is not None:
+        return record_scope(scope, "", namespace)
+    return record_scope(scope, task_name) if task_name is not None else scope
+
+
 def _postgres_store(s: Settings) -> Any:
     from ._completion import postgres_store
 
@@ -589,10 +630,14 @@ def _postgres_store(s: Settings) -> Any:
 
 @completions.command(name="show", cls=CeleryCommand)
 @click.argument("scope")
+@_scope_options
 @click.option("--json", "as_json", is_flag=True, cls=CeleryOption, help_group=_OUTPUT, help="Print JSON.")
 @click.pass_context
-def completions_show(ctx: click.Context, scope: str, as_json: bool, **_: Any) -> None:
+def completions_show(
+    ctx: click.Context, scope: str, as_json: bool, task_name: str | None, namespace: str | None, **_: Any
+) -> None:
     """Show the completion record and checkpoints of SCOPE (exit 1 if there are none)."""
+    scope = _record_scope(scope, task_name, namespace)
     s = _settings(ctx)
     if s.completion_backend == "redis":
         with _redis(s) as client:
@@ -621,10 +666,14 @@ def completions_show(ctx: click.Context, scope: str, as_json: bool, **_: Any) ->
 
 @completions.command(name="forget", cls=CeleryCommand)
 @click.argument("scope")
+@_scope_options
 @_yes_option("Forget Options")
 @click.pass_context
-def completions_forget(ctx: click.Context, scope: str, yes: bool, **_: Any) -> None:
+def completions_forget(
+    ctx: click.Context, scope: str, yes: bool, task_name: str | None, namespace: str | None, **_: Any
+) -> None:
     """Delete the completion record and checkpoints of SCOPE: the work may then run again."""
+    scope = _record_scope(scope, task_name, namespace)
     s = _settings(ctx)
     if not yes:
         click.confirm(
@@ -647,6 +696,41 @@ def completions_forget(ctx: click.Context, scope: str, yes: bool, **_: Any) -> N
     with _log_to_stderr():
         emit("completion.forgotten", None, scope=scope, reason="operator")
     click.echo(f"forgot {scope!r}")
+
+
+@completions.command(name="carry-over", cls=CeleryCommand)
+@_yes_option("Carry-over Options")
+@click.pass_context
+def completions_carry_over(ctx: click.Context, yes: bool, **_: Any) -> None:
+    """Copy records of the earlier format (named by the idempotency key alone) to the task that wrote them."""
+    from ._completion import carry_over_redis
+
+    s = _settings(ctx)
+    owners = {}
+    for task in doctor.locked_tasks(_app(ctx)):
+        try:
+            opts = task.lockguard_options
+        except ConfigurationError as exc:
+            raise CeleryCommandException(redact(exc), EX_CONFIG) from exc
+        if opts.idempotency_key is not None and opts.completion:
+            owners[meta(task.name)] = opts.record_prefix
+    if not yes:
+        click.confirm(
+            f"Copy the earlier-format completion records of {len(owners)} task(s) to their new names?", abort=True
+        )
+    if s.completion_backend == "redis":
+        with _redis(s) as client:
+            copied = carry_over_redis(client, s.key_prefix, owners)
+    else:
+        try:
+            copied = _postgres_store(s).carry_over(owners)
+        except Exception as exc:  # noqa: BLE001 - any failure of the store is reported, redacted
+            raise CeleryCommandException(
+                f"the completion database {redact(s.completion_backend)} failed: "
+                f"{redact_text(exc, s.completion_backend)}",
+                EX_UNAVAILABLE,
+            ) from None
+    click.echo(f"carried over {copied} record(s)")
 
 
 # -- exporter --------------------------------------------------------------------------------

@@ -15,9 +15,13 @@ A completion record says "the work of scope S ran and returned R".
 
 Both stores are namespaced by ``lockguard_key_prefix``: two apps sharing a
 database (or a Redis) and an idempotency template never answer each other's
-tasks. In PostgreSQL the stored scope is ``{namespace}:v1:{S}`` (with the
-braces), the shape of the Redis key: no schema change, one primary key, and
-injective, since a namespace has no braces. A column would have needed a
+tasks. Within one app a record answers only the task that wrote it (or the
+tasks sharing its ``idempotency_namespace``): the scope a store is given is
+a record scope (``_keys.record_scope``: ``by:<task>:<S>``, ``ns:<name>:<S>``
+or ``task:<id>``). In PostgreSQL the stored scope is
+``{namespace}:v1:{S}:by:<task>`` (``_keys.record_key``), the shape of the
+Redis key: no schema change, one primary key, and injective, since a
+namespace has no braces and an owner no ``:``. A column would have needed a
 migration of every 0.1.0 table; 0.1.0 rows (bare scopes) are simply not seen
 (docs/upgrading.md).
 """
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias
 
 from ._config import is_sql_identifier
-from ._keys import checkpoint_name, done_name
+from ._keys import checkpoint_name, done_name, record_key
 from .exceptions import CheckpointNotSerializable
 
 #: Largest JSON result kept in a completion record; larger results record ``None``.
@@ -170,8 +174,9 @@ class PostgresStore:
         self._ready = False
 
     def stored_scope(self, scope: str) -> str:
-        """The ``scope`` column of ``scope``'s rows: ``{namespace}:v1:{scope}``, like the Redis key."""
-        return f"{self.namespace}:v1:{{{scope}}}"
+        """The ``scope`` column of record scope ``scope``'s rows: ``{namespace}:v1:{S}`` and the record's
+        owner (``{namespace}:v1:{S}:by:<task>``), like the Redis key (:func:`~celery_lockguard._keys.record_key`)."""
+        return record_key(self.namespace, scope)
 
     def schema_sql(self) -> str:
         """DDL of the table; run by :meth:`create_table` on first use (see docs)."""
@@ -301,10 +306,101 @@ class PostgresStore:
         cur = self._run(lambda c: c.execute(f"DELETE FROM {self.table} WHERE scope = %s", (stored,)))
         return int(cur.rowcount)
 
+    def carry_over(self, owners: dict[str, str]) -> int:
+        """Copy the live records (and their checkpoints) of the earlier format, named by S alone, to the
+        record scope of the task that wrote them (:func:`carry_over_redis`); returns records copied."""
+        head = f"{self.namespace}:v1:{{"
+
+        def run(conn: Any) -> int:
+            rows = conn.execute(
+                f"SELECT scope, name, value, task_id, expires_at FROM {self.table} "
+                "WHERE left(scope, length(%s)) = %s AND right(scope, 1) = '}' AND expires_at > now()",
+                (head, head),
+            ).fetchall()
+            by_scope: dict[str, list[Any]] = {}
+            for row in rows:
+                by_scope.setdefault(row[0][len(head) : -1], []).append(row)
+            copied = 0
+            for scope, scope_rows in by_scope.items():
+                prefix = _owner_of(scope, next((r[2] for r in scope_rows if r[1] == ""), None), owners)
+                if prefix is None:
+                    continue
+                stored = self.stored_scope(prefix + scope)
+                with conn.transaction():
+                    for _, name, value, task_id, expires_at in scope_rows:
+                        cur = conn.execute(
+                            f"INSERT INTO {self.table} (scope, name, value, task_id, expires_at) "
+                            "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (scope, name) DO NOTHING",
+                            (stored, name, value, task_id, expires_at),
+                        )
+                        copied += 1 if name == "" and cur.rowcount else 0
+            return copied
+
+        return int(self._run(run))
+
     def purge_expired(self) -> int:
         """Delete expired rows of every namespace (PostgreSQL has no TTL; run it from a periodic task)."""
         cur = self._run(lambda c: c.execute(f"DELETE FROM {self.table} WHERE expires_at <= now()"))
         return int(cur.rowcount)
+
+
+def _owner_of(scope: str, record: str | None, owners: dict[str, str]) -> str | None:
+    """The record prefix an earlier-format record of ``scope`` moves under: its writer's, if that task is
+    one of ``owners`` (task name -> record prefix); ``None`` for task-id scopes, unknown writers, and
+    checkpoints with no record (nothing says which task wrote them)."""
+    if scope.startswith("task:") or record is None or "}" in scope or "{" in scope:
+        return None
+    try:
+        data = json.loads(record)
+    except (ValueError, RecursionError):  # a planted record, not JSON or nested past the parser
+        return None
+    task = data.get("task") if isinstance(data, dict) else None
+    return owners.get(task) if isinstance(task, str) else None
+
+
+def carry_over_redis(client: Any, prefix: str, owners: dict[str, str]) -> int:
+    """Copy the live records of the earlier format, ``{prefix}:v1:{S}:done`` (and ``:cp``), to the record
+    scope of the task that wrote them (``owners``: task name as recorded -> its record prefix), keeping
+    their TTL; an existing new record is never replaced. Returns the records copied.
+
+    For a rolling upgrade (docs/upgrading.md): run it once the last worker of the earlier release has
+    stopped, so their duplicates are answered as before instead of running once more.
+    """
+    from redis.exceptions import ResponseError
+
+    head, tail = f"{prefix}:v1:{{", "}:done"
+    copied = 0
+    for key in client.scan_iter(match=f"{prefix}:v1:{{*}}:done", count=1000):
+        try:
+            name = key.decode() if isinstance(key, bytes) else key
+        except UnicodeDecodeError:  # not a name a worker writes (anyone may plant one)
+            continue
+        if not (name.startswith(head) and name.endswith(tail)):
+            continue
+        scope = name[len(head) : -len(tail)]
+        try:
+            record, ttl = client.get(name), client.pttl(name)
+        except ResponseError:  # a planted key of another type
+            continue
+        text = record.decode("utf-8", "replace") if isinstance(record, bytes) else record
+        owner = _owner_of(scope, text, owners)
+        if owner is None or not isinstance(ttl, int) or ttl <= 0:
+            continue
+        target = owner + scope
+        old_cp = name[: -len(":done")] + ":cp"  # by its name: an S like "by:a:b" must not parse as an owner
+        try:
+            checkpoints = client.hgetall(old_cp)
+        except ResponseError:
+            checkpoints = {}
+        if checkpoints and not client.exists(checkpoint_name(prefix, target)):
+            cp_ttl = client.pttl(old_cp)
+            pipe = client.pipeline(transaction=True)
+            pipe.hset(checkpoint_name(prefix, target), mapping=checkpoints)
+            pipe.pexpire(checkpoint_name(prefix, target), cp_ttl if isinstance(cp_ttl, int) and cp_ttl > 0 else ttl)
+            pipe.execute()
+        if client.set(done_name(prefix, target), record, nx=True, px=ttl):
+            copied += 1
+    return copied
 
 
 #: How a caller wraps each store operation of a checkpoint: ``guard(operation, call)`` with

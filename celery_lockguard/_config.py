@@ -16,8 +16,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ._keys import KeyRenderer
+from ._keys import NAMESPACE, KeyRenderer
 from ._keys import digest_order as _digest_order
+from ._keys import record_prefix as _record_prefix
 from .exceptions import ConfigurationError
 
 ON_LOCKED = ("skip", "retry", "raise")
@@ -40,6 +41,88 @@ _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})
 #: turn ``SCAN MATCH {prefix}:...`` (``lockguard locks``) and the ACL key pattern ``~{prefix}:*``
 #: (``acl.rule``) into patterns over other prefixes' keys.
 PREFIX_FORBIDDEN = "{}*?[]\\"
+
+
+#: Every setting the library reads, without its ``lockguard_`` prefix. A ``lockguard_*`` (or
+#: ``CELERY_LOCKGUARD_*``) name on ``app.conf`` outside this set is a typo and is refused
+#: (:func:`check_setting_names`): a misspelled default TTL would silently keep the 30 s one.
+#: A new setting goes here first; ``tests/test_config.py`` holds every ``setting(app, "...")`` to it.
+KNOWN_SETTINGS = frozenset(
+    {
+        "completion_backend",
+        "completion_table",
+        "completion_ttl",
+        "debounce",
+        "default_ttl",
+        "enabled",
+        "fence_dsn",
+        "fence_table",
+        "fence_ttl",
+        "idempotency_mismatch",
+        "key_prefix",
+        "keys",
+        "lock_limit",
+        "lock_rate",
+        "log_backend",
+        "max_waits",
+        "metrics_flush_interval",
+        "on_locked",
+        "on_unavailable",
+        "redis_cluster",
+        "redis_kwargs",
+        "redis_url",
+        "sentinel_kwargs",
+        "sentinel_master",
+        "sentinels",
+        "shorten_grace",
+        "socket_timeout",
+    }
+)
+#: How a configuration name may start when it means one of ours (compared in lower case).
+_SETTING_PREFIXES = ("celery_lockguard_", "lockguard_")
+
+
+def check_setting_names(app: Any) -> None:
+    """Refuse a ``lockguard_*`` name on ``app.conf`` that the library never reads, naming the nearest one.
+
+    Misspelled options are refused by :func:`check_option_names`; a misspelled
+    setting would otherwise pass ``doctor`` and worker start and keep its
+    default. Both spellings count (``lockguard_x`` and, for
+    ``namespace="CELERY"``, ``CELERY_LOCKGUARD_X``); a known name in another
+    case (``LOCKGUARD_REDIS_URL``, which neither spelling reads) is refused too,
+    but other ``LOCKGUARD_*`` names are left alone (a Django settings module
+    loaded with ``namespace="CELERY"`` brings every setting of the project).
+    """
+    try:
+        names = list(app.conf.keys())
+    except AttributeError:  # a bare mapping without keys(): nothing to check
+        return
+    for key in names:
+        if not isinstance(key, str):
+            continue
+        lowered = key.lower()
+        prefix = next((p for p in _SETTING_PREFIXES if lowered.startswith(p)), None)
+        if prefix is None:
+            continue
+        name = lowered[len(prefix) :]
+        upper = prefix == "celery_lockguard_"
+        spelled = f"CELERY_LOCKGUARD_{name.upper()}" if upper else f"lockguard_{name}"
+        if name in KNOWN_SETTINGS and key == spelled:
+            continue
+        if name not in KNOWN_SETTINGS and not key.startswith(("lockguard_", "CELERY_LOCKGUARD_")):
+            continue  # LOCKGUARD_FOO in a Django settings module may be the project's own name
+        if name in KNOWN_SETTINGS and key.startswith(("lockguard_", "CELERY_LOCKGUARD_")):
+            nearest = spelled
+        elif name in KNOWN_SETTINGS:
+            nearest = f"lockguard_{name} (or CELERY_LOCKGUARD_{name.upper()} with namespace='CELERY')"
+        else:
+            match = max(sorted(KNOWN_SETTINGS), key=lambda known: difflib.SequenceMatcher(None, name, known).ratio())
+            nearest = f"CELERY_LOCKGUARD_{match.upper()}" if upper else f"lockguard_{match}"
+        # The value is not quoted: a misspelled DSN or URL setting carries a password.
+        raise ConfigurationError(
+            f"setting {key} is not a LockGuard setting; did you mean {nearest}? "
+            "(every setting: docs/reference.md, Settings)"
+        )
 
 
 def setting(app: Any, name: str, default: Any = None) -> Any:
@@ -143,7 +226,8 @@ def _visibility_timeout(app: Any, transport: Any) -> float:
 
 
 def load_settings(app: Any) -> Settings:
-    """Read and validate the ``lockguard_*`` settings of ``app``."""
+    """Read and validate the ``lockguard_*`` settings of ``app`` (an unknown one is refused first)."""
+    check_setting_names(app)
     key_prefix = check_prefix(str(setting(app, "key_prefix", "lockguard")), "setting lockguard_key_prefix")
     on_locked = setting(app, "on_locked", "skip")
     if on_locked not in ON_LOCKED:
@@ -390,6 +474,14 @@ class TaskOptions:
     limit: int = 1
     #: ``lock_rate``: starts admitted per entity per sliding window, fleet-wide; ``None``: no rate.
     rate: Rate | None = None
+    #: ``idempotency_namespace``: the name of the records this task shares with others, or ``None``
+    #: (its records answer this task only).
+    idempotency_namespace: str | None = None
+
+    @functools.cached_property
+    def record_prefix(self) -> str:
+        """What precedes S in the record scope (``_keys.record_prefix``), made once per task."""
+        return _record_prefix(self.task_name, self.idempotency_namespace)
 
     @functools.cached_property
     def positional_names(self) -> tuple[str, ...] | None:
@@ -556,6 +648,7 @@ def validate_tasks(app: Any) -> None:
     from ._events import logger  # kept out of import time: the worker-side modules load on use
     from ._task import LockGuard, missing_task_class  # _task.py imports this module
 
+    check_setting_names(app)  # also in an app without locked tasks: a typo there is a typo too
     locked = [app.tasks[n] for n in sorted(app.tasks) if isinstance(app.tasks[n], LockGuard)]
     if not locked:
         return
@@ -633,6 +726,7 @@ def resolve_task_options(task: Any) -> TaskOptions:
             "during a run is one more run after it, so its delivery waits for the running body (use 'skip' or 'retry')"
         )
     limit, rate = _limits(task, s, mode)
+    namespace = _namespace_option(task, idem is not None)
     if debounce is not None and (limit > 1 or rate is not None):
         raise ConfigurationError(
             f"task {name!r}: option lock_debounce={debounce!r} runs one burst's run at a time on the single "
@@ -667,7 +761,30 @@ def resolve_task_options(task: Any) -> TaskOptions:
         debounce=debounce,
         limit=limit,
         rate=rate,
+        idempotency_namespace=namespace,
     )
+
+
+def _namespace_option(task: Any, keyed: bool) -> str | None:
+    """``idempotency_namespace``: a short plain name, on a task with an ``idempotency_key``.
+
+    Without an ``idempotency_key`` the scope is the task id, which no other task shares: a
+    namespace there would be a no-op the reader takes for sharing.
+    """
+    value = getattr(task, "idempotency_namespace", None)
+    if value is None:
+        return None
+    if not isinstance(value, str) or NAMESPACE.match(value) is None:
+        raise ConfigurationError(
+            f"task {task.name!r}: option idempotency_namespace={value!r} must be a name of 1-64 letters, digits, "
+            "'_', '.' or '-' (starting with a letter or digit), shared by the tasks whose records answer each other"
+        )
+    if not keyed:
+        raise ConfigurationError(
+            f"task {task.name!r}: option idempotency_namespace={value!r} needs an idempotency_key: without one "
+            "the scope is the task id, which no other task shares"
+        )
+    return value
 
 
 def _debounce_option(task: Any, s: Settings, locked: bool) -> float | None:

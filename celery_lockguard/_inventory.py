@@ -49,6 +49,8 @@ def inventory(app: Any) -> list[dict[str, Any]]:
                 "max_waits": o.max_waits,
                 "completion": o.completion,
                 "completion_scope": scope if o.completion else None,
+                # Records answer this task only, or every task of this namespace (issue 29 item 7).
+                "completion_namespace": o.idempotency_namespace if o.completion else None,
                 "completion_ttl": (o.completion_ttl_scope if o.idempotency_key is not None else o.completion_ttl_task)
                 if o.completion
                 else None,
@@ -117,6 +119,8 @@ def markdown(app: Any, rows: list[dict[str, Any]]) -> str:
             if not r["completion"]
             else ("task id" if r["completion_scope"] == "task id" else f"`{_cell(r['completion_scope'])}`")
         )
+        if r.get("completion_namespace"):
+            scope += f" (shared: `{_cell(r['completion_namespace'])}`)"
         ctl = f"{r['completion_ttl']:g}s" if r["completion"] else "-"
         key = f"`{_cell(r['key_template'])}`" if r["key_template"] else "(none: unlocked)"
         mode = r["mode"]

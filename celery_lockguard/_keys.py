@@ -24,6 +24,11 @@ it safe to use as a lock name:
   ``lock_key="{tenant}"`` with ``""`` would name ``...:{}:lock``, an empty hash
   tag, and put the lease, fence and claim of one entity in different Cluster
   slots.
+* One entity per key: a field whose value is ``None`` is refused like an empty
+  one (:class:`EmptyField`). ``str(None)`` is ``"None"``, the key of the string
+  ``"None"``: every call missing its value would share one lease and one
+  completion record. ``None`` inside a dict or list renders as JSON ``null``
+  there, part of a container's text, and stays allowed.
 
 How a value becomes text (:func:`text`, the documented rule): a ``str`` is
 itself; ``dict``, ``list``, ``tuple``, ``set`` and ``frozenset`` render as
@@ -254,7 +259,14 @@ class KeyRenderer:
         """Render the key for one call: ``arguments`` is the bound signature."""
         if callable(self.source):
             value = self.source(*args, **kwargs)
-            if not isinstance(value, str) or not value:
+            if value is None or value == "":
+                # Like a template's empty or None field: it names no entity. Not "no lock": a task that
+                # may run unlocked has no lock_key, and a lock silently dropped per call would be a hole.
+                raise EmptyField(
+                    f"task {self.task_name!r}: option {self.option} callable returned {value!r}, "
+                    "expected a non-empty str: it names no entity; pass a value or guard the call"
+                )
+            if not isinstance(value, str):
                 raise ConfigurationError(
                     f"task {self.task_name!r}: option {self.option} callable returned {value!r}, "
                     "expected a non-empty str"
@@ -264,8 +276,17 @@ class KeyRenderer:
         for literal, field in self._parts:
             out.append(literal)
             if field is not None:
+                raw = arguments[field]
+                if raw is None:
+                    # str(None) is "None", the key of the string "None": every call with a missing value
+                    # would share one lease and one completion record.
+                    raise EmptyField(
+                        f"task {self.task_name!r}: option {self.option}={self.source!r}: field {{{field}}} "
+                        "is None; None names no entity (it would render 'None', the key of the string "
+                        "'None', shared by every such call): pass a value or guard the call"
+                    )
                 try:
-                    value = text(arguments[field])
+                    value = text(raw)
                 except UnstableText as exc:
                     raise UnstableText(
                         f"task {self.task_name!r}: option {self.option}: field {{{field}}}: {exc}"
@@ -322,6 +343,34 @@ def task_scope(task_id: str) -> str:
 
 
 _TASK_ID_ESCAPE = _escaper("", MAX_KEY)
+#: A task name in a record scope: ``:`` is escaped too, so the first ``:`` after it ends it.
+_TASK_NAME_ESCAPE = _escaper(":", MAX_KEY)
+#: An ``idempotency_namespace``: a short plain name (it is written into record keys as it is).
+NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
+
+
+def record_prefix(task_name: str, namespace: str | None = None) -> str:
+    """What precedes an ``idempotency_key`` scope S in its record scope (:func:`record_scope`).
+
+    Keys are injective within one template only: ``"{ref}"`` with ``"payment:42"`` renders the S of
+    ``"payment:{invoice}"`` with 42. So a record answers only the task that wrote it
+    (``by:<task name>:``), unless tasks declare they share records (``ns:<namespace>:``). Made
+    once per task (``TaskOptions.record_prefix``): it is on every delivery's path.
+    """
+    if namespace is not None:
+        return f"ns:{namespace}:"
+    return f"by:{_TASK_NAME_ESCAPE(task_name)}:"
+
+
+def record_scope(scope: str, task_name: str, namespace: str | None = None) -> str:
+    """The scope a completion record and its checkpoints are stored under (``done_name``, ``checkpoint_name``,
+    the PostgreSQL ``scope`` column) for the ``idempotency_key`` scope S of task ``task_name``.
+
+    ``task:<id>``, ``by:<task>:<S>`` and ``ns:<namespace>:<S>`` never meet: each starts with its own
+    word, and neither an escaped task name nor a namespace holds a ``:``. A task-id scope is its own
+    record scope (a task id names one task already).
+    """
+    return record_prefix(task_name, namespace) + scope
 
 
 def lock_name(prefix: str, key: str) -> str:
@@ -416,14 +465,37 @@ def waiters_name(prefix: str, key: str) -> str:
     return f"{prefix}:v1:{{{key}}}:waiters"
 
 
+def _record_parts(record: str) -> tuple[str, str]:
+    """``(S, owner)`` of a record scope: ``by:<task>:<S>`` -> ``(S, ":by:<task>")``, the same for ``ns:``;
+    any other scope (``task:<id>``) is its own S with no owner."""
+    for word in ("by:", "ns:"):
+        if record.startswith(word):
+            owner, sep, scope = record[len(word) :].partition(":")
+            if sep and owner and scope:
+                return scope, f":{word}{owner}"
+    return record, ""
+
+
+def record_key(prefix: str, record: str) -> str:
+    """``{prefix}:v1:{S}`` and the record's owner (``{prefix}:v1:{S}:by:<task>``): the stem of its Redis keys
+    and the PostgreSQL ``scope`` column.
+
+    The owner stays outside the hash tag: a record keeps S's slot, which is the lease's own for a task
+    that locks on S (no ``lock_key``), so on Cluster its record is still read and written inside
+    ACQUIRE and RELEASE. S has no braces and an owner no ``:``, so the stem parses back unambiguously.
+    """
+    scope, owner = _record_parts(record)
+    return f"{prefix}:v1:{{{scope}}}{owner}"
+
+
 def done_name(prefix: str, scope: str) -> str:
-    """Redis key of scope S's completion record."""
-    return f"{prefix}:v1:{{{scope}}}:done"
+    """Redis key of the completion record of record scope ``scope`` (:func:`record_scope`, or ``task:<id>``)."""
+    return f"{record_key(prefix, scope)}:done"
 
 
 def checkpoint_name(prefix: str, scope: str) -> str:
-    """Redis key of scope S's checkpoint hash (same slot as its record)."""
-    return f"{prefix}:v1:{{{scope}}}:cp"
+    """Redis key of record scope ``scope``'s checkpoint hash (same slot as its record)."""
+    return f"{record_key(prefix, scope)}:cp"
 
 
 #: What follows the hash tag in a debounce record's name (``{prefix}:v1:{K}:debounce:<task name>``).

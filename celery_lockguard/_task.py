@@ -130,6 +130,9 @@ class LockGuard(Task):
     #: ``raise`` · ``warn`` when an ``idempotency_key`` completed with other arguments; default
     #: ``lockguard_idempotency_mismatch`` (``raise``).
     idempotency_mismatch: str | None = None
+    #: A name shared by the tasks whose completion records answer each other (same rendered
+    #: ``idempotency_key``); ``None``: a record answers only the task that wrote it.
+    idempotency_namespace: str | None = None
     #: Replicas that must acknowledge an acquisition (``WAIT``); 0 = do not wait.
     lock_replicas: int = 0
     #: Seconds > 0: a publish replaces the entity's pending run, which runs that long after the last
@@ -224,7 +227,7 @@ class LockGuard(Task):
         s = settings(self.app)
         store, ttl_ms = self._store(s), self._completion_ttl_ms(call)
         guard = self._checkpoint_guard(s, call, name)
-        return completion.checkpoint(store, call.scope, name, ttl_ms, fn, args, kwargs, guard)
+        return completion.checkpoint(store, call.record, name, ttl_ms, fn, args, kwargs, guard)
 
     def _checkpoint_guard(self, s: Settings, call: CallNames, name: str) -> StoreGuard:
         """What a store error inside ``checkpoint`` does, by the task's ``on_unavailable``.
@@ -310,7 +313,7 @@ class LockGuard(Task):
         if call is None:
             return False
         record, _ = completion.encode_record(self.request.id, result, keys.meta(self.name), call.digest)
-        return store.record_in(conn, call.scope, self.request.id, record, self._completion_ttl_ms(call))
+        return store.record_in(conn, call.record, self.request.id, record, self._completion_ttl_ms(call))
 
     def _store(self, s: Settings) -> Store:
         if s.completion_backend == "redis":
@@ -608,7 +611,7 @@ class LockGuard(Task):
             digest=call.digest,
             worker=req.hostname or "",
             fence_ttl_ms=int(s.fence_ttl * 1000),
-            scope=call.scope if store is not None and store.in_scripts else None,
+            scope=call.record if store is not None and store.in_scripts else None,
             token=token,
             replace_token=replace_token,
             claim_token=claim_token,
@@ -648,7 +651,7 @@ class LockGuard(Task):
             return "late", got, None
         if store is not None and not store.in_scripts:
             try:
-                record = store.lookup(call.scope)
+                record = store.lookup(call.record)
             except Exception as exc:
                 if errors.classify(exc) is None:
                     self._release(s, opts, got)
@@ -865,7 +868,7 @@ class LockGuard(Task):
             if not store.in_scripts:
                 self._record_elsewhere(store, done, lease.task_id, record, ttl_ms)
             else:
-                scope = done.scope
+                scope = done.record
         client = connection.client(s)
         ch = wire.channel(client)
         # Deferred only to a server on another host (``_wire.Channel.defers_release``); release_later decides
@@ -906,14 +909,14 @@ class LockGuard(Task):
     def _record_elsewhere(self, store: Store, call: CallNames, task_id: str, record: str, ttl_ms: int) -> None:
         """Record completion in a store outside the lease scripts; a failure is logged, never raised."""
         try:
-            store.record(call.scope, task_id, record, ttl_ms)
+            store.record(call.record, task_id, record, ttl_ms)
         except Exception as exc:  # noqa: BLE001 - the body succeeded; say so loudly, do not fail it
             emit("completion.record_failed", self.name, task_id=task_id, scope=call.scope, reason=_describe(exc))
 
     def _lookup(self, store: Store, call: CallNames) -> str | None:
         """The record of ``call`` in a store outside the scripts; ``None`` also when the store does not answer."""
         try:
-            return store.lookup(call.scope)
+            return store.lookup(call.record)
         except Exception as exc:
             if errors.classify(exc) is None:
                 raise

@@ -156,9 +156,12 @@ def test_completions_show_and_forget(fleet: Any, redis_url: str, prefix: str, co
     order = uuid.uuid4().int % 10**9
     res = app.tasks["idem_step"].delay(order)
     assert res.get(timeout=30) == {"order": order, "charged": 1}
-    scope = f"order:{order}"
+    # The record answers idem_step only: --task names it (issue 29 item 7); the stored scope works too.
+    assert cli(cfg, "completions", "show", f"order:{order}").returncode == 1
+    assert cli_json(cfg, "completions", "show", f"by:idem_step:order:{order}")["record"]["task_id"] == res.id
+    scope, task_opt = f"order:{order}", ("--task", "idem_step")
 
-    shown = cli_json(cfg, "completions", "show", scope)
+    shown = cli_json(cfg, "completions", "show", scope, *task_opt)
     record = shown["record"]
     assert {k: record[k] for k in ("task_id", "task", "result")} == {
         "task_id": res.id,
@@ -168,15 +171,15 @@ def test_completions_show_and_forget(fleet: Any, redis_url: str, prefix: str, co
     assert len(record["digest"]) == 16  # the arguments digest: a reused key with other arguments is told apart
     assert shown["checkpoints"] == {"charge": {"value": 1}}
     assert shown["record_ttl_ms"] > 0
-    text = cli(cfg, "completions", "show", scope)
+    text = cli(cfg, "completions", "show", scope, *task_opt)
     assert text.returncode == 0 and f"completed by {res.id}" in text.stdout and "checkpoint charge: 1" in text.stdout
 
-    assert cli(cfg, "completions", "forget", scope, input="n\n").returncode == 1
-    assert cli_json(cfg, "completions", "show", scope)["record"] is not None
-    forgot = cli(cfg, "completions", "forget", scope, "--yes")
+    assert cli(cfg, "completions", "forget", scope, *task_opt, input="n\n").returncode == 1
+    assert cli_json(cfg, "completions", "show", scope, *task_opt)["record"] is not None
+    forgot = cli(cfg, "completions", "forget", scope, *task_opt, "--yes")
     assert forgot.returncode == 0, forgot.stderr
-    assert cli(cfg, "completions", "show", scope).returncode == 1
-    assert cli(cfg, "completions", "forget", scope, "--yes").returncode == 1
+    assert cli(cfg, "completions", "show", scope, *task_opt).returncode == 1
+    assert cli(cfg, "completions", "forget", scope, *task_opt, "--yes").returncode == 1
     # Forgotten: the same work runs again (and its checkpoint too).
     again = app.tasks["idem_step"].delay(order)
     assert again.get(timeout=30) == {"order": order, "charged": 2}

@@ -60,15 +60,16 @@ def test_same_id_is_skipped_with_the_recorded_result(app: Celery) -> None:
     assert [e["completed_by"] for e in logs if e["event"] == "completion.skipped"] == ["same"]
 
 
-def test_two_ids_one_idempotency_key_run_once_even_across_task_types(app: Celery) -> None:
+def test_two_ids_one_idempotency_key_run_once_across_task_types_that_share_a_namespace(app: Celery) -> None:
+    """Tasks that mean to share records say so (``idempotency_namespace``); the sharing was implicit before."""
     runs: list[str] = []
 
-    @task(app, idempotency_key="invoice:{invoice_id}:charge")
+    @task(app, idempotency_key="invoice:{invoice_id}:charge", idempotency_namespace="billing")
     def charge(self: Any, invoice_id: int) -> str:
         runs.append("charge")
         return "charged"
 
-    @task(app, idempotency_key="invoice:{invoice_id}:charge")
+    @task(app, idempotency_key="invoice:{invoice_id}:charge", idempotency_namespace="billing")
     def charge_v2(self: Any, invoice_id: int, note: str = "") -> str:
         runs.append("v2")
         return "charged-v2"
@@ -77,6 +78,28 @@ def test_two_ids_one_idempotency_key_run_once_even_across_task_types(app: Celery
     assert charge.apply(args=(9,), task_id="b").get() == "charged"
     assert charge_v2.apply(args=(9,), task_id="c").get() == "charged"
     assert runs == ["charge"]
+
+
+def test_one_rendered_key_of_two_task_types_is_two_records_without_a_namespace(app: Celery) -> None:
+    """Issue 29 item 7: keys are injective within one template only. ``ref("payment:42")`` wrote the record
+    ``pay(42)`` was then answered from: pay's body never ran and its caller got ref's result."""
+    runs: list[str] = []
+
+    @task(app, idempotency_key="{ref}")
+    def ref(self: Any, ref: str) -> str:
+        self.checkpoint("provider", runs.append, f"ref {ref}")
+        return "ref's result"
+
+    @task(app, idempotency_key="payment:{invoice}")
+    def pay(self: Any, invoice: int) -> str:
+        assert self.completion_scope == "payment:42"  # what a provider sees is unchanged
+        self.checkpoint("provider", runs.append, f"pay {invoice}")  # ref's checkpoint does not answer it
+        return "paid"
+
+    assert ref.apply(args=("payment:42",)).get() == "ref's result"
+    assert pay.apply(args=(42,)).get() == "paid"
+    assert pay.apply(args=(42,)).get() == "paid"  # its own record still answers it
+    assert runs == ["ref payment:42", "pay 42"]
 
 
 def test_a_retried_task_is_not_skipped(app: Celery) -> None:
@@ -335,3 +358,135 @@ def test_concurrent_first_use_of_a_fresh_table_creates_it_once(postgres_url: str
         finally:
             with psycopg.connect(postgres_url, autocommit=True) as conn:
                 conn.execute(f"DROP TABLE IF EXISTS {table}")
+
+
+# -- records answer the task that wrote them (issue 29 item 7), through the real tracer ----------------
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_record_answers_only_its_task_unless_they_share_a_namespace(
+    redis_url: str, prefix: str, backend: tuple[str, str], shared: bool
+) -> None:
+    """Two task types whose templates render one S (``"{ref}"`` with ``"payment:42"``, ``"payment:{invoice}"``
+    with 42), delivered by Celery's real tracer on a real Redis (and PostgreSQL): without a namespace each
+    body runs and each record answers only its own task; with ``idempotency_namespace="payments"`` on both,
+    the second is answered from the first's record, which lives under the namespace."""
+    import redis as redis_lib
+
+    from celery_lockguard._keys import done_name
+
+    from .tracer import deliver, make_app
+
+    app = make_app("records", redis_url, prefix)
+    app.conf.lockguard_completion_backend, app.conf.lockguard_completion_table = backend
+    runs: list[str] = []
+    opts: dict[str, Any] = {"idempotency_namespace": "payments"} if shared else {}
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="refunds.by_ref", idempotency_key="{ref}", **opts)
+    def by_ref(self: Any, ref: str) -> str:
+        runs.append(f"by_ref {ref}")
+        return "refunded"
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="payments.pay", idempotency_key="payment:{invoice}", **opts
+    )
+    def pay(self: Any, invoice: int) -> str:
+        runs.append(f"pay {invoice}")
+        return "paid"
+
+    first = deliver(by_ref, ("payment:42",))
+    second = deliver(pay, (42,))
+    assert (first.state, first.retval) == ("SUCCESS", "refunded")
+    if shared:
+        assert runs == ["by_ref payment:42"]  # declared shared: one effect, answered from the record
+        assert (second.state, second.retval) == ("SUCCESS", "refunded")
+        owners = ["ns:payments:payment:42"]
+    else:
+        assert runs == ["by_ref payment:42", "pay 42"]  # pay's body ran: ref's record never answers it
+        assert (second.state, second.retval) == ("SUCCESS", "paid")
+        assert deliver(pay, (42,)).retval == "paid" and deliver(by_ref, ("payment:42",)).retval == "refunded"
+        assert len(runs) == 2  # and each task's own record still answers its duplicates
+        owners = ["by:payments.pay:payment:42", "by:refunds.by_ref:payment:42"]
+    if backend[0] == "redis":
+        r = redis_lib.Redis.from_url(redis_url, decode_responses=True)
+        assert sorted(k for k in r.scan_iter(match=f"{prefix}:v1:*:done")) == [done_name(prefix, o) for o in owners]
+        assert done_name(prefix, owners[0]).startswith(f"{prefix}:v1:{{payment:42}}:")  # the lease's slot
+    else:
+        from celery_lockguard._keys import record_key
+
+        with psycopg.connect(backend[0]) as conn:
+            rows = conn.execute(f"SELECT scope FROM {backend[1]} WHERE name = '' ORDER BY scope").fetchall()
+        assert [row[0] for row in rows] == [record_key(prefix, o) for o in owners]
+
+
+def test_carry_over_moves_earlier_format_records_to_the_task_that_wrote_them(
+    redis_url: str, prefix: str, backend: tuple[str, str]
+) -> None:
+    """The upgrade path of issue 29 item 7: records named by S alone are not read any more (a duplicate
+    would run once more); ``lockguard completions carry-over`` copies each to its writer's record scope,
+    with its checkpoints and TTL, and leaves task-id scopes and other tasks' records alone."""
+    import redis as redis_lib
+    from celery.bin.base import CLIContext
+    from click.testing import CliRunner
+
+    from celery_lockguard._cli import lockguard
+    from celery_lockguard._keys import checkpoint_name, done_name
+
+    from .tracer import deliver, make_app
+
+    app = make_app("carry", redis_url, prefix)
+    app.conf.lockguard_completion_backend, app.conf.lockguard_completion_table = backend
+    runs: list[str] = []
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="payments.pay", idempotency_key="payment:{invoice}")
+    def pay(self: Any, invoice: int) -> str:
+        self.checkpoint("card", runs.append, f"card {invoice}")
+        return "paid now"
+
+    def old_record(task_name: str, result: str) -> str:
+        return f'{{"task_id":"old-{task_name}","task":"{task_name}","digest":"","result":"{result}"}}'
+
+    legacy = {  # S -> (writer, result): as the earlier release stored them
+        "payment:42": ("payments.pay", "paid before"),
+        "payment:43": ("refunds.by_ref", "refunded before"),  # another task's record: never pay's
+    }
+    if backend[0] == "redis":
+        r = redis_lib.Redis.from_url(redis_url, decode_responses=True)
+        for scope, (writer, result) in legacy.items():
+            r.set(f"{prefix}:v1:{{{scope}}}:done", old_record(writer, result), px=600_000)
+        r.hset(f"{prefix}:v1:{{payment:42}}:cp", "card", '{"value":null}')
+        r.pexpire(f"{prefix}:v1:{{payment:42}}:cp", 600_000)
+        r.set(done_name(prefix, "task:t-1"), old_record("payments.pay", "x"), px=600_000)
+        r.hset(f"{prefix}:v1:{{planted}}:done", "a", "a hash where a record belongs")  # skipped, no crash
+        r.set(f"{prefix}:v1:{{deep}}:done", "[" * 100_000, px=600_000)
+    else:
+        PostgresStore(backend[0], backend[1], namespace=prefix).create_table()
+        for scope, (writer, result) in legacy.items():
+            with psycopg.connect(backend[0], autocommit=True) as conn:
+                conn.execute(
+                    f"INSERT INTO {backend[1]} (scope, name, value, task_id, expires_at) "
+                    "VALUES (%s, %s, %s, %s, now() + interval '10 minutes')",
+                    (f"{prefix}:v1:{{{scope}}}", "", old_record(writer, result), f"old-{writer}"),
+                )
+        with psycopg.connect(backend[0], autocommit=True) as conn:
+            conn.execute(
+                f"INSERT INTO {backend[1]} (scope, name, value, expires_at) "
+                "VALUES (%s, 'cp:card', '{\"value\":null}', now() + interval '10 minutes')",
+                (f"{prefix}:v1:{{payment:42}}",),
+            )
+
+    obj = CLIContext(app=app, no_color=True, workdir=None, quiet=True)
+    out = CliRunner().invoke(lockguard, ["completions", "carry-over", "--yes"], obj=obj)
+    assert out.exit_code == 0, out.output
+    assert "carried over 1 record(s)" in out.output
+    assert deliver(pay, (42,)).retval == "paid before"  # answered from the record it wrote before the upgrade
+    assert deliver(pay, (43,)).retval == "paid now"  # refunds.by_ref's record did not become pay's
+    assert runs == ["card 43"]
+    if backend[0] == "redis":
+        assert r.hget(checkpoint_name(prefix, "by:payments.pay:payment:42"), "card") == '{"value":null}'
+        assert 0 < r.pttl(done_name(prefix, "by:payments.pay:payment:42")) <= 600_000
+    else:
+        entries = PostgresStore(backend[0], backend[1], namespace=prefix).entries("by:payments.pay:payment:42")
+        assert [name for name, _, _ in entries] == ["", "cp:card"]
+    again = CliRunner().invoke(lockguard, ["completions", "carry-over", "--yes"], obj=obj)
+    assert "carried over 0 record(s)" in again.output  # an existing new record is never replaced

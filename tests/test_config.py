@@ -334,13 +334,28 @@ def refund(customer_id):
 
 
 @pytest.mark.integration
-def test_a_worker_with_a_misspelled_option_refuses_to_start(redis_url: str, prefix: str, tmp_path: Any) -> None:
+@pytest.mark.parametrize(
+    ("typo", "needles"),
+    [
+        ("option", ("'payments.refund': unknown option lockkey=", "did you mean lock_key?")),
+        ("setting", ("setting lockguard_default_tll is not a LockGuard", "did you mean lockguard_default_ttl?")),
+    ],
+)
+def test_a_worker_with_a_misspelled_option_or_setting_refuses_to_start(
+    redis_url: str, prefix: str, tmp_path: Any, typo: str, needles: tuple[str, ...]
+) -> None:
+    """Issue 29 item 8: ``lockguard_default_tll=5`` started the worker silently with the 30 s default."""
     import subprocess
     import sys
 
     from .harness import ROOT
 
-    (tmp_path / "badapp.py").write_text(BAD_APP.format(broker=redis_url, prefix=prefix))
+    app_text = BAD_APP.format(broker=redis_url, prefix=prefix)
+    if typo == "setting":
+        app_text = app_text.replace('lockkey="customer', 'lock_key="customer').replace(
+            "worker_hijack_root_logger=False,", "worker_hijack_root_logger=False,\n    lockguard_default_tll=5,"
+        )
+    (tmp_path / "badapp.py").write_text(app_text)
     proc = subprocess.run(
         [
             sys.executable,
@@ -366,7 +381,7 @@ def test_a_worker_with_a_misspelled_option_refuses_to_start(redis_url: str, pref
     out = proc.stdout + proc.stderr
     assert proc.returncode == 78, out
     assert "refusing to start the worker" in out
-    assert "'payments.refund': unknown option lockkey=" in out and "did you mean lock_key?" in out
+    assert all(needle in out for needle in needles), out
     assert "ready." not in out  # never consumed a message
 
 
@@ -510,3 +525,155 @@ def test_debounce_needs_an_entity_and_the_while_running_mode(opts: dict[str, Any
     with pytest.raises(ConfigurationError) as err:
         _ = reindex.lockguard_options
     assert "'search.reindex'" in str(err.value) and "lock_debounce=1" in str(err.value) and needle in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("conf", "needle"),
+    [
+        (
+            {"lockguard_default_tll": 5},
+            "lockguard_default_tll is not a LockGuard setting; did you mean lockguard_default_ttl?",
+        ),
+        (
+            {"lockguard_completion_backed": "postgresql://u:s3cret@h/db"},
+            "lockguard_completion_backed is not a LockGuard setting; did you mean lockguard_completion_backend?",
+        ),
+        ({"lockguard_on_lockd": "raise"}, "did you mean lockguard_on_locked?"),
+        (
+            {"LOCKGUARD_REDIS_URL": "redis://h/0"},
+            "LOCKGUARD_REDIS_URL is not a LockGuard setting; did you mean lockguard_redis",
+        ),
+        ({"lockguard_Default_TTL": 5}, "did you mean lockguard_default_ttl?"),
+    ],
+)
+def test_a_misspelled_setting_is_refused_with_the_nearest_known_one(conf: dict[str, Any], needle: str) -> None:
+    """Issue 29 item 8: misspelled options were refused, misspelled settings kept their default silently.
+
+    Refused where the settings are read (first use), by ``validate_tasks`` (worker start, even with no
+    locked task) and reported by ``doctor``; the value is never quoted (a DSN carries a password).
+    """
+    from celery_lockguard import _doctor
+    from celery_lockguard._config import validate_tasks
+
+    app = make(**conf)
+    with pytest.raises(ConfigurationError) as err:
+        settings(app)
+    assert needle in str(err.value) and "s3cret" not in str(err.value)
+    with pytest.raises(ConfigurationError, match="is not a LockGuard setting"):
+        validate_tasks(app)  # no LockGuard task at all: still refused
+
+    @app.task(base=LockedTask, shared=False, name="c.charge", lock_key="k:{a}")
+    def charge(a: int) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="is not a LockGuard setting"):
+        validate_tasks(app)
+    with pytest.raises(ConfigurationError, match="is not a LockGuard setting"):
+        charge.apply(args=(1,), throw=True)
+    findings = _doctor.run(app)
+    assert [f.code for f in findings] == ["configuration"] and "is not a LockGuard setting" in findings[0].message
+
+
+def test_a_misspelled_django_style_setting_is_refused() -> None:
+    """``CELERY_LOCKGUARD_DEFAULT_TLL`` through ``config_from_object(..., namespace="CELERY")``; a project's own
+    ``LOCKGUARD_*`` name (a Django settings module brings all of them) is left alone."""
+
+    class DjangoSettings:
+        CELERY_BROKER_URL = "redis://127.0.0.1:6379/0"
+        CELERY_LOCKGUARD_DEFAULT_TTL = 12
+        LOCKGUARD_PROJECT_FLAG = True
+
+    app = Celery("djtypo", set_as_current=False)
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    assert settings(app).default_ttl == 12
+
+    class Typo(DjangoSettings):
+        CELERY_LOCKGUARD_DEFAULT_TLL = 5
+
+    app = Celery("djtypo", set_as_current=False)
+    app.config_from_object(Typo, namespace="CELERY")
+    with pytest.raises(
+        ConfigurationError, match="_DEFAULT_TLL is not a LockGuard setting; did you mean CELERY_LOCKGUARD_DEFAULT_TTL"
+    ):
+        settings(app)
+
+
+def test_every_setting_the_library_reads_is_a_known_setting() -> None:
+    """A setting read but missing from ``KNOWN_SETTINGS`` would be refused as a typo when a user sets it."""
+    import re
+    from pathlib import Path
+
+    from celery_lockguard._config import KNOWN_SETTINGS
+
+    from .harness import ROOT
+
+    read: set[str] = set()
+    for folder in ("celery_lockguard", "bench", "chaos", "example_app", "tests"):
+        for path in Path(ROOT, folder).rglob("*.py"):
+            if path.name == "test_config.py":  # this file's typos are on purpose
+                continue
+            text = path.read_text()
+            read.update(re.findall(r"\bsetting\([\w.]+,\s*\"(\w+)\"", text))
+            read.update(n.lower() for n in re.findall(r"CELERY_LOCKGUARD_([A-Z_]+)\b", text))
+            read.update(re.findall(r"\blockguard_(\w+)\s*=[^=]", text))  # conf.update(lockguard_x=...)
+            read.update(re.findall(r"[\"']lockguard_(\w+)[\"']\s*:", text))  # {"lockguard_x": ...}
+    section = Path(ROOT, "docs/reference.md").read_text().split("\n## Settings\n", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `lockguard_(\w+)` \|", section, re.M))
+    assert read and documented
+    assert documented == KNOWN_SETTINGS
+    unknown = {n for n in read if n not in KNOWN_SETTINGS and n != "x" and not n.startswith(("test_", "template_"))}
+    assert not unknown, unknown
+
+
+@pytest.mark.parametrize(
+    ("opts", "needle"),
+    [
+        ({"idempotency_key": "pay:{a}", "idempotency_namespace": ""}, "idempotency_namespace='' must be a name"),
+        ({"idempotency_key": "pay:{a}", "idempotency_namespace": "pay:ments"}, "idempotency_namespace='pay:ments'"),
+        ({"idempotency_key": "pay:{a}", "idempotency_namespace": "x" * 65}, "must be a name of 1-64"),
+        ({"idempotency_key": "pay:{a}", "idempotency_namespace": 7}, "idempotency_namespace=7"),
+        ({"lock_key": "k:{a}", "idempotency_namespace": "payments"}, "needs an idempotency_key"),
+        ({"idempotency_key": "pay:{a}", "idempotency_namspace": "payments"}, "did you mean idempotency_namespace?"),
+    ],
+)
+def test_a_bad_idempotency_namespace_names_the_task_and_the_value(opts: dict[str, Any], needle: str) -> None:
+    app = make()
+
+    @app.task(base=LockedTask, shared=False, name="pay.charge", **opts)
+    def charge(a: int) -> None: ...
+
+    with pytest.raises(ConfigurationError, match=r"'pay\.charge'") as err:
+        charge.lockguard_options  # noqa: B018 - resolving is the check
+    assert needle in str(err.value)
+
+
+def test_an_idempotency_namespace_is_resolved_once_into_the_record_prefix() -> None:
+    app = make()
+
+    @app.task(
+        base=LockedTask, shared=False, name="pay.charge", idempotency_key="pay:{a}", idempotency_namespace="p-1.x"
+    )
+    def charge(a: int) -> None: ...
+
+    @app.task(base=LockedTask, shared=False, name="pay.refund", idempotency_key="pay:{a}")
+    def refund(a: int) -> None: ...
+
+    assert charge.lockguard_options.idempotency_namespace == "p-1.x"
+    assert charge.lockguard_options.record_prefix == "ns:p-1.x:"
+    assert refund.lockguard_options.record_prefix == "by:pay.refund:"
+
+
+def test_describe_names_the_namespace_a_task_shares_its_records_in() -> None:
+    from celery_lockguard import _inventory
+
+    app = make()
+
+    @app.task(base=LockedTask, shared=False, name="pay.charge", idempotency_key="pay:{a}", idempotency_namespace="pay")
+    def charge(a: int) -> None: ...
+
+    @app.task(base=LockedTask, shared=False, name="pay.refund", idempotency_key="pay:{a}")
+    def refund(a: int) -> None: ...
+
+    rows = {r["task"]: r for r in _inventory.inventory(app)}
+    assert rows["pay.charge"]["completion_namespace"] == "pay" and rows["pay.refund"]["completion_namespace"] is None
+    text = _inventory.markdown(app, list(rows.values()))
+    assert "`pay:{a}` (shared: `pay`)" in text

@@ -30,7 +30,15 @@ import pytest
 import redis
 from celery import Celery, Task
 
-from celery_lockguard import ConfigurationError, LockedTask, LockGuard, StaleFence, bump_fence, validate_tasks
+from celery_lockguard import (
+    ConfigurationError,
+    EmptyField,
+    LockedTask,
+    LockGuard,
+    StaleFence,
+    bump_fence,
+    validate_tasks,
+)
 from celery_lockguard._keys import claim_name, lock_name
 from celery_lockguard._task import adoptable_task_class
 from celery_lockguard.testing import Worker, delete_prefix
@@ -263,11 +271,12 @@ def test_composition_order_decides_what_the_claim_sees(redis_url: str, prefix: s
     @app.task(base=ClaimLast, name=f"last{prefix}", **options)
     def last(tenant_id: str | None = None) -> None: ...
 
-    # Claimed before TenantTask added the tenant: both publishes are "identical work", the second is never sent.
-    acme, globex = _publish_as(first, "acme", "globex")
-    assert acme == globex
-    assert r.exists(claim_name(prefix, "tenant:None:sync"))
-    r.delete(claim_name(prefix, "tenant:None:sync"))
+    # Claimed before TenantTask added the tenant: the key's field is still None. It rendered
+    # ``tenant:None:sync`` (both publishes "identical work", the second never sent); a None field is
+    # now refused at publish (issue 29 item 6), so the wrong order fails loudly instead.
+    with pytest.raises(EmptyField, match=r"field \{tenant_id\} is None"):
+        _publish_as(first, "acme")
+    assert not r.exists(claim_name(prefix, "tenant:None:sync"))
     # Claimed inside TenantTask's apply_async: one claim per tenant, both sent.
     acme, globex = _publish_as(last, "acme", "globex")
     assert acme != globex

@@ -22,7 +22,7 @@ from celery_lockguard import _handoff as handoff
 from celery_lockguard import _headers as headers
 from celery_lockguard import _lease as L
 from celery_lockguard._config import settings
-from celery_lockguard._keys import lock_name, wait_name, waiters_name
+from celery_lockguard._keys import done_name, lock_name, wait_name, waiters_name
 
 from .test_paths import hold
 from .tracer import HOSTNAME, Message, deliver, make_app, published, redeliver
@@ -206,7 +206,8 @@ def test_a_woken_copy_answered_from_the_record_frees_its_reservation_for_the_nex
     assert release(app, r, prefix, lease)
     # identical work meanwhile meets the reservation of identical work: skipped, as behind any live holder
     assert deliver(t, (5, 100), task_id="identical").retval is None
-    r.set(f"{prefix}:v1:{{pay:5:100}}:done", '{"task_id":"x","task":"h.idem","digest":"","result":100}')
+    record = '{"task_id":"x","task":"h.idem","digest":"","result":100}'
+    r.set(done_name(prefix, "by:h.idem:pay:5:100"), record)  # h.idem's own record (issue 29 item 7)
     woken = messages(r, app, first.task_id)[-1]
     assert redeliver(t, woken).state == "SUCCESS" and runs == []  # answered from the record
     assert messages(r, app, second.task_id)[-1].headers.get(headers.WOKEN) == 1, "the next waiter was stranded"

@@ -84,7 +84,9 @@ def test_argument_tuples_differing_as_text_never_share_a_key(t: str, a1: Any, b1
     texts2 = [text(v) for v, n in zip((a2, b2), "ab", strict=True) if n in used]
     keys = []
     for a, b, texts in ((a1, b1, texts1), (a2, b2, texts2)):
-        if "" in texts:  # an empty field names no entity (and, alone, an empty hash tag): refused
+        values = [v for v, n in zip((a, b), "ab", strict=True) if n in used]
+        # An empty field names no entity (and, alone, an empty hash tag); None is refused alike (it would be "None").
+        if "" in texts or any(v is None for v in values):
             with pytest.raises(EmptyField):
                 render(t, a, b)
             return

@@ -79,8 +79,8 @@ def test_bad_templates_name_task_option_and_value(template: Any, needle: str) ->
 
 
 def test_callable_returning_non_string_is_an_error() -> None:
-    k = KeyRenderer(lambda a, b="x": None, sig(two), "t.two", "lock_key")
-    with pytest.raises(ConfigurationError, match="callable returned None"):
+    k = KeyRenderer(lambda a, b="x": 42, sig(two), "t.two", "lock_key")
+    with pytest.raises(ConfigurationError, match="callable returned 42"):
         k.render({}, (1,), {})
 
 
@@ -107,7 +107,29 @@ def test_a_field_that_renders_empty_is_refused_naming_task_option_and_field(opti
     assert "billing.sync" in msg and option in msg and "{a}" in msg and "empty" in msg
     with pytest.raises(EmptyField, match=r"field \{b\}"):
         render("inv:{a}:{b}", 1, "")
-    assert render("inv:{a}", 0) == "inv:0" and render("inv:{a}", None) == "inv:None"  # falsy, not empty
+    assert render("inv:{a}", 0) == "inv:0" and render("inv:{a}", False) == "inv:False"  # falsy, not empty
+
+
+@pytest.mark.parametrize("option", ["lock_key", "idempotency_key"])
+def test_a_none_field_is_refused_like_an_empty_one(option: str) -> None:
+    """Issue 29 item 6: ``None`` rendered ``inv:None``, the key of the string ``"None"``, for every such call."""
+    k = KeyRenderer("inv:{a}:{b}", sig(two), "billing.sync", option)
+    with pytest.raises(EmptyField) as err:
+        k.render(bind(sig(two), (None, "x"), {}), (None, "x"), {})
+    msg = str(err.value)
+    assert "billing.sync" in msg and option in msg and "{a}" in msg and "None" in msg
+    with pytest.raises(EmptyField, match=r"field \{b\} is None"):
+        render("inv:{a}:{b}", 1, None)  # a default of None counts too: render("inv:{a}:{b}", 1, b=None)
+    assert render("inv:{a}", "None") == "inv:None"  # the string is a value like any other
+    assert render("inv:{a}", {"k": None}) == 'inv:%7B"k"%3Anull%7D'  # inside a container: JSON null
+
+
+def test_a_callable_key_returning_none_or_empty_is_an_empty_field() -> None:
+    """A callable returning ``None`` names no entity: refused like a None field, never "run unlocked"."""
+    for returned in (None, ""):
+        k = KeyRenderer(lambda a, b="x", r=returned: r, sig(two), "t.two", "lock_key")
+        with pytest.raises(EmptyField, match=f"callable returned {returned!r}"):
+            k.render({}, (1,), {})
 
 
 #: Keys of values that fit are a stored format (format v1): they must never change.
@@ -228,3 +250,69 @@ def test_the_positional_digest_is_the_bound_arguments_digest(arguments: dict[str
     across versions and processes."""
     names, values = tuple(arguments), tuple(arguments.values())
     assert keys.digest_in_order(keys.digest_order(names), values) == keys.digest(arguments)
+
+
+def test_calls_with_a_none_field_share_no_lease_and_no_record(redis_url: str, prefix: str) -> None:
+    """Issue 29 item 6 end to end, through the real tracer on a real Redis: ``charge(None, 100)`` then
+    ``charge(None, 250)`` rendered one scope ``invoice:None``: the second failed ``IdempotencyKeyReused``
+    (or, with ``"warn"``, was answered with the first one's result). Both are refused before Redis."""
+    import redis
+
+    from celery_lockguard import IdempotencyKeyReused, LockedTask
+
+    from .tracer import deliver, make_app
+
+    app = make_app("nonekey", redis_url, prefix)
+    ran: list[Any] = []
+
+    @app.task(base=LockedTask, shared=False, name="billing.charge", idempotency_key="invoice:{invoice_id}")
+    def charge(invoice_id: Any, amount: int) -> int:
+        ran.append((invoice_id, amount))
+        return amount
+
+    @app.task(base=LockedTask, shared=False, name="billing.sync", lock_key="invoice:{invoice_id}")
+    def sync(invoice_id: Any) -> None:
+        ran.append(invoice_id)
+
+    first, second = deliver(charge, (None, 100)), deliver(charge, (None, 250))
+    assert not isinstance(second.retval.exception, IdempotencyKeyReused)
+    for traced in (first, second):
+        assert traced.state == "FAILURE" and isinstance(traced.retval.exception, EmptyField), traced
+        assert "'billing.charge': option idempotency_key='invoice:{invoice_id}': field {invoice_id} is None" in str(
+            traced.retval.exception
+        )
+    error = deliver(sync, (None,)).retval.exception
+    assert isinstance(error, EmptyField) and "'billing.sync': option lock_key=" in str(error)
+    with pytest.raises(EmptyField):
+        sync.lock_key_for(None)
+    assert ran == []
+    assert not list(redis.Redis.from_url(redis_url).scan_iter(match=f"{prefix}:v1:*"))  # no lease, no record
+    assert deliver(charge, (42, 100)).retval == 100 and ran == [(42, 100)]
+
+
+def test_record_scopes_of_tasks_and_namespaces_never_meet_and_keep_the_scope_slot() -> None:
+    """Issue 29 item 7: one rendered S is one record per task (``by:<task>:S``), or per named namespace
+    (``ns:<name>:S``); task-id scopes are their own. The Redis key keeps S as its hash tag."""
+    from celery_lockguard._cluster import slot
+    from celery_lockguard._keys import checkpoint_name, done_name, record_key, record_scope, task_scope
+
+    s = "payment:42"
+    scopes = [
+        record_scope(s, "payments.pay"),
+        record_scope(s, "refunds.by_ref"),
+        record_scope(s, "x", "payments"),
+        record_scope(s, "y", "payments"),
+        record_scope("42", "payments.pay:payment"),  # a task name with ":" cannot imitate another task's record
+        task_scope("payment:42"),
+    ]
+    assert scopes[2] == scopes[3] == "ns:payments:payment:42"  # the namespace, not the task, owns it
+    assert scopes[0] == "by:payments.pay:payment:42" and scopes[4] == "by:payments.pay%3Apayment:42"
+    assert len({scopes[0], scopes[1], scopes[2], scopes[4], scopes[5]}) == 5
+    names = {done_name("lg", x) for x in scopes}
+    assert len(names) == 5 and done_name("lg", scopes[0]) == "lg:v1:{payment:42}:by:payments.pay:done"
+    assert checkpoint_name("lg", scopes[2]) == "lg:v1:{payment:42}:ns:payments:cp"
+    assert record_key("lg", scopes[1]) == "lg:v1:{payment:42}:by:refunds.by_ref"  # the PostgreSQL scope column
+    assert all(slot(done_name("lg", x)) == slot(lock_name("lg", s)) for x in scopes[:3])  # no extra round trip
+    assert done_name("lg", "task:t-1") == "lg:v1:{task:t-1}:done"  # task-id scopes: the format is unchanged
+    braces = record_scope(s, "we{ird} name")
+    assert "{" not in braces and "}" not in braces and " " not in braces

@@ -113,7 +113,9 @@ def test_idempotency_key_dedupes_across_task_ids_and_locks_on_scope(app: Celery,
     assert charge.apply(args=(7,), task_id="a").get() == "invoice:7:charge"
     assert charge.apply(args=(7,), task_id="b").get() == "invoice:7:charge"
     assert runs == ["invoice:7:charge"]
-    assert 3600_000 < r.pttl(done_name(prefix, "invoice:7:charge")) <= 86400_000
+    # The record answers tt.4 only (issue 29 item 7); it keeps S's hash tag, the lease's own.
+    assert 3600_000 < r.pttl(done_name(prefix, "by:tt.4:invoice:7:charge")) <= 86400_000
+    assert done_name(prefix, "by:tt.4:invoice:7:charge") == f"{prefix}:v1:{{invoice:7:charge}}:by:tt.4:done"
 
 
 def test_large_or_unserializable_result_records_none(app: Celery) -> None:

@@ -326,6 +326,7 @@ def test_workflow_puts_one_header_on_every_member_only_the_first_may_start(app: 
         ({"gap_ttl": -1}, "gap_ttl=-1"),
         ({"lock_max_waits": -2}, "lock_max_waits=-2"),
         ({"tenant": ""}, "rendered empty"),
+        ({"tenant": None}, r"field \{tenant\} is None"),  # issue 29 item 6: not "tenant:None:pipeline"
         ({"other": "x"}, "unknown field"),
     ],
 )
