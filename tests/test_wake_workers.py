@@ -22,6 +22,7 @@ import pytest
 import redis
 
 from celery_lockguard import _lease as L
+from celery_lockguard._headers import WAITS
 from celery_lockguard.testing import wait_for
 
 from .conftest import Fleet, make_cfg
@@ -127,7 +128,7 @@ def test_a_freed_lock_limit_slot_wakes_the_parked_waiter_into_that_slot(
     holders = [task.delay(key, gate, f"h{i}") for i, gate in enumerate(gates)]
     wait_for(lambda: len([x for x in records(r, prefix) if x["ev"] == "start"]) == 2, 30, what="both slots taken")
     # A waiter that already waited six times: were it backing off, its next try would be 8-16 s away.
-    waiter = task.apply_async((key, "", "waiter"), headers={"lockguard_waits": 6})
+    waiter = task.apply_async((key, "", "waiter"), headers={WAITS: 6})
     wait_for(lambda: waiter.state == "RETRY", 30, what="the waiter to wait (parked or backing off)")
     r.set(gates[1], 1)  # the holder of one slot ends
     ended = wait_for(lambda: next((x["t"] for x in records(r, prefix) if x.get("tag") == "h1" and x["ev"] == "end"),
