@@ -79,7 +79,7 @@ def _settings(ctx: click.Context) -> Settings:
     try:
         return settings(_app(ctx))
     except ConfigurationError as exc:
-        raise CeleryCommandException(f"invalid lockguard settings: {redact(exc)}", EX_CONFIG) from exc
+        raise CeleryCommandException(f"invalid lockguard settings: {redact_text(exc)}", EX_CONFIG) from exc
 
 
 @contextmanager
@@ -88,7 +88,7 @@ def _redis(s: Settings) -> Iterator[Any]:
     try:
         yield connection.operator_client(s)
     except ConfigurationError as exc:
-        raise CeleryCommandException(redact(exc), EX_CONFIG) from exc
+        raise CeleryCommandException(redact_text(exc), EX_CONFIG) from exc
     except UNAVAILABLE_ERRORS as exc:
         raise CeleryCommandException(
             f"the lock Redis {redact(s.redis_url)} is unreachable: "

@@ -1,0 +1,119 @@
+"""Operator surfaces against hostile clients and data (issue 30): secrets, planted metrics, test cleanup,
+exposure of the exporter, and idle connections.
+
+Everything here runs the real ``celery ... lockguard`` command or a real
+exporter process against the real Redis (and PostgreSQL), and talks to it
+over real sockets.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import redis
+
+from celery_lockguard._keys import lock_name
+from celery_lockguard.testing import free_port
+
+from .conftest import make_cfg
+from .test_cli import cli
+from .test_page import start_page
+
+pytestmark = pytest.mark.integration
+
+# -- 2. secrets -------------------------------------------------------------------------------
+
+SSL_PW = "Sslpw7f3q"  # redis-py ssl_password=
+ENC_PW = "Encpw9a1q"  # pass%77ord= : redis-py decodes the key to "password"
+USER_PW = "Userpw4c2q"  # userinfo
+LIBPQ_PW = "Libpqb6dq"  # libpq sslpassword=
+HALF_PW = "Halfpwe85q"  # the second half of an unquoted libpq password with a space in it
+SECRETS = (SSL_PW, ENC_PW, USER_PW, LIBPQ_PW, HALF_PW)
+
+
+def _with_query(url: str, query: str) -> str:
+    return url + ("&" if "?" in url else "?") + query
+
+
+def assert_no_secret(out: subprocess.CompletedProcess[str], what: str) -> None:
+    text = out.stdout + out.stderr
+    assert "Traceback" not in text, f"{what}:\n{text}"
+    leaked = [s for s in SECRETS if s in text]
+    assert not leaked, f"{what} printed {leaked}:\n{text}"
+
+
+COMMANDS = [
+    ("locks",),
+    ("locks", "--json"),
+    ("stats",),
+    ("stats", "--json"),
+    ("stats", "--prometheus"),
+    ("doctor",),
+    ("doctor", "--json"),
+    ("describe",),
+    ("describe", "--json"),
+    ("completions", "show", "s"),
+    ("completions", "forget", "s", "--yes"),
+]
+
+
+def test_an_unreachable_lock_redis_is_named_without_any_secret(prefix: str) -> None:
+    dead = free_port()
+    url = f"rediss://:{USER_PW}@127.0.0.1:{dead}/0?ssl_password={SSL_PW}&pass%77ord={ENC_PW}"
+    cfg = make_cfg(prefix, "redis://127.0.0.1:6379/0", lock_url=url)
+    for args in COMMANDS:
+        out = cli(cfg, *args)
+        assert_no_secret(out, " ".join(args))
+        if args[0] != "describe":
+            assert out.returncode == 69, (args, out.stdout, out.stderr)
+            assert f"rediss://:***@127.0.0.1:{dead}/0?ssl_password=***&password=***" in out.stdout + out.stderr
+
+
+def test_a_reachable_lock_redis_with_secret_options_is_shown_masked(redis_url: str, prefix: str) -> None:
+    cfg = make_cfg(prefix, redis_url, lock_url=_with_query(redis_url, f"pass%77ord={ENC_PW}"))
+    for args in COMMANDS:
+        out = cli(cfg, *args)
+        assert_no_secret(out, " ".join(args))
+    assert "password=***" in cli(cfg, "describe").stdout
+
+
+def test_a_completion_database_is_named_without_its_secrets(redis_url: str, prefix: str) -> None:
+    dsn = f"postgresql://postgres:{USER_PW}@127.0.0.1:{free_port()}/test?sslpassword={LIBPQ_PW}&sslmode=disable"
+    cfg = make_cfg(prefix, redis_url, completion_backend=dsn)
+    for args in (("completions", "show", "s"), ("completions", "forget", "s", "--yes"), ("doctor",)):
+        out = cli(cfg, *args)
+        assert_no_secret(out, " ".join(args))
+    assert "sslpassword=***" in cli(cfg, "completions", "show", "s").stderr
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        f"host=127.0.0.1 port={free_port()} dbname=test user=postgres sslpassword={LIBPQ_PW}",
+        f"host=127.0.0.1 dbname=test user=postgres password=abc {HALF_PW}",  # libpq: missing "=" after "Half..."
+    ],
+)
+def test_a_libpq_keyword_dsn_is_never_printed_unparsed(redis_url: str, prefix: str, dsn: str) -> None:
+    cfg = make_cfg(prefix, redis_url)
+    redis.Redis.from_url(redis_url).hset(lock_name(prefix, "k"), mapping={"task_id": "t", "fence": "1"})
+    out = cli(cfg, "release", "k", "--yes", "--fence-dsn", dsn)
+    assert_no_secret(out, "release --fence-dsn")
+    assert "fence database" in out.stdout + out.stderr
+    bad = cli(make_cfg(prefix, redis_url, completion_backend=dsn), "locks")
+    assert_no_secret(bad, "a keyword DSN as the completion backend")
+    assert bad.returncode == 78 and "lockguard_completion_backend" in bad.stderr
+
+
+def test_the_page_header_and_its_data_show_no_secret(redis_url: str, prefix: str) -> None:
+    page = start_page(make_cfg(prefix, redis_url, lock_url=_with_query(redis_url, f"pass%77ord={ENC_PW}")))
+    try:
+        for path in ("/page", "/page/live", "/page/data.json", "/metrics"):
+            code, _, body = page.get(path)
+            text = body.decode()
+            assert code == 200 and not [s for s in SECRETS if s in text], (path, text[:3000])
+        assert "password=***" in page.get("/page")[2].decode()
+    finally:
+        page.proc.terminate()
+        _, err = page.proc.communicate(timeout=15)
+    assert not [s for s in SECRETS if s in err], err
