@@ -458,6 +458,8 @@ def stats_(ctx: click.Context, as_json: bool, prometheus: bool, **_: Any) -> Non
     s = _settings(ctx)
     with _redis(s) as client:
         raw = stats.read(client, s.key_prefix, windows=not prometheus)
+    for key in raw["unreadable"]:
+        click.echo(f"metrics key {printable(key)} is of a type no worker writes, skipped", err=True)
     if prometheus:
         click.echo(stats.prometheus(raw, _inventory.key_templates(_app(ctx))), nl=False)
         return

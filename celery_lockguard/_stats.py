@@ -23,7 +23,10 @@ thresholds are below, so an operator can check why one fired.
 
 Every field is parsed on its own (:func:`celery_lockguard._metrics.parse_count`):
 a value no flush writes (``nan``, ``inf``, ``1e400``, text) is skipped and
-named under ``malformed``, and everything else is summed as usual.
+named under ``malformed``, and everything else is summed as usual. A metrics
+key of a type no flush writes (a string planted where the totals hash or the
+process index belongs) is read as empty and named under ``unreadable``: every
+reader (``stats``, the exporter, the page, ``doctor``) survives it.
 
 What is held *now* comes from the processes' gauges (``_metrics`` module
 docstring): one ``ZRANGE`` names them and one ``MGET`` reads them, in a second
@@ -39,6 +42,8 @@ import math
 import time
 from collections import Counter
 from typing import Any
+
+import redis
 
 from ._metrics import (
     HISTOGRAM_FIELD_PREFIXES,
@@ -84,15 +89,34 @@ def read(client: Any, prefix: str, now: float | None = None, windows: bool = Tru
     pipe.zrange(procs_key(prefix), 0, -1)
     for m in minutes:
         pipe.hgetall(minute_key(prefix, m))
-    replies = pipe.execute()
-    procs = [p for p in (replies[1] or []) if isinstance(p, str)]
+    keys = [total_key(prefix), procs_key(prefix), *(minute_key(prefix, m) for m in minutes)]
+    # Per-command errors come back as values: one planted key of the wrong type costs its own numbers only.
+    replies = pipe.execute(raise_on_error=False)
+    unreadable: list[str] = []
+    for i, (key, reply) in enumerate(zip(keys, replies, strict=True)):
+        expected = list if i == 1 else dict
+        if isinstance(reply, Exception):
+            if not is_wrong_type(reply):
+                raise reply
+            unreadable.append(key)
+            replies[i] = expected()
+        elif not isinstance(reply, expected):
+            unreadable.append(key)
+            replies[i] = expected()
+    procs = [p for p in replies[1] if isinstance(p, str)]
     blobs = client.mget([proc_key(prefix, p) for p in procs]) if procs else []
     return {
         "now": now,
-        "total": replies[0] or {},
+        "total": replies[0],
         "minutes": dict(zip(minutes, replies[2:], strict=True)),
         "gauges": parse_gauges(blobs, now),
+        "unreadable": unreadable,
     }
+
+
+def is_wrong_type(exc: BaseException) -> bool:
+    """Whether ``exc`` is Redis refusing a command for the type of the key (``WRONGTYPE``)."""
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith("WRONGTYPE")
 
 
 #: The most leases one process gauge row may count; a larger value is malformed and skipped.
@@ -233,6 +257,7 @@ def summarize(raw: dict[str, Any], templates: dict[str, str] | None = None) -> d
         "tasks": tasks,
         "malformed": sorted(malformed)[:MAX_MALFORMED_LISTED],
         "malformed_count": len(malformed),
+        "unreadable": list(raw.get("unreadable", [])),
     }
 
 

@@ -8,11 +8,14 @@ over real sockets.
 
 from __future__ import annotations
 
+import json
 import subprocess
+import time
 
 import pytest
 import redis
 
+from celery_lockguard import _metrics as metrics
 from celery_lockguard._keys import lock_name
 from celery_lockguard.testing import free_port
 
@@ -117,3 +120,47 @@ def test_the_page_header_and_its_data_show_no_secret(redis_url: str, prefix: str
         page.proc.terminate()
         _, err = page.proc.communicate(timeout=15)
     assert not [s for s in SECRETS if s in err], err
+
+
+# -- 3. metrics keys of the wrong type ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["total", "procs", "minute"])
+def test_every_metrics_reader_survives_a_metrics_key_of_the_wrong_type(
+    r: redis.Redis, redis_url: str, prefix: str, where: str
+) -> None:
+    metrics.count("good.task", "lock.acquired", 3)
+    metrics.flush(r, prefix)
+    planted = {
+        "total": metrics.total_key(prefix),
+        "procs": metrics.procs_key(prefix),
+        "minute": metrics.minute_key(prefix, int(time.time() // 60)),
+    }[where]
+    r.delete(planted)
+    if where == "minute":
+        r.rpush(planted, "a list where a hash belongs")
+    else:
+        r.set(planted, "a string where a hash or a sorted set belongs")
+    cfg = make_cfg(prefix, redis_url)
+    for args in (("stats",), ("stats", "--json"), ("stats", "--prometheus")):
+        out = cli(cfg, *args)
+        assert out.returncode == 0 and "Traceback" not in out.stderr, (args, out.stdout, out.stderr)
+        if not (where == "minute" and "--prometheus" in args):  # Prometheus reads the totals only
+            assert "is of a type no worker writes, skipped" in out.stderr, (args, out.stderr)
+        assert ("good.task" in out.stdout) == (where != "total"), (args, out.stdout)
+    summary = json.loads(cli(cfg, "stats", "--json").stdout)
+    assert summary["unreadable"] == [planted]
+    doctor = cli(cfg, "doctor", "--json")
+    assert doctor.returncode in (0, 1) and "Traceback" not in doctor.stderr, doctor.stderr
+    json.loads(doctor.stdout)
+    page = start_page(cfg)
+    try:
+        code, _, body = page.get("/metrics")
+        assert code == 200 and ('task="good.task"' in body.decode()) == (where != "total"), body.decode()
+        data = page.data()
+        assert data is not None and data["errors"] == {}, data
+        assert page.get("/page")[0] == 200
+    finally:
+        page.proc.terminate()
+        _, err = page.proc.communicate(timeout=15)
+    assert "Traceback" not in err, err
