@@ -164,3 +164,27 @@ def test_every_metrics_reader_survives_a_metrics_key_of_the_wrong_type(
         page.proc.terminate()
         _, err = page.proc.communicate(timeout=15)
     assert "Traceback" not in err, err
+
+
+# -- 5. testing.delete_prefix ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_delete_prefix_deletes_only_keys_under_that_exact_prefix(redis_url: str, prefix: str, decode: bool) -> None:
+    from celery_lockguard.testing import delete_prefix
+
+    client = redis.Redis.from_url(redis_url, decode_responses=decode)
+    names = ["billing:a", "billing:{x}:lock", "billing-prod:a", "billingX", "tenant-a:a", "tenant-b:a"]
+    names += ["tenant-[ab]:a", "star*:a", "starry:a", "q?:a", "qq:a"]
+    for name in names:
+        client.set(f"{prefix}:{name}", "1")
+    assert delete_prefix(client, f"{prefix}:billing") == 2
+    assert delete_prefix(client, f"{prefix}:tenant-[ab]") == 1
+    assert delete_prefix(client, f"{prefix}:star*") == 1
+    assert delete_prefix(client, f"{prefix}:q?") == 1
+    left = sorted(k if isinstance(k, str) else k.decode() for k in client.scan_iter(match=f"{prefix}:*", count=1000))
+    assert left == sorted(
+        f"{prefix}:{n}" for n in ("billing-prod:a", "billingX", "tenant-a:a", "tenant-b:a", "starry:a", "qq:a")
+    )
+    with pytest.raises(ValueError):
+        delete_prefix(client, "")
