@@ -729,6 +729,14 @@ def completions_forget(ctx: click.Context, scope: str, yes: bool, **_: Any) -> N
     help="On a loopback --bind, the page answers to loopback names only (against DNS rebinding); also to NAME "
     "(repeatable), e.g. the name a local reverse proxy forwards in Host.",
 )
+@click.option(
+    "--insecure",
+    is_flag=True,
+    cls=CeleryOption,
+    help_group="Page Options",
+    help="Serve --page on a non-loopback --bind without --auth (refused otherwise: the page shows task ids, "
+    "keys and hosts to anyone who can reach the port).",
+)
 @click.pass_context
 def exporter(
     ctx: click.Context,
@@ -741,6 +749,7 @@ def exporter(
     doctor_interval: float,
     auth: str | None,
     allow_hosts: tuple[str, ...],
+    insecure: bool,
     **_: Any,
 ) -> None:
     """Serve the fleet's metrics for Prometheus at http://BIND:PORT/metrics (until interrupted).
@@ -754,6 +763,20 @@ def exporter(
         credentials = page_server.parse_credentials(auth) if auth else None
     except ValueError as exc:
         raise CeleryCommandException(f"--auth / {page_server.AUTH_ENV}: {exc}", EX_USAGE) from None
+    exposed = page and credentials is None and not page_server.loopback_host(bind.lower())
+    if exposed and not insecure:
+        raise CeleryCommandException(
+            f"--page on --bind {printable(bind)} (not loopback) without --auth would show task ids, keys and "
+            f"hosts to anyone who can reach port {port}: set {page_server.AUTH_ENV}=USER:PASSWORD (and put TLS "
+            "in front), or keep --bind 127.0.0.1 and tunnel to it, or pass --insecure to serve it anyway",
+            EX_USAGE,
+        )
+    if exposed:
+        click.echo(
+            f"warning: --insecure: the lock page on {printable(bind)} has no authentication; anyone who can "
+            f"reach port {port} reads it",
+            err=True,
+        )
     state = page_state.PageState(_app(ctx), s, page_interval, doctor_interval) if page else None
     hosts = allow_hosts if page_server.loopback_host(bind.lower()) else None  # bound wider: any Host
     front = page_server.Front(state, credentials, hosts) if (state or credentials) else None

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 import redis
@@ -20,8 +22,9 @@ from celery_lockguard._keys import lock_name
 from celery_lockguard.testing import free_port
 
 from .conftest import make_cfg
-from .test_cli import cli
-from .test_page import start_page
+from .harness import ROOT, wait_for
+from .test_cli import cli, cli_env
+from .test_page import LOCKGUARD, start_page
 
 pytestmark = pytest.mark.integration
 
@@ -188,3 +191,53 @@ def test_delete_prefix_deletes_only_keys_under_that_exact_prefix(redis_url: str,
     )
     with pytest.raises(ValueError):
         delete_prefix(client, "")
+
+
+# -- 6. the page on a non-loopback address -----------------------------------------------------
+
+
+def _serves(port: int, proc: subprocess.Popen[str]) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            return int(resp.status) in (200, 401)
+    except urllib.error.HTTPError as err:
+        return err.code == 401
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        assert proc.poll() is None, "the exporter exited"
+        return False
+
+
+@pytest.mark.parametrize("bind", ["0.0.0.0", "::"])
+def test_the_page_on_a_non_loopback_bind_needs_auth_or_insecure(redis_url: str, prefix: str, bind: str) -> None:
+    env = cli_env(make_cfg(prefix, redis_url))
+    env.pop("LOCKGUARD_PAGE_AUTH", None)
+    port = free_port()
+    base = [*LOCKGUARD, "exporter", "--page", "--bind", bind, "--port", str(port)]
+    refused = subprocess.run(base, cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 64, (refused.stdout, refused.stderr)
+    assert "without --auth" in refused.stderr and "--insecure" in refused.stderr and "Traceback" not in refused.stderr
+    for extra, auth_env in ((["--insecure"], {}), ([], {"LOCKGUARD_PAGE_AUTH": "ops:Pagepw3x"})):
+        proc = subprocess.Popen(
+            [*base, *extra],
+            cwd=ROOT,
+            env={**env, **auth_env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            wait_for(lambda proc=proc: _serves(port, proc), 30, interval=0.2, what="the exporter to answer")
+        finally:
+            proc.terminate()
+            _, err = proc.communicate(timeout=15)
+        assert ("no authentication" in err) == bool(extra), err
+    # Loopback needs neither; /metrics alone on any address is unchanged.
+    for args in (["--page", "--bind", "127.0.0.1"], ["--bind", bind]):
+        proc = subprocess.Popen(
+            [*LOCKGUARD, "exporter", "--port", str(port), *args], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            wait_for(lambda proc=proc: _serves(port, proc), 30, interval=0.2, what="the exporter to answer")
+        finally:
+            proc.terminate()
+            proc.communicate(timeout=15)
