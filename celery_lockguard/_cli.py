@@ -673,7 +673,7 @@ def completions_forget(ctx: click.Context, scope: str, yes: bool, **_: Any) -> N
     type=click.FloatRange(min=0.001),
     cls=CeleryOption,
     help_group="Exporter Options",
-    help="Seconds a connection may stay silent before it is closed.",
+    help="Seconds a connection may take to send its request, or stay silent while served, before it is closed.",
 )
 @click.option(
     "--max-connections",
@@ -682,7 +682,7 @@ def completions_forget(ctx: click.Context, scope: str, yes: bool, **_: Any) -> N
     type=click.IntRange(min=1),
     cls=CeleryOption,
     help_group="Exporter Options",
-    help="Connections served at once; more are answered 503 and closed.",
+    help="Requests served at once (a connection counts once its request has arrived); more are answered 503.",
 )
 @click.option(
     "--page",

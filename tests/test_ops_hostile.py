@@ -9,7 +9,9 @@ over real sockets.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -241,3 +243,77 @@ def test_the_page_on_a_non_loopback_bind_needs_auth_or_insecure(redis_url: str, 
         finally:
             proc.terminate()
             proc.communicate(timeout=15)
+
+
+# -- 1. idle and slow connections --------------------------------------------------------------
+
+
+class Squatters:
+    """``n`` connections from another loopback address (127.0.0.2) that never finish a request: half send
+    nothing, half a request head without its end. A background thread reopens any the server closes."""
+
+    def __init__(self, port: int, n: int) -> None:
+        self.port, self.n = port, n
+        self.socks: list[socket.socket] = []
+        self.opened = 0
+        self._stop = threading.Event()
+        for i in range(n):
+            self.socks.append(self._open(i))
+        self._thread = threading.Thread(target=self._keep, daemon=True)
+        self._thread.start()
+
+    def _open(self, i: int) -> socket.socket:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.2", 0))
+        sock.settimeout(5)
+        sock.connect(("127.0.0.1", self.port))
+        if i % 2:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # ... and never the blank line
+        sock.setblocking(False)
+        self.opened += 1
+        return sock
+
+    def _keep(self) -> None:
+        while not self._stop.wait(0.05):
+            for i, sock in enumerate(self.socks):
+                try:
+                    if sock.recv(4096) == b"":
+                        raise ConnectionError
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    pass
+                sock.close()
+                try:
+                    self.socks[i] = self._open(i)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for sock in self.socks:
+            sock.close()
+
+
+def test_200_idle_connections_from_another_address_leave_scrapes_and_the_page_answered(
+    redis_url: str, prefix: str
+) -> None:
+    page = start_page(make_cfg(prefix, redis_url))  # the defaults: --max-connections 32, --timeout 10
+    squatters = Squatters(page.port, 200)
+    try:
+        time.sleep(0.5)  # every squatter connected and waiting (not a synchronisation: they never send more)
+        for _ in range(5):
+            for path in ("/metrics", "/page", "/page/data.json"):
+                t0 = time.monotonic()
+                code, _, body = page.get(path, timeout=5)
+                took = time.monotonic() - t0
+                assert code == 200 and body, (path, code, body[:200])
+                assert took < 1.0, f"{path} took {took:.2f}s with 200 idle connections open"
+            time.sleep(0.3)
+        assert page.proc.poll() is None
+    finally:
+        squatters.close()
+        page.proc.terminate()
+        _, err = page.proc.communicate(timeout=15)
+    assert "Traceback" not in err, err
