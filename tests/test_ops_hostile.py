@@ -9,6 +9,7 @@ over real sockets.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import threading
@@ -317,3 +318,56 @@ def test_200_idle_connections_from_another_address_leave_scrapes_and_the_page_an
         page.proc.terminate()
         _, err = page.proc.communicate(timeout=15)
     assert "Traceback" not in err, err
+
+
+# -- 4. series cap and labels that reach alert text ----------------------------------------------
+
+
+def test_metrics_are_capped_per_family_and_labels_cannot_mark_up_an_alert(
+    r: redis.Redis, redis_url: str, prefix: str
+) -> None:
+    from celery_lockguard._stats import MAX_EVENT_SERIES, MAX_TASK_SERIES
+
+    n_tasks = 20_000
+    total = metrics.total_key(prefix)
+    fields = {f"planted.{i}|lock.acquired": "1" for i in range(n_tasks)}
+    fields.update({f"busy.task|planted.event.{i}": "1" for i in range(1000)})
+    fields["<!channel> billing|lock.acquired"] = "1000000"  # the most active: never folded
+    fields["busy.task|lock.acquired"] = "999999"
+    fields[("y" * 10_000) + "|lock.acquired"] = "5"
+    r.hset(total, mapping=fields)
+    now = time.time()
+    rows = ",".join(
+        f'{{"task":"held.{i}","worker":"w{i}@h","held":1,"oldest_acquired_at":{now - 5:.3f}}}' for i in range(2000)
+    )
+    r.set(metrics.proc_key(prefix, "p-many"), f'{{"at":{now:.3f},"ttl":600,"held":[{rows}]}}', ex=600)
+    r.zadd(metrics.procs_key(prefix), {"p-many": now})
+    exporter = start_page(make_cfg(prefix, redis_url), page=False)
+    try:
+        code, _, raw_body = exporter.get("/metrics")
+    finally:
+        exporter.proc.terminate()
+        exporter.proc.communicate(timeout=15)
+    body = raw_body.decode()
+    assert code == 200
+    assert len(raw_body) < 1_000_000, f"{len(raw_body)} bytes per scrape"
+    series = [line for line in body.splitlines() if line and not line.startswith("#")]
+    assert len(series) == len({line.rsplit(" ", 1)[0] for line in series}), "a series written twice"
+    assert max(len(line) for line in series) < 1000
+
+    def values(family: str, label: str) -> set[str]:
+        pattern = re.compile(rf'^{family}\{{.*?{label}="((?:[^"\\]|\\.)*)"')
+        return {m.group(1) for line in series if (m := pattern.match(line))}
+
+    tasks = values("lockguard_events_total", "task")
+    assert len(tasks) <= MAX_TASK_SERIES and "(other)" in tasks
+    assert len(values("lockguard_events_total", "event")) <= MAX_EVENT_SERIES
+    assert len(values("lockguard_leases_held", "worker")) <= MAX_TASK_SERIES
+    folded = {m.group(1): int(m.group(2)) for m in re.finditer(r'lockguard_folded_labels\{label="(\w+)"\} (\d+)', body)}
+    distinct = n_tasks + 3  # planted.*, the markup, busy.task, the long one
+    assert folded["task"] == distinct - (MAX_TASK_SERIES - 1) and folded["task_worker"] == 2000 - (MAX_TASK_SERIES - 1)
+    assert folded["event"] > 0
+    # The markup is written as text: nothing an alert template (Slack, HTML) would interpret.
+    assert "<" not in body and ">" not in body and "&" not in body
+    assert 'task="\\\\x3c!channel\\\\x3e billing",event="lock.acquired"} 1000000' in body
+    assert 'lockguard_events_total{task="busy.task",event="lock.acquired"} 999999' in body
