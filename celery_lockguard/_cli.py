@@ -54,7 +54,7 @@ from ._config import Settings, settings
 from ._connection import UNAVAILABLE_ERRORS
 from ._debounce import DebounceRow, read_debounce
 from ._events import emit
-from ._holders import HeldLease, entity_use, idle_windows, read_leases
+from ._holders import HeldLease, entity_use, idle_windows, read_leases, read_waiting
 from ._keys import checkpoint_name, done_name, fence_row, parse_lock_name, parse_slot_lock_name, slot_lock_name
 from ._redact import redact, redact_text
 from ._terminal import duration, plural, printable
@@ -136,23 +136,26 @@ def lockguard(ctx: click.Context, **_: Any) -> None:
 @click.option("--json", "as_json", is_flag=True, cls=CeleryOption, help_group=_OUTPUT, help="Print JSON.")
 @click.pass_context
 def locks(ctx: click.Context, match: str, as_json: bool, **_: Any) -> None:
-    """Every held lease and queue claim (holder, worker, state, fence, held for, TTL left), and debounced runs."""
+    """Every held lease and queue claim (holder, worker, state, fence, held for, TTL left, deliveries waiting),
+    and debounced runs."""
     s = _settings(ctx)
     with _redis(s) as client:
         leases = read_leases(client, s.key_prefix, match)
+        waiting = read_waiting(client, s.key_prefix, [lease.key for lease in leases])  # as the page counts them
         pending = read_debounce(client, s.key_prefix, match)
         uses = entity_use(client, s.key_prefix, leases)
         held = {lease.key for lease in leases}
         windows = idle_windows(client, s.key_prefix, match, held, _inventory.rate_tasks(_app(ctx)))
     if as_json:
-        rows = [lease.as_dict() for lease in leases] + [row.as_dict() for row in pending]
+        rows = [{**lease.as_dict(), "waiting": waiting.get(lease.key, 0)} for lease in leases]
+        rows += [row.as_dict() for row in pending]
         _echo_json(rows + [use.as_dict(s.key_prefix) for use in windows])
         return
     if not leases and not pending and not windows:
         click.echo(f"no leases under {s.key_prefix!r} matching {match!r}")
         return
     if leases:
-        _lease_table(leases)
+        _lease_table(leases, waiting)
     for use in [*uses, *windows]:  # lock_limit / lock_rate entities: slots held N/M, the start window's use
         click.echo(printable(use.text()))
     if pending:
@@ -182,8 +185,8 @@ def _debounce_table(pending: list[DebounceRow]) -> None:
     click.echo(terminal.table(headings, rows))
 
 
-def _lease_table(leases: list[HeldLease]) -> None:
-    """The leases and queue claims of ``lockguard locks``."""
+def _lease_table(leases: list[HeldLease], waiting: dict[str, int]) -> None:
+    """The leases and queue claims of ``lockguard locks``, with the deliveries parked behind each entity."""
     rows = []
     for lease in leases:
         bad = lease.malformed
@@ -201,9 +204,11 @@ def _lease_table(leases: list[HeldLease]) -> None:
                 cell(lease.fence, "fence"),
                 "?" if "acquired_at" in bad else duration(lease.held_for_ms),
                 duration(lease.ttl_left_ms),
+                str(waiting.get(lease.key, 0)),
             ]
         )
-    click.echo(terminal.table(["KEY", "STATE", "TASK", "TASK ID", "WORKER", "FENCE", "HELD", "TTL LEFT"], rows))
+    headers = ["KEY", "STATE", "TASK", "TASK ID", "WORKER", "FENCE", "HELD", "TTL LEFT", "WAITING"]
+    click.echo(terminal.table(headers, rows))
     odd = [lease for lease in leases if lease.malformed]
     if odd:
         click.echo(

@@ -371,3 +371,34 @@ def test_metrics_are_capped_per_family_and_labels_cannot_mark_up_an_alert(
     assert "<" not in body and ">" not in body and "&" not in body
     assert 'task="\\\\x3c!channel\\\\x3e billing",event="lock.acquired"} 1000000' in body
     assert 'lockguard_events_total{task="busy.task",event="lock.acquired"} 999999' in body
+
+
+# -- operators: locks shows what waits -----------------------------------------------------------
+
+
+def test_locks_shows_the_deliveries_waiting_behind_each_lease(r: redis.Redis, redis_url: str, prefix: str) -> None:
+    from celery_lockguard import _lease as L
+    from celery_lockguard._keys import wait_name
+
+    for key in ("calm", "hot"):
+        L.acquire(
+            r,
+            prefix,
+            key,
+            ttl_ms=60_000,
+            task_id=f"t-{key}",
+            task_name="n",
+            digest="d",
+            worker="w",
+            fence_ttl_ms=60_000,
+        )
+    r.rpush(wait_name(prefix, "hot"), "park-1", "park-2", "park-3")  # as park-and-wake parks deliveries
+    cfg = make_cfg(prefix, redis_url)
+    out = cli(cfg, "locks")
+    assert out.returncode == 0, out.stderr
+    header, *rows = out.stdout.splitlines()
+    assert header.split()[-1] == "WAITING"
+    by_key = {row.split()[0]: row.split()[-1] for row in rows}
+    assert by_key == {"hot": "3", "calm": "0"}, out.stdout
+    listed = {row["key"]: row["waiting"] for row in json.loads(cli(cfg, "locks", "--json").stdout)}
+    assert listed == {"hot": 3, "calm": 0}
