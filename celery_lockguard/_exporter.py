@@ -21,8 +21,9 @@ scanner, or a half-open load balancer) can hold it:
   leave a fresh scrape answered at once. Out of file descriptors
   (``EMFILE``), the room gives up its oldest connections first;
 * **a connection cap** (``max_connections``): requests served at once, each
-  in its own thread; past it, a complete request gets ``503`` at once and
-  is closed;
+  in its own thread, at most a quarter of them (at least one) for one client
+  address; past either, a complete request gets ``503`` at once and is
+  closed;
 * **a handler timeout** (``timeout``): a handler whose client stops reading
   or sending for that long is closed;
 * **a deadline** (``4 * timeout``): a handler still running that long after
@@ -76,6 +77,9 @@ DEADLINE_TIMEOUTS = 4
 RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 #: First and longest pause after such an error (seconds).
 BACKOFF_FIRST, BACKOFF_MAX = 0.05, 1.0
+#: One client address may hold at most this share of the slots (1/4): slow readers from one address
+#: cannot take every slot.
+PEER_SHARE = 4
 #: Connections whose request head has not arrived yet, at most (all peers; one peer).
 MAX_WAITING, MAX_WAITING_PER_PEER = 512, 64
 #: The largest request head (request line and headers) read; larger closes the connection with 431.
@@ -232,7 +236,10 @@ class MetricsServer(ThreadingHTTPServer):
         self.handler_timeout = float(timeout)
         self.max_connections = max_connections
         self._slots = threading.BoundedSemaphore(max_connections)
-        self._open: dict[socket.socket, float] = {}
+        #: Requests being served: when each arrived, and its peer (for the per-peer share of the slots).
+        self._open: dict[socket.socket, tuple[float, str]] = {}
+        self._per_peer: dict[str, int] = {}
+        self.max_per_peer = max(1, max_connections // PEER_SHARE)
         self._open_lock = threading.Lock()
         self._backoff = 0.0
         self._closing = threading.Event()
@@ -287,8 +294,15 @@ class MetricsServer(ThreadingHTTPServer):
             return self._heads.pop(request, b"")
 
     def _dispatch(self, request: socket.socket, client_address: Any, head: bytes) -> None:
-        """A complete request head: a slot and a thread, or 503 at once past the cap."""
-        if not self._slots.acquire(blocking=False):
+        """A complete request head: a slot and a thread, or 503 at once past the cap (or the peer's share)."""
+        peer = str(client_address[0]) if isinstance(client_address, tuple) and client_address else "?"
+        with self._open_lock:
+            mine = self._per_peer.get(peer, 0)
+            admitted = mine < self.max_per_peer and self._slots.acquire(blocking=False)
+            if admitted:
+                self._per_peer[peer] = mine + 1
+                self._open[request] = (time.monotonic(), peer)
+        if not admitted:
             try:
                 request.setblocking(False)
                 request.send(_BUSY)  # fits an empty send buffer: never blocks the accepting thread
@@ -298,8 +312,6 @@ class MetricsServer(ThreadingHTTPServer):
             return
         with self._heads_lock:
             self._heads[request] = head
-        with self._open_lock:
-            self._open[request] = time.monotonic()
         try:
             request.settimeout(self.handler_timeout)
             ThreadingMixIn.process_request(self, request, client_address)
@@ -316,8 +328,14 @@ class MetricsServer(ThreadingHTTPServer):
 
     def _done(self, request: Any) -> None:
         with self._open_lock:
-            known = self._open.pop(request, None) is not None
-        if known:
+            known = self._open.pop(request, None)
+            if known is not None:
+                left = self._per_peer.get(known[1], 1) - 1
+                if left > 0:
+                    self._per_peer[known[1]] = left
+                else:
+                    self._per_peer.pop(known[1], None)
+        if known is not None:
             self._slots.release()
 
     # -- the waiting room -----------------------------------------------------------------
@@ -445,7 +463,7 @@ class MetricsServer(ThreadingHTTPServer):
         while not self._closing.wait(min(1.0, self.handler_timeout)):
             now = time.monotonic()
             with self._open_lock:
-                late = [sock for sock, since in self._open.items() if now - since > deadline]
+                late = [sock for sock, (since, _) in self._open.items() if now - since > deadline]
             for sock in late:
                 try:
                     sock.shutdown(socket.SHUT_RDWR)  # wakes the handler's blocked read; it then closes
