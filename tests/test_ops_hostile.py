@@ -402,3 +402,30 @@ def test_locks_shows_the_deliveries_waiting_behind_each_lease(r: redis.Redis, re
     assert by_key == {"hot": "3", "calm": "0"}, out.stdout
     listed = {row["key"]: row["waiting"] for row in json.loads(cli(cfg, "locks", "--json").stdout)}
     assert listed == {"hot": 3, "calm": 0}
+
+
+def test_the_page_shows_slots_held_and_the_start_window_as_locks_does(
+    r: redis.Redis, redis_url: str, prefix: str
+) -> None:
+    from celery_lockguard import _lease as L
+
+    for task_id in ("t-1", "t-2"):
+        got = L.acquire(
+            r, prefix, "tenant:a", ttl_ms=60_000, task_id=task_id, task_name="exports.run", digest=task_id,
+            worker="w@h", fence_ttl_ms=60_000, limit=3, rate=(10, 60_000),
+        )  # fmt: skip
+        assert isinstance(got, L.Lease)
+    page = start_page(make_cfg(prefix, redis_url))
+    try:
+        shown = "tenant:a: 2/3 slots held, 2/10 starts in the last 60s"
+        code, _, body = page.get("/page")
+        assert code == 200 and f"<li>{shown}</li>" in body.decode(), body.decode()[:3000]
+        data = page.data()
+        assert data is not None
+        assert data["entity_use"] == [
+            {"key": "tenant:a", "held": 2, "limit": 3, "rate": 10, "window_ms": 60_000, "starts": 2}
+        ]
+    finally:
+        page.proc.terminate()
+        _, err = page.proc.communicate(timeout=15)
+    assert "Traceback" not in err, err
