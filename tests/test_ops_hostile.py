@@ -429,3 +429,38 @@ def test_the_page_shows_slots_held_and_the_start_window_as_locks_does(
         page.proc.terminate()
         _, err = page.proc.communicate(timeout=15)
     assert "Traceback" not in err, err
+
+
+def test_slow_readers_from_one_address_hold_at_most_a_quarter_of_the_slots(
+    r: redis.Redis, redis_url: str, prefix: str
+) -> None:
+    from celery_lockguard._metrics import HISTOGRAMS, bucket_names
+
+    fields: dict[str, str] = {}
+    for i in range(499):  # a big scrape (MBs): a client that never reads it keeps its handler writing
+        for family in HISTOGRAMS:
+            fields[f"task.{i}|{family}.count"] = "1"
+            fields[f"task.{i}|{family}.sum_ms"] = "5"
+            for le in bucket_names(family):
+                fields[f"task.{i}|{family}.le.{le}"] = "1"
+    r.hset(metrics.total_key(prefix), mapping=fields)
+    page = start_page(make_cfg(prefix, redis_url), "--max-connections", "8", "--timeout", "10", page=False)
+    readers: list[socket.socket] = []
+    try:
+        assert len(page.get("/metrics")[2]) > 900_000
+        for _ in range(8):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+            sock.bind(("127.0.0.2", 0))
+            sock.connect(("127.0.0.1", page.port))
+            sock.sendall(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")  # ... and never read
+            readers.append(sock)
+        time.sleep(1.0)  # their handlers are writing into full buffers (not a synchronisation: they stay stuck)
+        t0 = time.monotonic()
+        code, _, _ = page.get("/metrics", timeout=5)
+        assert code == 200 and time.monotonic() - t0 < 2.0, code
+    finally:
+        for sock in readers:
+            sock.close()
+        page.proc.terminate()
+        page.proc.communicate(timeout=15)
