@@ -55,7 +55,7 @@ from ._config import Settings, settings
 from ._connection import UNAVAILABLE_ERRORS
 from ._debounce import DebounceRow, read_debounce
 from ._events import emit
-from ._holders import HeldLease, entity_use, idle_windows, read_leases
+from ._holders import HeldLease, entity_use, idle_windows, read_leases, read_waiting
 from ._keys import (
     checkpoint_name,
     done_name,
@@ -89,7 +89,7 @@ def _settings(ctx: click.Context) -> Settings:
     try:
         return settings(_app(ctx))
     except ConfigurationError as exc:
-        raise CeleryCommandException(f"invalid lockguard settings: {redact(exc)}", EX_CONFIG) from exc
+        raise CeleryCommandException(f"invalid lockguard settings: {redact_text(exc)}", EX_CONFIG) from exc
 
 
 @contextmanager
@@ -98,7 +98,7 @@ def _redis(s: Settings) -> Iterator[Any]:
     try:
         yield connection.operator_client(s)
     except ConfigurationError as exc:
-        raise CeleryCommandException(redact(exc), EX_CONFIG) from exc
+        raise CeleryCommandException(redact_text(exc), EX_CONFIG) from exc
     except UNAVAILABLE_ERRORS as exc:
         raise CeleryCommandException(
             f"the lock Redis {redact(s.redis_url)} is unreachable: "
@@ -146,23 +146,26 @@ def lockguard(ctx: click.Context, **_: Any) -> None:
 @click.option("--json", "as_json", is_flag=True, cls=CeleryOption, help_group=_OUTPUT, help="Print JSON.")
 @click.pass_context
 def locks(ctx: click.Context, match: str, as_json: bool, **_: Any) -> None:
-    """Every held lease and queue claim (holder, worker, state, fence, held for, TTL left), and debounced runs."""
+    """Every held lease and queue claim (holder, worker, state, fence, held for, TTL left, deliveries waiting),
+    and debounced runs."""
     s = _settings(ctx)
     with _redis(s) as client:
         leases = read_leases(client, s.key_prefix, match)
+        waiting = read_waiting(client, s.key_prefix, [lease.key for lease in leases])  # as the page counts them
         pending = read_debounce(client, s.key_prefix, match)
         uses = entity_use(client, s.key_prefix, leases)
         held = {lease.key for lease in leases}
         windows = idle_windows(client, s.key_prefix, match, held, _inventory.rate_tasks(_app(ctx)))
     if as_json:
-        rows = [lease.as_dict() for lease in leases] + [row.as_dict() for row in pending]
+        rows = [{**lease.as_dict(), "waiting": waiting.get(lease.key, 0)} for lease in leases]
+        rows += [row.as_dict() for row in pending]
         _echo_json(rows + [use.as_dict(s.key_prefix) for use in windows])
         return
     if not leases and not pending and not windows:
         click.echo(f"no leases under {s.key_prefix!r} matching {match!r}")
         return
     if leases:
-        _lease_table(leases)
+        _lease_table(leases, waiting)
     for use in [*uses, *windows]:  # lock_limit / lock_rate entities: slots held N/M, the start window's use
         click.echo(printable(use.text()))
     if pending:
@@ -192,8 +195,8 @@ def _debounce_table(pending: list[DebounceRow]) -> None:
     click.echo(terminal.table(headings, rows))
 
 
-def _lease_table(leases: list[HeldLease]) -> None:
-    """The leases and queue claims of ``lockguard locks``."""
+def _lease_table(leases: list[HeldLease], waiting: dict[str, int]) -> None:
+    """The leases and queue claims of ``lockguard locks``, with the deliveries parked behind each entity."""
     rows = []
     for lease in leases:
         bad = lease.malformed
@@ -211,9 +214,11 @@ def _lease_table(leases: list[HeldLease]) -> None:
                 cell(lease.fence, "fence"),
                 "?" if "acquired_at" in bad else duration(lease.held_for_ms),
                 duration(lease.ttl_left_ms),
+                str(waiting.get(lease.key, 0)),
             ]
         )
-    click.echo(terminal.table(["KEY", "STATE", "TASK", "TASK ID", "WORKER", "FENCE", "HELD", "TTL LEFT"], rows))
+    headers = ["KEY", "STATE", "TASK", "TASK ID", "WORKER", "FENCE", "HELD", "TTL LEFT", "WAITING"]
+    click.echo(terminal.table(headers, rows))
     odd = [lease for lease in leases if lease.malformed]
     if odd:
         click.echo(
@@ -473,6 +478,8 @@ def stats_(ctx: click.Context, as_json: bool, prometheus: bool, **_: Any) -> Non
     s = _settings(ctx)
     with _redis(s) as client:
         raw = stats.read(client, s.key_prefix, windows=not prometheus)
+    for key in raw["unreadable"]:
+        click.echo(f"metrics key {printable(key)} is of a type no worker writes, skipped", err=True)
     if prometheus:
         click.echo(stats.prometheus(raw, _inventory.key_templates(_app(ctx))), nl=False)
         return
@@ -761,7 +768,7 @@ def completions_carry_over(ctx: click.Context, yes: bool, **_: Any) -> None:
     type=click.FloatRange(min=0.001),
     cls=CeleryOption,
     help_group="Exporter Options",
-    help="Seconds a connection may stay silent before it is closed.",
+    help="Seconds a connection may take to send its request, or stay silent while served, before it is closed.",
 )
 @click.option(
     "--max-connections",
@@ -770,7 +777,7 @@ def completions_carry_over(ctx: click.Context, yes: bool, **_: Any) -> None:
     type=click.IntRange(min=1),
     cls=CeleryOption,
     help_group="Exporter Options",
-    help="Connections served at once; more are answered 503 and closed.",
+    help="Requests served at once (a connection counts once its request has arrived); more are answered 503.",
 )
 @click.option(
     "--page",
@@ -817,6 +824,14 @@ def completions_carry_over(ctx: click.Context, yes: bool, **_: Any) -> None:
     help="On a loopback --bind, the page answers to loopback names only (against DNS rebinding); also to NAME "
     "(repeatable), e.g. the name a local reverse proxy forwards in Host.",
 )
+@click.option(
+    "--insecure",
+    is_flag=True,
+    cls=CeleryOption,
+    help_group="Page Options",
+    help="Serve --page on a non-loopback --bind without --auth (refused otherwise: the page shows task ids, "
+    "keys and hosts to anyone who can reach the port).",
+)
 @click.pass_context
 def exporter(
     ctx: click.Context,
@@ -829,6 +844,7 @@ def exporter(
     doctor_interval: float,
     auth: str | None,
     allow_hosts: tuple[str, ...],
+    insecure: bool,
     **_: Any,
 ) -> None:
     """Serve the fleet's metrics for Prometheus at http://BIND:PORT/metrics (until interrupted).
@@ -842,6 +858,20 @@ def exporter(
         credentials = page_server.parse_credentials(auth) if auth else None
     except ValueError as exc:
         raise CeleryCommandException(f"--auth / {page_server.AUTH_ENV}: {exc}", EX_USAGE) from None
+    exposed = page and credentials is None and not page_server.loopback_host(bind.lower())
+    if exposed and not insecure:
+        raise CeleryCommandException(
+            f"--page on --bind {printable(bind)} (not loopback) without --auth would show task ids, keys and "
+            f"hosts to anyone who can reach port {port}: set {page_server.AUTH_ENV}=USER:PASSWORD (and put TLS "
+            "in front), or keep --bind 127.0.0.1 and tunnel to it, or pass --insecure to serve it anyway",
+            EX_USAGE,
+        )
+    if exposed:
+        click.echo(
+            f"warning: --insecure: the lock page on {printable(bind)} has no authentication; anyone who can "
+            f"reach port {port} reads it",
+            err=True,
+        )
     state = page_state.PageState(_app(ctx), s, page_interval, doctor_interval) if page else None
     hosts = allow_hosts if page_server.loopback_host(bind.lower()) else None  # bound wider: any Host
     front = page_server.Front(state, credentials, hosts) if (state or credentials) else None

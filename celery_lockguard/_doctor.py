@@ -68,7 +68,7 @@ def run(app: Any, consumer_timeout: float | None = None) -> list[Finding]:
     try:
         s = settings(app)
     except ConfigurationError as exc:
-        return [Finding("configuration", f"lockguard settings are invalid: {redact(exc)}")]
+        return [Finding("configuration", f"lockguard settings are invalid: {redact_text(exc)}")]
     findings: list[Finding] = []
     tasks = locked_tasks(app)
     findings += _task_findings(app, s, tasks)
@@ -80,7 +80,7 @@ def run(app: Any, consumer_timeout: float | None = None) -> list[Finding]:
         client = connection.operator_client(s)
         client.ping()
     except ConfigurationError as exc:
-        return [*findings, Finding("configuration", redact(exc))]
+        return [*findings, Finding("configuration", redact_text(exc))]
     except UNAVAILABLE_ERRORS as exc:
         return [
             Finding(
@@ -143,7 +143,7 @@ def _task_findings(app: Any, s: Settings, tasks: list[Any]) -> list[Finding]:
         try:
             opts = task.lockguard_options
         except ConfigurationError as exc:
-            out.append(Finding("configuration", redact(exc), [task.name]))
+            out.append(Finding("configuration", redact_text(exc), [task.name]))
             continue
         if not opts.locked:
             continue

@@ -7,13 +7,27 @@ lease: never a ``SCAN``) and answers them as Prometheus text
 server is a thread per connection, bounded every way a client (or a port
 scanner, or a half-open load balancer) can hold it:
 
-* **a handler timeout** (``timeout``): a connection that sends nothing for
-  that long is closed, so idle sockets do not hold threads for ever;
-* **a deadline** (``4 * timeout``): a client that trickles one byte at a time
-  (each read within the timeout) is cut off there, by a reaper thread;
-* **a connection cap** (``max_connections``): past it, a new connection gets
-  ``503`` at once from the accepting thread and is closed, with no thread of
-  its own (200 idle sockets no longer make 200 threads);
+* **a waiting room**: a new connection gets no thread and no slot until its
+  whole request head (request line and headers) has arrived. One thread
+  reads the heads of every waiting connection (non-blocking, one selector);
+  a head that is not complete ``timeout`` seconds after the accept, or is
+  larger than 64 KiB, closes the connection. The room holds at most
+  ``MAX_WAITING`` connections, ``MAX_WAITING_PER_PEER`` per client address;
+  past either, the oldest waiting connection (of that peer, else of the
+  peer with the most) is closed to make room. Idle or trickling sockets
+  therefore cost a file descriptor each and never a slot: 32 silent
+  connections used to take every slot and answer every real scrape and
+  page view 503 (issue 30), and now 200 of them, from one address or many,
+  leave a fresh scrape answered at once. Out of file descriptors
+  (``EMFILE``), the room gives up its oldest connections first;
+* **a connection cap** (``max_connections``): requests served at once, each
+  in its own thread, at most a quarter of them (at least one) for one client
+  address; past either, a complete request gets ``503`` at once and is
+  closed;
+* **a handler timeout** (``timeout``): a handler whose client stops reading
+  or sending for that long is closed;
+* **a deadline** (``4 * timeout``): a handler still running that long after
+  its request arrived is cut off, by a reaper thread;
 * **backoff on accept errors**: out of file descriptors (``EMFILE``), the
   listening socket stays readable while ``accept`` keeps failing, and the
   serving loop spun on it at 100% CPU, starving the scrapes it was failing;
@@ -26,17 +40,22 @@ page, and with ``--auth`` asks every request for basic auth
 (:mod:`celery_lockguard._page`).
 
 A scrape that fails answers with a status, never an empty reply: 503 when the
-lock Redis is unreachable, 500 for anything else (a value no worker writes,
-a key of the wrong type); the server keeps serving either way.
+lock Redis is unreachable, 500 for anything else (a metrics key of the wrong
+type is not a failure: :func:`~celery_lockguard._stats.read` skips it); the
+server keeps serving either way.
 """
 
 from __future__ import annotations
 
 import errno
+import io
+import queue
+import selectors
 import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
 
 from . import _connection as connection
@@ -58,6 +77,19 @@ DEADLINE_TIMEOUTS = 4
 RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 #: First and longest pause after such an error (seconds).
 BACKOFF_FIRST, BACKOFF_MAX = 0.05, 1.0
+#: One client address may hold at most this share of the slots (1/4): slow readers from one address
+#: cannot take every slot.
+PEER_SHARE = 4
+#: Connections whose request head has not arrived yet, at most (all peers; one peer).
+MAX_WAITING, MAX_WAITING_PER_PEER = 512, 64
+#: The largest request head (request line and headers) read; larger closes the connection with 431.
+MAX_HEAD = 65536
+#: Waiting connections closed at once to free descriptors when ``accept`` fails with ``EMFILE``.
+EVICT_ON_EMFILE = 16
+_TOO_LARGE = (
+    b"HTTP/1.0 431 Request Header Fields Too Large\r\nContent-Type: text/plain\r\nContent-Length: 21\r\n"
+    b"Connection: close\r\n\r\nrequest head too big\n"
+)
 _BUSY = (
     b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 29\r\n"
     b"Connection: close\r\n\r\nexporter at connection limit\n"
@@ -73,6 +105,10 @@ class MetricsHandler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         self.connection.settimeout(self.server.handler_timeout)  # a silent client is dropped, not waited for
+        head = self.server.take_head(self.connection)
+        if head:  # the bytes the waiting room already read are read again first
+            self.rfile.close()
+            self.rfile = io.BufferedReader(_Replay(head, self.connection))
 
     def parse_request(self) -> bool:
         """Read-only: any method but GET and HEAD is answered 405 (with ``Allow``) before it is looked at."""
@@ -126,6 +162,37 @@ class MetricsHandler(BaseHTTPRequestHandler):
         """Quiet: a scrape every few seconds is not worth a line (failures are logged as events)."""
 
 
+class _Replay(io.RawIOBase):
+    """A connection's stream whose first bytes (the request head, read by the waiting room) are given again."""
+
+    def __init__(self, head: bytes, sock: socket.socket) -> None:
+        self._head = head
+        self._sock = sock
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        if self._head:
+            n = min(len(b), len(self._head))
+            b[:n] = self._head[:n]
+            self._head = self._head[n:]
+            return n
+        return self._sock.recv_into(b)
+
+
+class _Waiting:
+    """One connection in the waiting room: its peer, when it was accepted, the bytes read so far."""
+
+    __slots__ = ("address", "head", "peer", "since")
+
+    def __init__(self, address: Any, now: float) -> None:
+        self.address = address
+        self.peer = str(address[0]) if isinstance(address, tuple) and address else "?"
+        self.since = now
+        self.head = bytearray()
+
+
 class _Discard:
     """A HEAD's ``wfile`` once its headers are out: writes are dropped, flush and close reach the socket's."""
 
@@ -169,14 +236,27 @@ class MetricsServer(ThreadingHTTPServer):
         self.handler_timeout = float(timeout)
         self.max_connections = max_connections
         self._slots = threading.BoundedSemaphore(max_connections)
-        self._open: dict[socket.socket, float] = {}
+        #: Requests being served: when each arrived, and its peer (for the per-peer share of the slots).
+        self._open: dict[socket.socket, tuple[float, str]] = {}
+        self._per_peer: dict[str, int] = {}
+        self.max_per_peer = max(1, max_connections // PEER_SHARE)
         self._open_lock = threading.Lock()
         self._backoff = 0.0
         self._closing = threading.Event()
+        # The waiting room: sockets handed over by the accepting thread, owned by the room's thread.
+        self._arrivals: queue.SimpleQueue[tuple[socket.socket, Any] | int] = queue.SimpleQueue()
+        self._waiting: dict[socket.socket, _Waiting] = {}
+        self._by_peer: dict[str, dict[socket.socket, None]] = {}
+        self._heads: dict[socket.socket, bytes] = {}
+        self._heads_lock = threading.Lock()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         # An IPv6 literal (``--bind ::1``) needs an IPv6 socket; the class default is IPv4.
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, MetricsHandler)
         threading.Thread(target=self._reap, name="lockguard-exporter-reaper", daemon=True).start()
+        threading.Thread(target=self._room, name="lockguard-exporter-room", daemon=True).start()
 
     # -- accepting --------------------------------------------------------------------------
 
@@ -188,13 +268,41 @@ class MetricsServer(ThreadingHTTPServer):
                 if not self._backoff:
                     logger.warning("exporter.accept_failed", reason=f"{errno.errorcode.get(exc.errno)}: {exc}")
                 self._backoff = min(max(self._backoff * 2, BACKOFF_FIRST), BACKOFF_MAX)
-                self._closing.wait(self._backoff)
+                if self._waiting:  # the oldest silent connections give their descriptors to new ones
+                    self._arrive(EVICT_ON_EMFILE)
+                    self._closing.wait(BACKOFF_FIRST / 5)
+                else:
+                    self._closing.wait(self._backoff)
             raise
         self._backoff = 0.0
         return conn
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
+        """Into the waiting room: no thread and no slot until the request head has arrived."""
+        self._arrive((request, client_address))
+
+    def _arrive(self, item: tuple[socket.socket, Any] | int) -> None:
+        self._arrivals.put(item)
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:  # the wake-up pipe is full: the room is awake already
+            pass
+
+    def take_head(self, request: Any) -> bytes:
+        """The request head the waiting room read from ``request`` (once)."""
+        with self._heads_lock:
+            return self._heads.pop(request, b"")
+
+    def _dispatch(self, request: socket.socket, client_address: Any, head: bytes) -> None:
+        """A complete request head: a slot and a thread, or 503 at once past the cap (or the peer's share)."""
+        peer = str(client_address[0]) if isinstance(client_address, tuple) and client_address else "?"
+        with self._open_lock:
+            mine = self._per_peer.get(peer, 0)
+            admitted = mine < self.max_per_peer and self._slots.acquire(blocking=False)
+            if admitted:
+                self._per_peer[peer] = mine + 1
+                self._open[request] = (time.monotonic(), peer)
+        if not admitted:
             try:
                 request.setblocking(False)
                 request.send(_BUSY)  # fits an empty send buffer: never blocks the accepting thread
@@ -202,13 +310,15 @@ class MetricsServer(ThreadingHTTPServer):
                 pass
             self.shutdown_request(request)
             return
-        with self._open_lock:
-            self._open[request] = time.monotonic()
+        with self._heads_lock:
+            self._heads[request] = head
         try:
-            super().process_request(request, client_address)
-        except BaseException:
+            request.settimeout(self.handler_timeout)
+            ThreadingMixIn.process_request(self, request, client_address)
+        except Exception:  # noqa: BLE001 - no thread (out of memory, interpreter exiting): this request only
             self._done(request)
-            raise
+            self.take_head(request)
+            self.shutdown_request(request)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
@@ -218,9 +328,126 @@ class MetricsServer(ThreadingHTTPServer):
 
     def _done(self, request: Any) -> None:
         with self._open_lock:
-            known = self._open.pop(request, None) is not None
-        if known:
+            known = self._open.pop(request, None)
+            if known is not None:
+                left = self._per_peer.get(known[1], 1) - 1
+                if left > 0:
+                    self._per_peer[known[1]] = left
+                else:
+                    self._per_peer.pop(known[1], None)
+        if known is not None:
             self._slots.release()
+
+    # -- the waiting room -----------------------------------------------------------------
+
+    def _room(self) -> None:
+        """Read the request heads of every waiting connection; hand complete ones to :meth:`_dispatch`."""
+        sel = selectors.DefaultSelector()
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        try:
+            while not self._closing.is_set():
+                self._admit(sel)
+                for key, _ in sel.select(timeout=self._next_expiry()):
+                    if key.fileobj is self._wake_r:
+                        try:
+                            while self._wake_r.recv(4096):
+                                pass
+                        except OSError:
+                            pass
+                    else:
+                        self._read_head(sel, key.fileobj)  # type: ignore[arg-type]
+                self._expire(sel)
+        except Exception as exc:  # noqa: BLE001 - logged; the accepting thread then has nobody to hand to
+            logger.warning("exporter.room_failed", reason=f"{exc.__class__.__name__}: {exc}")
+        finally:
+            for sock in list(self._waiting):
+                self._drop(sel, sock)
+            sel.close()
+
+    def _admit(self, sel: selectors.BaseSelector) -> None:
+        now = time.monotonic()
+        while True:
+            try:
+                item = self._arrivals.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, int):  # out of descriptors: close the oldest waiting connections
+                for sock in list(self._waiting)[:item]:
+                    self._drop(sel, sock)
+                continue
+            sock, address = item
+            waiting = _Waiting(address, now)
+            mine = self._by_peer.setdefault(waiting.peer, {})
+            if len(mine) >= MAX_WAITING_PER_PEER:
+                self._drop(sel, next(iter(mine)))
+            elif len(self._waiting) >= MAX_WAITING:
+                busiest = max(self._by_peer.values(), key=len)
+                self._drop(sel, next(iter(busiest)))
+            try:
+                sock.setblocking(False)
+                sel.register(sock, selectors.EVENT_READ)
+            except (OSError, ValueError):
+                self.shutdown_request(sock)
+                continue
+            self._waiting[sock] = waiting
+            self._by_peer.setdefault(waiting.peer, {})[sock] = None
+
+    def _read_head(self, sel: selectors.BaseSelector, sock: socket.socket) -> None:
+        waiting = self._waiting.get(sock)
+        if waiting is None:
+            return
+        try:
+            data = sock.recv(8192)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # closed by the client (or reset)
+            self._drop(sel, sock)
+            return
+        start = max(0, len(waiting.head) - 3)
+        waiting.head += data
+        tail = bytes(waiting.head[start:])
+        if b"\r\n\r\n" in tail or b"\n\n" in tail:
+            self._forget(sel, sock)
+            self._dispatch(sock, waiting.address, bytes(waiting.head))
+        elif len(waiting.head) > MAX_HEAD:
+            try:
+                sock.send(_TOO_LARGE)
+            except OSError:
+                pass
+            self._drop(sel, sock)
+
+    def _next_expiry(self) -> float:
+        """Seconds until the oldest waiting connection runs out of time (at most one)."""
+        if not self._waiting:
+            return 1.0
+        oldest = next(iter(self._waiting.values()))
+        return max(0.0, min(1.0, oldest.since + self.handler_timeout - time.monotonic()))
+
+    def _expire(self, sel: selectors.BaseSelector) -> None:
+        """Close every waiting connection whose head is not complete ``timeout`` seconds after its accept."""
+        cutoff = time.monotonic() - self.handler_timeout
+        for sock, waiting in list(self._waiting.items()):  # in accept order: stop at the first in time
+            if waiting.since > cutoff:
+                return
+            self._drop(sel, sock)
+
+    def _forget(self, sel: selectors.BaseSelector, sock: socket.socket) -> None:
+        waiting = self._waiting.pop(sock, None)
+        if waiting is not None:
+            mine = self._by_peer.get(waiting.peer, {})
+            mine.pop(sock, None)
+            if not mine:
+                self._by_peer.pop(waiting.peer, None)
+        try:
+            sel.unregister(sock)
+        except (KeyError, ValueError, OSError):
+            pass
+
+    def _drop(self, sel: selectors.BaseSelector, sock: socket.socket) -> None:
+        self._forget(sel, sock)
+        self.shutdown_request(sock)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """One line in the log, not a traceback on the operator's terminal."""
@@ -236,7 +463,7 @@ class MetricsServer(ThreadingHTTPServer):
         while not self._closing.wait(min(1.0, self.handler_timeout)):
             now = time.monotonic()
             with self._open_lock:
-                late = [sock for sock, since in self._open.items() if now - since > deadline]
+                late = [sock for sock, (since, _) in self._open.items() if now - since > deadline]
             for sock in late:
                 try:
                     sock.shutdown(socket.SHUT_RDWR)  # wakes the handler's blocked read; it then closes
@@ -245,6 +472,7 @@ class MetricsServer(ThreadingHTTPServer):
 
     def server_close(self) -> None:
         self._closing.set()
+        self._arrive(0)
         super().server_close()
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from ._config import settings
 from ._doctor import locked_tasks
 from ._holders import RateTask
-from ._redact import redact
+from ._redact import redact, redact_text
 from ._terminal import printable
 from .exceptions import ConfigurationError
 
@@ -27,7 +27,7 @@ def inventory(app: Any) -> list[dict[str, Any]]:
         try:
             o = task.lockguard_options
         except ConfigurationError as exc:
-            out.append({"task": task.name, "error": redact(str(exc))})
+            out.append({"task": task.name, "error": redact_text(exc)})
             continue
         scope = o.idempotency_key.template if o.idempotency_key is not None else "task id"
         out.append(

@@ -96,6 +96,8 @@ def leases_section(snap: Snapshot) -> str:
         if snap.lease_count > len(snap.leases):
             more = snap.lease_count - len(snap.leases)
             out.append(f'<p class="note">{plural(more, "more lease")} not shown (lockguard locks lists all)</p>')
+        if snap.uses:  # lock_limit / lock_rate: "invoice:7: 1/2 slots held, 3/10 starts in the last 60s"
+            out.append('<ul class="uses">' + "".join(f"<li>{text(use.text())}</li>" for use in snap.uses) + "</ul>")
         odd = [x for x in snap.leases if x.malformed]
         if odd:
             out.append(f'<p class="note">{plural(len(odd), "lease")} with values no worker writes, shown as ?</p>')

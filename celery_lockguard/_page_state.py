@@ -34,7 +34,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from . import _connection as connection
@@ -44,7 +44,7 @@ from . import _stats as stats
 from ._config import Settings
 from ._connection import UNAVAILABLE_ERRORS
 from ._events import logger
-from ._holders import HeldLease, read_leases, read_waiting
+from ._holders import EntityUse, HeldLease, entity_use, read_leases, read_waiting
 from ._redact import redact_text
 
 #: Seconds of history the sparklines and the busy entities cover.
@@ -186,6 +186,8 @@ class Snapshot:
     leases: tuple[HeldLease, ...] = ()
     lease_count: int = 0
     waiting: dict[str, int] = field(default_factory=dict)
+    #: lock_limit / lock_rate entities held now: slots held of N, starts in the window (as ``locks`` prints them).
+    uses: tuple[EntityUse, ...] = ()
     summary: dict[str, Any] | None = None
     samples: tuple[Sample, ...] = ()
     busy: tuple[BusyEntity, ...] = ()
@@ -205,6 +207,7 @@ class Snapshot:
             "errors": self.errors,
             "lease_count": self.lease_count,
             "leases": [{**lease.as_dict(), "waiting": self.waiting.get(lease.key, 0)} for lease in self.leases],
+            "entity_use": [asdict(use) for use in self.uses],
             "busy_entities": [b.as_dict() for b in self.busy],
             "samples": [s.__dict__ for s in self.samples],
             "tasks": (self.summary or {}).get("tasks", {}),
@@ -304,6 +307,7 @@ class PageState:
         codes: list[int] = []
         leases: list[HeldLease] = []
         waiting: dict[str, int] = {}
+        uses: list[EntityUse] = []
         summary: dict[str, Any] | None = None
         try:
             client = connection.operator_client(s)
@@ -315,6 +319,7 @@ class PageState:
                 leases = read_leases(client, s.key_prefix)
                 # Every lease's waiters, not only the rows shown: the busiest entities are chosen from all of them.
                 waiting = read_waiting(client, s.key_prefix, [lease.key for lease in leases])
+                uses = entity_use(client, s.key_prefix, leases)[:MAX_LEASES]  # one pipeline, limited entities only
             except Exception as exc:  # noqa: BLE001 - one section fails, the others are shown
                 codes.append(self._failed("leases", exc, errors))
             try:
@@ -335,6 +340,7 @@ class PageState:
             leases=tuple(leases[:MAX_LEASES]),
             lease_count=len(leases),
             waiting=waiting,
+            uses=tuple(uses),
             summary=summary,
             samples=tuple(self._ring),
             busy=busy,

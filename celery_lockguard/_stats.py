@@ -23,7 +23,10 @@ thresholds are below, so an operator can check why one fired.
 
 Every field is parsed on its own (:func:`celery_lockguard._metrics.parse_count`):
 a value no flush writes (``nan``, ``inf``, ``1e400``, text) is skipped and
-named under ``malformed``, and everything else is summed as usual.
+named under ``malformed``, and everything else is summed as usual. A metrics
+key of a type no flush writes (a string planted where the totals hash or the
+process index belongs) is read as empty and named under ``unreadable``: every
+reader (``stats``, the exporter, the page, ``doctor``) survives it.
 
 What is held *now* comes from the processes' gauges (``_metrics`` module
 docstring): one ``ZRANGE`` names them and one ``MGET`` reads them, in a second
@@ -39,6 +42,8 @@ import math
 import time
 from collections import Counter
 from typing import Any
+
+import redis
 
 from ._metrics import (
     HISTOGRAM_FIELD_PREFIXES,
@@ -84,15 +89,34 @@ def read(client: Any, prefix: str, now: float | None = None, windows: bool = Tru
     pipe.zrange(procs_key(prefix), 0, -1)
     for m in minutes:
         pipe.hgetall(minute_key(prefix, m))
-    replies = pipe.execute()
-    procs = [p for p in (replies[1] or []) if isinstance(p, str)]
+    keys = [total_key(prefix), procs_key(prefix), *(minute_key(prefix, m) for m in minutes)]
+    # Per-command errors come back as values: one planted key of the wrong type costs its own numbers only.
+    replies = pipe.execute(raise_on_error=False)
+    unreadable: list[str] = []
+    for i, (key, reply) in enumerate(zip(keys, replies, strict=True)):
+        expected = list if i == 1 else dict
+        if isinstance(reply, Exception):
+            if not is_wrong_type(reply):
+                raise reply
+            unreadable.append(key)
+            replies[i] = expected()
+        elif not isinstance(reply, expected):
+            unreadable.append(key)
+            replies[i] = expected()
+    procs = [p for p in replies[1] if isinstance(p, str)]
     blobs = client.mget([proc_key(prefix, p) for p in procs]) if procs else []
     return {
         "now": now,
-        "total": replies[0] or {},
+        "total": replies[0],
         "minutes": dict(zip(minutes, replies[2:], strict=True)),
         "gauges": parse_gauges(blobs, now),
+        "unreadable": unreadable,
     }
+
+
+def is_wrong_type(exc: BaseException) -> bool:
+    """Whether ``exc`` is Redis refusing a command for the type of the key (``WRONGTYPE``)."""
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith("WRONGTYPE")
 
 
 #: The most leases one process gauge row may count; a larger value is malformed and skipped.
@@ -233,6 +257,7 @@ def summarize(raw: dict[str, Any], templates: dict[str, str] | None = None) -> d
         "tasks": tasks,
         "malformed": sorted(malformed)[:MAX_MALFORMED_LISTED],
         "malformed_count": len(malformed),
+        "unreadable": list(raw.get("unreadable", [])),
     }
 
 
@@ -334,9 +359,46 @@ def readings(w: dict[str, dict[str, Any]]) -> list[str]:
 # -- Prometheus text exposition ----------------------------------------------------
 
 
+#: Distinct ``task`` label values per metric family, and (task, worker) pairs per gauge; the rest are folded.
+MAX_TASK_SERIES = 500
+#: Distinct ``event`` label values; the rest (names no worker writes, planted) are folded.
+MAX_EVENT_SERIES = 64
+#: Characters of a label value shown (the rest is cut, and says how much).
+MAX_LABEL = 200
+#: The label value everything past a series cap is summed under.
+OTHER = "(other)"
+#: Characters that mean something in the text alerts carry a label into (Slack's ``<!channel>``, HTML, Markdown).
+_ALERT_UNSAFE = str.maketrans({c: f"\\x{ord(c):02x}" for c in "<>&`"})
+
+
 def _label(value: str) -> str:
-    """A label value in the text format: non-printables written as text first (``\\x1b``), then escaped."""
-    return printable(value, None).replace("\\", "\\\\").replace('"', '\\"')
+    """A label value: non-printables and alert-text markup written as text (``\\x1b``, ``\\x3c``), cut to
+    :data:`MAX_LABEL`, then escaped for the text format.
+
+    Label values reach alert summaries (``{{ $labels.task }}``): a task named
+    ``<!channel>`` must not page a whole Slack channel, nor ``<img ...>`` run
+    in an HTML mail.
+    """
+    return printable(value, MAX_LABEL).translate(_ALERT_UNSAFE).replace("\\", "\\\\").replace('"', '\\"')
+
+
+def _activity(counts: Counter[str]) -> int:
+    return sum(n for name, n in counts.items() if not name.startswith(HISTOGRAM_FIELD_PREFIXES))
+
+
+def _fold(rows: dict[str, Counter[str]], keep: int) -> tuple[dict[str, Counter[str]], int]:
+    """``rows`` with all but the ``keep`` most active summed under :data:`OTHER`; and how many were folded."""
+    if len(rows) <= keep:
+        return rows, 0
+    ranked = sorted(rows, key=lambda k: (-_activity(rows[k]), k))
+    kept = {k: rows[k] for k in ranked[: keep - 1]}
+    other = kept.setdefault(OTHER, Counter())
+    folded = 0
+    for k in ranked[keep - 1 :]:
+        if k != OTHER:
+            folded += 1
+        other.update(rows[k])
+    return kept, folded
 
 
 #: The histograms as Prometheus names them (seconds, per Prometheus conventions) and what each measures.
@@ -365,7 +427,7 @@ def _histogram(lines: list[str], per_task: dict[str, Counter[str]], family: str)
     for task, counts in sorted(per_task.items()):
         if not counts[f"{family}.count"]:
             continue
-        t = _label(task)
+        t = task  # already a label (:func:`prometheus`)
         cumulative = 0
         for bound, le_name in zip([*HISTOGRAMS[family], None], bucket_names(family), strict=True):
             cumulative += counts[f"{family}.le.{le_name}"]
@@ -383,38 +445,83 @@ def prometheus(raw: dict[str, Any], templates: dict[str, str] | None = None) -> 
     by the code, never the rendered keys), histograms (hold, wait, renewal
     lag per task) and gauges (leases held now and the oldest hold's age per
     task and worker, from the processes' gauges).
+
+    Bounded whatever Redis holds: at most :data:`MAX_TASK_SERIES` task label
+    values per family (and task/worker pairs per gauge) and
+    :data:`MAX_EVENT_SERIES` event names, the least active summed under
+    ``(other)`` and counted in ``lockguard_folded_labels``; label values are
+    sanitised by :func:`_label` (names that sanitise alike are summed).
     """
     total = raw["total"]
-    per_task = _split(total)
+    raw_tasks = _split(total)
+    per_task: dict[str, Counter[str]] = {}
+    for task, counts in raw_tasks.items():
+        per_task.setdefault(_label(task), Counter()).update(counts)
+    per_task, folded_tasks = _fold(per_task, MAX_TASK_SERIES)
+    events: Counter[str] = Counter()
+    for counts in per_task.values():
+        for name, n in counts.items():
+            if not name.startswith(HISTOGRAM_FIELD_PREFIXES):
+                events[_label(name)] += n
+    kept_events = {name for name, _ in sorted(events.items(), key=lambda kv: (-kv[1], kv[0]))[: MAX_EVENT_SERIES - 1]}
+    folded_events = len(events) - len(kept_events) if len(events) > MAX_EVENT_SERIES else 0
+    if not folded_events:
+        kept_events = set(events)
     lines: list[str] = []
     _family(lines, "lockguard_events_total", "counter", "Lock events per task, summed over every worker that flushed.")
     for task, counts in sorted(per_task.items()):
-        for name, n in sorted(counts.items()):
+        row: Counter[str] = Counter()
+        for name, n in counts.items():
             if not name.startswith(HISTOGRAM_FIELD_PREFIXES):
-                lines.append(f'lockguard_events_total{{task="{_label(task)}",event="{_label(name)}"}} {n}')
+                event = _label(name)
+                row[event if event in kept_events else OTHER] += n
+        for event, n in sorted(row.items()):
+            lines.append(f'lockguard_events_total{{task="{task}",event="{event}"}} {n}')
     for family in PROMETHEUS_HISTOGRAMS:
         _histogram(lines, per_task, family)
     by_template: dict[str, Counter[str]] = {}
-    for task, counts in per_task.items():
-        template = (templates or {}).get(task, UNKNOWN_TEMPLATE)
-        row = by_template.setdefault(template, Counter())
-        row["acquired"] += counts["lock.acquired"]
-        row["contended"] += counts["lock.contended"]
+    for task, counts in raw_tasks.items():
+        template = _label((templates or {}).get(task, UNKNOWN_TEMPLATE))
+        outcomes = by_template.setdefault(template, Counter())
+        outcomes["acquired"] += counts["lock.acquired"]
+        outcomes["contended"] += counts["lock.contended"]
+    by_template, folded_templates = _fold(by_template, MAX_TASK_SERIES)
     for outcome in ("acquired", "contended"):
         name = f"lockguard_template_{outcome}_total"
         what = "Leases acquired" if outcome == "acquired" else "Attempts that found the entity held"
         _family(lines, name, "counter", f"{what}, per lock_key template (not the rendered key: bounded labels).")
-        for template, row in sorted(by_template.items()):
-            if row["acquired"] or row["contended"]:
-                lines.append(f'{name}{{template="{_label(template)}"}} {row[outcome]}')
-    held = held_now(raw)
+        for template, outcomes in sorted(by_template.items()):
+            if outcomes["acquired"] or outcomes["contended"]:
+                lines.append(f'{name}{{template="{template}"}} {outcomes[outcome]}')
+    held: dict[tuple[str, str], tuple[int, float]] = {}
+    for (task, worker), (n, age) in held_now(raw).items():
+        key = (_label(task), _label(worker))
+        had_n, had_age = held.get(key, (0, 0.0))
+        held[key] = (had_n + n, max(had_age, age))
+    folded_pairs = 0
+    if len(held) > MAX_TASK_SERIES:
+        ranked = sorted(held, key=lambda k: (-held[k][0], -held[k][1], k))
+        rest = ranked[MAX_TASK_SERIES - 1 :]
+        other = (sum(held[k][0] for k in rest), max(held[k][1] for k in rest))
+        held = {k: held[k] for k in ranked[: MAX_TASK_SERIES - 1]}
+        had_n, had_age = held.get((OTHER, OTHER), (0, 0.0))
+        held[(OTHER, OTHER)] = (had_n + other[0], max(had_age, other[1]))
+        folded_pairs = len(rest)
     _family(lines, "lockguard_leases_held", "gauge", "Leases held now by running bodies, per task and worker.")
     for (task, worker), (n, _age) in sorted(held.items()):
-        lines.append(f'lockguard_leases_held{{task="{_label(task)}",worker="{_label(worker)}"}} {n}')
+        lines.append(f'lockguard_leases_held{{task="{task}",worker="{worker}"}} {n}')
     _family(lines, "lockguard_oldest_hold_seconds", "gauge", "Age of the oldest lease held now, per task and worker.")
     for (task, worker), (_n, age) in sorted(held.items()):
-        labels = f'task="{_label(task)}",worker="{_label(worker)}"'
-        lines.append(f"lockguard_oldest_hold_seconds{{{labels}}} {round(age, 3)}")
+        lines.append(f'lockguard_oldest_hold_seconds{{task="{task}",worker="{worker}"}} {round(age, 3)}')
+    _family(
+        lines,
+        "lockguard_folded_labels",
+        "gauge",
+        f'Label values past the series cap, summed under "{OTHER}" (task: per family; task_worker: per gauge).',
+    )
+    folded = {"task": folded_tasks, "event": folded_events, "template": folded_templates, "task_worker": folded_pairs}
+    for label, n in folded.items():
+        lines.append(f'lockguard_folded_labels{{label="{label}"}} {n}')
     last = parse_timestamp(total.get("@last_flush_at"))
     if last is not None:
         name = "lockguard_metrics_last_flush_timestamp_seconds"
@@ -432,4 +539,5 @@ EXPORTED_METRICS = (
     "lockguard_leases_held",
     "lockguard_oldest_hold_seconds",
     "lockguard_metrics_last_flush_timestamp_seconds",
+    "lockguard_folded_labels",
 )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -364,10 +365,22 @@ def lockguard_disabled(app: Any) -> Iterator[None]:
 
 
 def delete_prefix(client: redis.Redis, prefix: str) -> int:
-    """Delete every key under ``prefix`` (SCAN + DEL, never FLUSH on a shared server)."""
+    """Delete every key ``prefix:...`` (SCAN + DEL, never FLUSH on a shared server).
+
+    Only keys under ``prefix`` followed by ``:`` (how lockguard, and the
+    documented kombu ``global_keyprefix``, name theirs): ``"billing"`` must not
+    take ``billing-prod:...`` with it on a shared server. Glob characters in
+    the prefix are matched literally (``"tenant-[ab]"`` is not ``tenant-a``).
+    """
+    if not isinstance(prefix, str) or not prefix:
+        raise ValueError(f"delete_prefix needs a non-empty prefix, got {prefix!r}")
+    literal = prefix + ":"
+    pattern = re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + ":*"
     n = 0
-    for key in client.scan_iter(match=f"{prefix}*", count=1000):
-        n += int(client.delete(key))
+    for key in client.scan_iter(match=pattern, count=1000):
+        name = key.decode("utf-8", "surrogateescape") if isinstance(key, bytes) else str(key)
+        if name.startswith(literal):  # the pattern already says so; a server's glob dialect is not trusted
+            n += int(client.delete(key))
     return n
 
 

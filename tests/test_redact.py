@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 
+from celery_lockguard._redact import UNPARSED
+
 
 @pytest.mark.parametrize(
     ("url", "shown"),
@@ -17,9 +19,15 @@ import pytest
         ("redis://h/0?db=1&PASSWORD=s3cret&x=1", "redis://h/0?db=1&PASSWORD=***&x=1"),
         ("unix:///run/redis.sock?password=s3cret&db=2", "unix:///run/redis.sock?password=***&db=2"),
         ("postgressql://app:s3cret@db/billing", "postgressql://app:***@db/billing"),
-        ("postgresql://app:s3%ZZcret@db:notaport/billing", "postgresql://app:***@db:notaport/billing"),
-        ("host=db password=s3cret dbname=x", "host=db password=*** dbname=x"),
-        ("host=db password='s3 cret' dbname=x", "host=db password=*** dbname=x"),
+        ("postgresql://app:s3%ZZcret@db:notaport/billing", UNPARSED),  # libpq refuses it: not shown at all
+        ("host=db password=s3cret dbname=x", "dbname=x host=db password=***"),  # as libpq reads it
+        ("host=db password='s3 cret' dbname=x", "dbname=x host=db password=***"),
+        ("host=db password=s3 cret dbname=x", UNPARSED),  # where would a regex end the password?
+        ("host=db sslpassword=s3cret", "host=db sslpassword=***"),
+        ("rediss://h/0?ssl_password=s3cret", "rediss://h/0?ssl_password=***"),
+        ("redis://h/0?pass%77ord=s3cret", "redis://h/0?password=***"),  # redis-py decodes the key
+        ("postgresql://db/x?pass%77ord=s3cret", "postgresql://db/x?password=***"),
+        ("redis://h:notaport/0", UNPARSED),
         ("redis://:p@ss@h/0", "redis://:***@h/0"),
         ("redis://h:6379/0", "redis://h:6379/0"),
     ],
@@ -30,12 +38,23 @@ def test_redact_masks_every_form_of_password(url: str, shown: str) -> None:
     assert redact(url) == shown
 
 
-def test_redact_text_removes_a_password_libpq_quotes() -> None:
-    from celery_lockguard._redact import redact_text
+def test_redact_text_withholds_a_message_about_a_dsn_that_does_not_parse() -> None:
+    from celery_lockguard._redact import WITHHELD, redact_text
 
     dsn = "postgresql://app:s3%ZZcret@127.0.0.1/billing"
-    message = 'invalid percent-encoded token: "s3%ZZcret"'
-    assert redact_text(message, dsn) == 'invalid percent-encoded token: "***"'
+    assert redact_text('invalid percent-encoded token: "s3%ZZcret"', dsn) == WITHHELD
+    assert redact_text('missing "=" after "cret"', "host=db password=s3 cret") == WITHHELD
+
+
+def test_redact_text_masks_secrets_of_a_dsn_and_in_free_text() -> None:
+    from celery_lockguard._redact import redact_text
+
+    dsn = "postgresql://app:s3cret@127.0.0.1:1/test?sslmode=s3cret"
+    assert redact_text('invalid sslmode value: "s3cret"', dsn) == 'invalid sslmode value: "***"'
+    text = "bad x='redis://:pw1@h/0' and ssl_password=pw2 and p%61ssword=pw3 at postgresql://u:pw4@h/db."
+    out = redact_text(text)
+    assert not [s for s in ("pw1", "pw2", "pw3", "pw4") if s in out], out
+    assert out.endswith("postgresql://u:***@h/db.")
 
 
 @pytest.mark.parametrize(
