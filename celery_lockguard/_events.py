@@ -49,6 +49,8 @@ _LEVELS: dict[str, int] = {
     "lock.admitted": logging.DEBUG,
     "lock.throttled": logging.DEBUG,
     "lock.retry_scheduled": logging.DEBUG,
+    # One per wait, at info: the holder, when the call tries again and the attempt (the budget's count).
+    "lock.waiting": logging.INFO,
     "lock.woken": logging.DEBUG,
     "lock.handoff_dropped": logging.DEBUG,
     "lock.debounced": logging.DEBUG,

@@ -291,7 +291,7 @@ class LockGuard(Task):
             raise self._contention_error(call, None, failure)
         sig = self._wait(s, opts, call, decision, None, None)
         if sig is not None:
-            raise Retry(exc=self._contention_error(call, None, failure), when=None, sig=sig)
+            raise Retry(exc=self._contention_error(call, None, failure), when=_when(sig), sig=sig)
 
     def record_completion(self, conn: Any, result: Any = None) -> bool:
         """Write this run's completion record inside the caller's PostgreSQL transaction.
@@ -498,7 +498,7 @@ class LockGuard(Task):
                     replace_token = parked[len("adopt:") :]  # our publish failed, yet a releaser woke us
                     continue
                 if parked is not None:
-                    raise Retry(exc=self._contention_error(call, holder, None), when=None, sig=parked)
+                    raise Retry(exc=self._contention_error(call, holder, None), when=_when(parked), sig=parked)
                 decision = Decision(Action.WAIT, decision.reason)  # could not park: back off as before
                 action = decision.action
             if action in FREES_CLAIM and not (action is Action.FAIL_OPEN and opts.mode == "until_done"):
@@ -515,7 +515,7 @@ class LockGuard(Task):
                     # A watch copy shares its original's task id: RETRY stored now would overwrite the
                     # original's SUCCESS for good if the wait then finds the record and drops itself.
                     raise Ignore()
-                raise Retry(exc=self._contention_error(call, holder, failure, throttled), when=None, sig=sig)
+                raise Retry(exc=self._contention_error(call, holder, failure, throttled), when=_when(sig), sig=sig)
             if watch_copy and action in (Action.RAISE, Action.GIVE_UP) and self._original_settled():
                 raise Ignore()  # the original ended; a failure stored now would overwrite its state
             return self._finish(s, opts, call, decision, got, holder, failure, claim_token, args, kwargs)
@@ -1052,6 +1052,7 @@ class LockGuard(Task):
         else:
             countdown = min(republish.wait_countdown(waits, holder_ttl), republish.max_countdown(s))
         fields = {**self._fields(call), "reason": decision.reason, "waits": waits}
+        self._emit_waiting(opts, call, decision, holder, countdown, waits, _policy(opts, decision.reason))
         emit(
             "lock.retry_scheduled",
             self.name,
@@ -1070,6 +1071,32 @@ class LockGuard(Task):
         time.sleep(countdown)
         req.headers = hdrs
         return None
+
+    def _emit_waiting(
+        self,
+        opts: TaskOptions,
+        call: CallNames,
+        decision: Decision,
+        holder: Holder | None,
+        countdown: float,
+        waits: int,
+        policy: str,
+    ) -> None:
+        """The one line per wait an operator reads (info): who holds the entity, when this call tries again
+        (a parked call: at the latest), and which attempt of ``lock_max_waits`` this is. Celery's own
+        "retry: Retry in Ns" line says when too."""
+        emit(
+            "lock.waiting",
+            self.name,
+            **self._fields(call),
+            reason=decision.reason,
+            holder_task_id=holder.task_id if holder is not None else None,
+            holder_task_name=holder.task_name if holder is not None else None,
+            countdown=round(countdown, 3),
+            attempt=waits + 1,
+            max_waits=opts.max_waits,
+            policy=policy,
+        )
 
     def _park(
         self,
@@ -1126,6 +1153,7 @@ class LockGuard(Task):
         then = after_park(answer, free_retries)
         if then != "parked":
             return "acquire_again" if then == "acquire_again" else None
+        self._emit_waiting(opts, call, decision, holder, countdown, fields["waits"], "park")
         emit("lock.retry_scheduled", self.name, **fields, countdown=round(countdown, 3), policy="park")
         try:
             return republish.publish(self, args, kwargs, countdown, hdrs)
@@ -1390,6 +1418,12 @@ class LockGuard(Task):
                 if call is not None:
                     self._free_claim(s, opts, call, handed)
             raise
+
+
+def _when(sig: Any) -> float | None:
+    """The republished copy's countdown, for ``Retry(when=...)``: Celery logs "Retry in 2.5s", not "at None"."""
+    countdown = (getattr(sig, "options", None) or {}).get("countdown")
+    return round(float(countdown), 3) if isinstance(countdown, (int, float)) else None
 
 
 class LockedTask(LockGuard):

@@ -1,0 +1,63 @@
+"""A wait logs one lockguard line that says who holds the entity, when the call tries again and which attempt
+this is, and Celery's own retry line says when too (it said ``Retry at None: LockContended(...)``).
+
+Through Celery's real tracer (tests/tracer.py), as a worker child runs a delivery.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import redis
+from structlog.testing import capture_logs
+
+from celery_lockguard import LockedTask
+
+from .test_task import hold_externally
+from .tracer import deliver, make_app, published, redeliver
+
+
+@pytest.mark.parametrize("policy", ["park", "throttled"])
+def test_a_wait_is_one_lock_waiting_event_and_celerys_line_says_when(
+    policy: str, redis_url: str, prefix: str, r: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``park``: different work parks behind a holder (its safety copy's countdown); ``throttled``: a start
+    past ``lock_rate`` backs off until the window admits it and is republished."""
+    app = make_app("waitlogs", redis_url, prefix)
+
+    rate = {"lock_rate": "1/m"} if policy == "throttled" else {}
+
+    @app.task(base=LockedTask, bind=True, lock_key="export:{n}", name="wl.export", lock_max_waits=5, **rate)
+    def export(self: Any, n: int) -> str:
+        return "ran"
+
+    if policy == "park":
+        hold_externally(r, prefix, "export:1", task_id="holder-1", task_name="wl.other")
+    else:
+        assert deliver(export, (1,)).state == "SUCCESS"  # the window's one start
+    with caplog.at_level(logging.INFO, logger="celery.app.trace"), capture_logs() as logs:
+        first = deliver(export, (1,))
+        assert first.state == "RETRY"
+        second = redeliver(export, published(r, app)[-1])
+        assert second.state == "RETRY"
+    waiting = [e for e in logs if e["event"] == "lock.waiting"]
+    assert len(waiting) == 2, [e["event"] for e in logs]  # one per wait
+    if policy == "park":
+        assert waiting[0]["holder_task_id"] == "holder-1" and waiting[0]["policy"] == "park"
+    else:
+        assert waiting[0]["reason"] == "rate_limited" or waiting[0]["holder_task_id"] is None, waiting[0]
+    assert [w["attempt"] for w in waiting] == [1, 2] and waiting[0]["max_waits"] == 5
+    assert all(w["countdown"] > 0 for w in waiting)
+    retry_lines = [rec.getMessage() for rec in caplog.records if "retry:" in rec.getMessage()]
+    assert len(retry_lines) == 2, retry_lines
+    for line, wait in zip(retry_lines, waiting, strict=True):
+        assert "Retry in " in line and "None" not in line.split(":")[1], line
+        assert f"Retry in {wait['countdown']}s" in line, (line, wait)
+
+
+def test_lock_waiting_is_logged_at_info() -> None:
+    from celery_lockguard import _events
+
+    assert _events._LEVELS["lock.waiting"] == logging.INFO
