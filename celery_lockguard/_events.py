@@ -52,7 +52,8 @@ _LEVELS: dict[str, int] = {
     # One per wait, at info: the holder, when the call tries again and the attempt (the budget's count).
     "lock.waiting": logging.INFO,
     "lock.woken": logging.DEBUG,
-    "lock.handoff_dropped": logging.DEBUG,
+    # info: the one line that says why Celery then logs "Task ... ignored" for a parked call's other copy.
+    "lock.handoff_dropped": logging.INFO,
     "lock.debounced": logging.DEBUG,
     "lock.superseded": logging.INFO,
     "lock.debounce_missing": logging.WARNING,

@@ -1165,8 +1165,9 @@ class LockGuard(Task):
         except Exception as exc:  # noqa: BLE001 - cannot tell whether a releaser woke us: adopt if it did
             emit("lock.backend_unavailable", self.name, **{**fields, "reason": f"unpark: {_describe(exc)}"})
             return f"adopt:{park_token}"
-        action, _why = decide_parked("safety", state, age, 0)  # type: ignore[arg-type]
+        action, why = decide_parked("safety", state, age, 0)  # type: ignore[arg-type]
         if action is ParkedAction.DROP:
+            emit("lock.handoff_dropped", self.name, **self._fields(call), reason=why)
             raise Ignore()  # a releaser woke us and the woken copy is out: it runs the job
         return f"adopt:{park_token}" if state == "waking" else None
 

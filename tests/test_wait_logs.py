@@ -61,3 +61,34 @@ def test_lock_waiting_is_logged_at_info() -> None:
     from celery_lockguard import _events
 
     assert _events._LEVELS["lock.waiting"] == logging.INFO
+
+
+def test_a_late_safety_copy_says_at_info_why_it_is_ignored(
+    redis_url: str, prefix: str, r: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Celery logs only "Task ... ignored" for the dropped copy of a parked call: lockguard's line says why."""
+    from celery_lockguard import _headers as headers
+
+    from .test_handoff import messages, release
+    from .test_paths import hold
+
+    app = make_app("waitlogs-safety", redis_url, prefix)
+
+    @app.task(base=LockedTask, bind=True, name="wl.charge", lock_key="inv:{a}", shared=False)
+    def charge(self: Any, a: int) -> str:
+        return "ran"
+
+    lease = hold(r, prefix, "inv:1")
+    out = deliver(charge, (1,))
+    assert out.state == "RETRY"
+    (safety,) = messages(r, app, out.task_id)
+    assert release(app, r, prefix, lease)
+    woken = messages(r, app, out.task_id)[-1]
+    assert woken.headers[headers.WOKEN] == 1
+    assert redeliver(charge, woken).state == "SUCCESS"
+    with caplog.at_level(logging.INFO, logger="celery_lockguard"):
+        redeliver(charge, safety)
+    dropped = [rec for rec in caplog.records if getattr(rec, "lockguard", {}).get("event") == "lock.handoff_dropped"]
+    assert len(dropped) == 1, [rec.getMessage() for rec in caplog.records]
+    assert dropped[0].levelno == logging.INFO and dropped[0].lockguard["reason"] == "woken_copy_runs"
+    assert dropped[0].lockguard["task_id"] == out.task_id
