@@ -83,6 +83,10 @@ CHECKPOINT_WRITE_ATTEMPTS = 4
 _LEASE = "_lockguard_lease"
 _CALL = "_lockguard_call"
 _CHECKPOINTS = "_lockguard_checkpoints"
+_EAGER_STARTED = "_lockguard_eager_started"
+#: Longest an eager call (``.apply()``, ``task_always_eager``) waits, in seconds, on top of ``lock_max_waits``:
+#: it waits in the caller's thread, and a budget of 100 growing waits is over an hour of a blocked caller.
+EAGER_MAX_WAIT = 60.0
 #: Set on the request of a delivery lockguard has entered: a call of the task inside its own body is direct.
 _ENTERED = "_lockguard_entered"
 #: Fields a direct call must not inherit from the caller's request.
@@ -1052,6 +1056,8 @@ class LockGuard(Task):
         else:
             countdown = min(republish.wait_countdown(waits, holder_ttl), republish.max_countdown(s))
         fields = {**self._fields(call), "reason": decision.reason, "waits": waits}
+        if req.is_eager:
+            self._eager_bound(call, holder, throttled, countdown, fields)
         self._emit_waiting(opts, call, decision, holder, countdown, waits, _policy(opts, decision.reason))
         emit(
             "lock.retry_scheduled",
@@ -1071,6 +1077,38 @@ class LockGuard(Task):
         time.sleep(countdown)
         req.headers = hdrs
         return None
+
+    def _eager_bound(
+        self,
+        call: CallNames,
+        holder: Holder | None,
+        throttled: Throttled | None,
+        countdown: float,
+        fields: dict[str, Any],
+    ) -> None:
+        """Give up visibly once an eager call's waits would pass :data:`EAGER_MAX_WAIT` (from its first wait)."""
+        req = self.request
+        started = getattr(req, _EAGER_STARTED, None)
+        if started is None:
+            started = time.monotonic()
+            setattr(req, _EAGER_STARTED, started)
+        waited = time.monotonic() - started
+        if waited + countdown <= EAGER_MAX_WAIT:
+            return
+        emit(
+            "lock.wait_budget_exhausted",
+            self.name,
+            **fields,
+            policy="eager_max_wait",
+            waited=round(waited, 3),
+            max_wait=EAGER_MAX_WAIT,
+        )
+        if holder is None and throttled is None:
+            raise BackendUnavailable(
+                f"task {self.name!r}: lock store unavailable for {call.key!r}: an eager call waited {waited:.1f}s "
+                f"and gives up before {EAGER_MAX_WAIT:g}s ({fields['reason']})"
+            )
+        raise self._contention_error(call, holder, None, throttled)
 
     def _emit_waiting(
         self,

@@ -92,3 +92,34 @@ def test_a_late_safety_copy_says_at_info_why_it_is_ignored(
     assert len(dropped) == 1, [rec.getMessage() for rec in caplog.records]
     assert dropped[0].levelno == logging.INFO and dropped[0].lockguard["reason"] == "woken_copy_runs"
     assert dropped[0].lockguard["task_id"] == out.task_id
+
+
+@pytest.mark.timeout(60)
+def test_an_eager_apply_with_the_lock_redis_down_gives_up_visibly_within_its_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``.apply()`` waited in the caller's thread through the whole ``lock_max_waits`` budget (100 growing
+    waits: over an hour), logging every few seconds. Now it gives up after ``EAGER_MAX_WAIT``."""
+    import time
+
+    from celery import Celery
+
+    from celery_lockguard import BackendUnavailable
+    from celery_lockguard import _task as task_module
+    from celery_lockguard.testing import free_port
+
+    monkeypatch.setattr(task_module, "EAGER_MAX_WAIT", 3.0, raising=False)
+    app = Celery("eagerdown", broker="memory://", set_as_current=False)
+    app.conf.lockguard_redis_url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens
+    app.conf.lockguard_socket_timeout = 0.5
+
+    @app.task(base=LockedTask, bind=True, lock_key="k:{a}", name="wl.eager")  # lock_max_waits: the default 100
+    def t(self: Any, a: int) -> str:
+        return "ran"
+
+    started = time.monotonic()
+    with capture_logs() as logs, pytest.raises(BackendUnavailable, match="eager call waited"):
+        t.apply(args=(1,), throw=True)
+    assert time.monotonic() - started < 3.0 + 10  # the bound plus a few refused connects
+    (gave_up,) = [e for e in logs if e["event"] == "lock.wait_budget_exhausted"]
+    assert gave_up["policy"] == "eager_max_wait" and gave_up["max_wait"] == 3.0
