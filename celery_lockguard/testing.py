@@ -429,6 +429,7 @@ def wait_for_workers(
 
 _LIVE: dict[int, Worker] = {}
 _REAPER_INSTALLED = False
+_ATEXIT_REGISTERED: list[bool] = []
 _PR_SET_PDEATHSIG = 1
 _prctl: Any = None
 if sys.platform.startswith("linux"):
@@ -461,12 +462,17 @@ def _chained(signum: int, frame: Any, *, previous: Any) -> None:
 
 
 def _install_reaper() -> None:
-    """Once per process, from the main thread: atexit, and SIGINT/SIGTERM handlers chained to the ones before."""
+    """Once per process: atexit, and (from the main thread, the only one that may) SIGINT/SIGTERM handlers
+    chained to the ones before."""
     global _REAPER_INSTALLED
-    if _REAPER_INSTALLED or threading.current_thread() is not threading.main_thread():
+    if _REAPER_INSTALLED:
         return
+    if not _ATEXIT_REGISTERED:
+        _ATEXIT_REGISTERED.append(True)
+        atexit.register(kill_started_workers)
+    if threading.current_thread() is not threading.main_thread():
+        return  # a later spawn from the main thread installs the handlers
     _REAPER_INSTALLED = True
-    atexit.register(kill_started_workers)
     for signum in (signal.SIGINT, signal.SIGTERM):
         previous = signal.getsignal(signum)
         if previous is None or previous == signal.SIG_IGN:
