@@ -7,11 +7,21 @@ STAMP  := $(VENV)/.installed
 .PHONY: install test lint typecheck unit docs demo bench bench-quick chaos chaos-quick chaos-limits chaos-workflows \
 	chaos-debounce chaos-debounce-quick compat compat-quick clean dashboard dashboard-pictures
 
+# Installs quietly: pip's output goes to $(VENV)/install.log and is printed only if pip fails, so the first
+# screen of `make demo` on a fresh clone is the demo. EXTRAS and PIP_ARGS exist for tests/test_package.py.
+EXTRAS   ?= test,docs,postgres,embedded
+PIP_ARGS ?=
+# $(call quiet_pip,<venv python>,<log>,<pip install arguments>)
+quiet_pip = $(1) -m pip install --disable-pip-version-check $(PIP_ARGS) $(3) >>$(2) 2>&1 \
+	|| { cat $(2); echo "make: pip install failed; its whole output is in $(2)" >&2; exit 1; }
+
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,docs,postgres,embedded]'
-	touch $(STAMP)
+	@echo "Installing celery-lockguard$(if $(EXTRAS),[$(EXTRAS)]) into $(VENV) (pip's output: $(VENV)/install.log)..."
+	@$(PYTHON) -m venv $(VENV)
+	@: > $(VENV)/install.log
+	@$(call quiet_pip,$(PY),$(VENV)/install.log,--upgrade pip)
+	@$(call quiet_pip,$(PY),$(VENV)/install.log,-e '.$(if $(EXTRAS),[$(EXTRAS)])')
+	@touch $(STAMP)
 
 install: $(STAMP)
 
@@ -47,10 +57,12 @@ BENCH_PY    := $(BENCH_VENV)/bin/python
 BENCH_STAMP := $(BENCH_VENV)/.installed
 
 $(BENCH_STAMP): pyproject.toml bench/requirements.txt
-	$(PYTHON) -m venv $(BENCH_VENV)
-	$(BENCH_PY) -m pip install -q --upgrade pip
-	$(BENCH_PY) -m pip install -q -e . -r bench/requirements.txt
-	touch $(BENCH_STAMP)
+	@echo "Installing the benchmark environment into $(BENCH_VENV) (pip's output: $(BENCH_VENV)/install.log)..."
+	@$(PYTHON) -m venv $(BENCH_VENV)
+	@: > $(BENCH_VENV)/install.log
+	@$(call quiet_pip,$(BENCH_PY),$(BENCH_VENV)/install.log,--upgrade pip)
+	@$(call quiet_pip,$(BENCH_PY),$(BENCH_VENV)/install.log,-e . -r bench/requirements.txt)
+	@touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
 	$(BENCH_PY) -m bench.run --out docs/benchmarks.md

@@ -49,8 +49,11 @@ _LEVELS: dict[str, int] = {
     "lock.admitted": logging.DEBUG,
     "lock.throttled": logging.DEBUG,
     "lock.retry_scheduled": logging.DEBUG,
+    # One per wait, at info: the holder, when the call tries again and the attempt (the budget's count).
+    "lock.waiting": logging.INFO,
     "lock.woken": logging.DEBUG,
-    "lock.handoff_dropped": logging.DEBUG,
+    # info: the one line that says why Celery then logs "Task ... ignored" for a parked call's other copy.
+    "lock.handoff_dropped": logging.INFO,
     "lock.debounced": logging.DEBUG,
     "lock.superseded": logging.INFO,
     "lock.debounce_missing": logging.WARNING,

@@ -83,6 +83,10 @@ CHECKPOINT_WRITE_ATTEMPTS = 4
 _LEASE = "_lockguard_lease"
 _CALL = "_lockguard_call"
 _CHECKPOINTS = "_lockguard_checkpoints"
+_EAGER_STARTED = "_lockguard_eager_started"
+#: Longest an eager call (``.apply()``, ``task_always_eager``) waits, in seconds, on top of ``lock_max_waits``:
+#: it waits in the caller's thread, and a budget of 100 growing waits is over an hour of a blocked caller.
+EAGER_MAX_WAIT = 60.0
 #: Set on the request of a delivery lockguard has entered: a call of the task inside its own body is direct.
 _ENTERED = "_lockguard_entered"
 #: Fields a direct call must not inherit from the caller's request.
@@ -294,7 +298,7 @@ class LockGuard(Task):
             raise self._contention_error(call, None, failure)
         sig = self._wait(s, opts, call, decision, None, None)
         if sig is not None:
-            raise Retry(exc=self._contention_error(call, None, failure), when=None, sig=sig)
+            raise Retry(exc=self._contention_error(call, None, failure), when=_when(sig), sig=sig)
 
     def record_completion(self, conn: Any, result: Any = None) -> bool:
         """Write this run's completion record inside the caller's PostgreSQL transaction.
@@ -502,7 +506,7 @@ class LockGuard(Task):
                     replace_token = parked[len("adopt:") :]  # our publish failed, yet a releaser woke us
                     continue
                 if parked is not None:
-                    raise Retry(exc=self._contention_error(call, holder, None), when=None, sig=parked)
+                    raise Retry(exc=self._contention_error(call, holder, None), when=_when(parked), sig=parked)
                 decision = Decision(Action.WAIT, decision.reason)  # could not park: back off as before
                 action = decision.action
             if action in FREES_CLAIM and not (action is Action.FAIL_OPEN and opts.mode == "until_done"):
@@ -519,7 +523,7 @@ class LockGuard(Task):
                     # A watch copy shares its original's task id: RETRY stored now would overwrite the
                     # original's SUCCESS for good if the wait then finds the record and drops itself.
                     raise Ignore()
-                raise Retry(exc=self._contention_error(call, holder, failure, throttled), when=None, sig=sig)
+                raise Retry(exc=self._contention_error(call, holder, failure, throttled), when=_when(sig), sig=sig)
             if watch_copy and action in (Action.RAISE, Action.GIVE_UP) and self._original_settled():
                 raise Ignore()  # the original ended; a failure stored now would overwrite its state
             return self._finish(s, opts, call, decision, got, holder, failure, claim_token, args, kwargs)
@@ -1058,6 +1062,9 @@ class LockGuard(Task):
         else:
             countdown = min(republish.wait_countdown(waits, holder_ttl), republish.max_countdown(s))
         fields = {**self._fields(call), "reason": decision.reason, "waits": waits}
+        if req.is_eager:
+            self._eager_bound(call, holder, throttled, countdown, fields)
+        self._emit_waiting(opts, call, decision, holder, countdown, waits, _policy(opts, decision.reason))
         emit(
             "lock.retry_scheduled",
             self.name,
@@ -1076,6 +1083,64 @@ class LockGuard(Task):
         time.sleep(countdown)
         req.headers = hdrs
         return None
+
+    def _eager_bound(
+        self,
+        call: CallNames,
+        holder: Holder | None,
+        throttled: Throttled | None,
+        countdown: float,
+        fields: dict[str, Any],
+    ) -> None:
+        """Give up visibly once an eager call's waits would pass :data:`EAGER_MAX_WAIT` (from its first wait)."""
+        req = self.request
+        started = getattr(req, _EAGER_STARTED, None)
+        if started is None:
+            started = time.monotonic()
+            setattr(req, _EAGER_STARTED, started)
+        waited = time.monotonic() - started
+        if waited + countdown <= EAGER_MAX_WAIT:
+            return
+        emit(
+            "lock.wait_budget_exhausted",
+            self.name,
+            **fields,
+            policy="eager_max_wait",
+            waited=round(waited, 3),
+            max_wait=EAGER_MAX_WAIT,
+        )
+        if holder is None and throttled is None:
+            raise BackendUnavailable(
+                f"task {self.name!r}: lock store unavailable for {call.key!r}: an eager call waited {waited:.1f}s "
+                f"and gives up before {EAGER_MAX_WAIT:g}s ({fields['reason']})"
+            )
+        raise self._contention_error(call, holder, None, throttled)
+
+    def _emit_waiting(
+        self,
+        opts: TaskOptions,
+        call: CallNames,
+        decision: Decision,
+        holder: Holder | None,
+        countdown: float,
+        waits: int,
+        policy: str,
+    ) -> None:
+        """The one line per wait an operator reads (info): who holds the entity, when this call tries again
+        (a parked call: at the latest), and which attempt of ``lock_max_waits`` this is. Celery's own
+        "retry: Retry in Ns" line says when too."""
+        emit(
+            "lock.waiting",
+            self.name,
+            **self._fields(call),
+            reason=decision.reason,
+            holder_task_id=holder.task_id if holder is not None else None,
+            holder_task_name=holder.task_name if holder is not None else None,
+            countdown=round(countdown, 3),
+            attempt=waits + 1,
+            max_waits=opts.max_waits,
+            policy=policy,
+        )
 
     def _park(
         self,
@@ -1134,6 +1199,7 @@ class LockGuard(Task):
         then = after_park(answer, free_retries)
         if then != "parked":
             return "acquire_again" if then == "acquire_again" else None
+        self._emit_waiting(opts, call, decision, holder, countdown, fields["waits"], "park")
         emit("lock.retry_scheduled", self.name, **fields, countdown=round(countdown, 3), policy="park")
         try:
             return republish.publish(self, args, kwargs, countdown, hdrs)
@@ -1145,8 +1211,9 @@ class LockGuard(Task):
         except Exception as exc:  # noqa: BLE001 - cannot tell whether a releaser woke us: adopt if it did
             emit("lock.backend_unavailable", self.name, **{**fields, "reason": f"unpark: {_describe(exc)}"})
             return f"adopt:{park_token}"
-        action, _why = decide_parked("safety", state, age, 0)  # type: ignore[arg-type]
+        action, why = decide_parked("safety", state, age, 0)  # type: ignore[arg-type]
         if action is ParkedAction.DROP:
+            emit("lock.handoff_dropped", self.name, **self._fields(call), reason=why)
             raise Ignore()  # a releaser woke us and the woken copy is out: it runs the job
         return f"adopt:{park_token}" if state == "waking" else None
 
@@ -1402,6 +1469,12 @@ class LockGuard(Task):
                 if call is not None:
                     self._free_claim(s, opts, call, handed)
             raise
+
+
+def _when(sig: Any) -> float | None:
+    """The republished copy's countdown, for ``Retry(when=...)``: Celery logs "Retry in 2.5s", not "at None"."""
+    countdown = (getattr(sig, "options", None) or {}).get("countdown")
+    return round(float(countdown), 3) if isinstance(countdown, (int, float)) else None
 
 
 class LockedTask(LockGuard):

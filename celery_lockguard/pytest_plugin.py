@@ -20,8 +20,11 @@ Fixtures (all prefixed ``lockguard_`` so they never shadow a user's own):
   session.
 * ``lockguard_redis_server``: a private server this test may stop and restart.
 * ``lockguard_prefix``: a key prefix owned by the test; its keys are deleted after.
-* ``lockguard_config``: the settings the test app gets (lock Redis, prefix,
-  stdlib logging, Celery leaving the root logger alone).
+* ``lockguard_queue`` (session): a queue of the session's own; the test app sends
+  every task there and the workers the plugin starts consume only it, so a
+  development worker on the app's real queue never takes a test's task.
+* ``lockguard_config``: the settings the test app gets (lock Redis, prefix, the
+  private queue, stdlib logging, Celery leaving the root logger alone).
 * ``lockguard_app``: pytest-celery's ``celery_app`` with ``lockguard_config`` applied.
 * ``lockguard_worker``: an in-process worker (``celery.contrib.testing.worker.
   start_worker``, threads pool) for ``lockguard_app``; ``lockguard_worker_parameters``
@@ -194,18 +197,54 @@ class LockguardHelper:
 
     def wait_held(self, target: Any, *args: Any, timeout: float = 10, **kwargs: Any) -> dict[str, str]:
         """Poll until the lease is held (a task started its body); returns the holder."""
-        from .testing import wait_for
+        from .testing import WaitTimeout, wait_for
 
         name = self.lock_name(target, *args, **kwargs)
-        holder = wait_for(lambda: self.client.hgetall(name), timeout, f"{name} to be held", 0.02)
+        try:
+            holder = wait_for(lambda: self.client.hgetall(name), timeout, f"{name} to be held", 0.02)
+        except WaitTimeout as exc:
+            raise WaitTimeout(f"{exc}: no task body took the lease. {self._why_not_held(target)}") from None
         return {str(k): str(v) for k, v in holder.items()}  # a decode_responses client: already text
+
+    def _why_not_held(self, target: Any) -> str:
+        """The likely causes, with what the test app is pointed at: the usual one is the wrong worker."""
+        app = getattr(target, "app", None) if not isinstance(target, str) else None
+        app = app if app is not None else self._app_if_built()
+        if app is None:
+            return "Is a worker running the task (lockguard_worker, lockguard_worker_process)?"
+        from kombu.utils.url import maybe_sanitize_url
+
+        queue = app.conf.task_default_queue
+        broker = maybe_sanitize_url(str(app.conf.broker_url or "memory://"))
+        events = sorted({e.get("event", "?") for e in self.events.events}) or "none"
+        return (
+            f"Likely causes: no worker consumes queue {queue!r} on {broker} (start lockguard_worker, or "
+            f"lockguard_worker_process, which consumes it by default); another worker on that broker and queue "
+            f"took the task (a development worker: give the test app a queue of its own, as lockguard_config's "
+            f"task_default_queue does unless overridden); or the task failed before its body (its result, the "
+            f"worker's log). lockguard events seen in this process: {events}."
+        )
+
+    def _app_if_built(self) -> Celery | None:
+        with contextlib.suppress(Exception):
+            return self._app()
+        return None
 
     def wait_free(self, target: Any, *args: Any, timeout: float = 10, **kwargs: Any) -> None:
         """Poll until the lease is gone (released, expired, or never taken)."""
-        from .testing import wait_for
+        from .testing import WaitTimeout, wait_for
 
         name = self.lock_name(target, *args, **kwargs)
-        wait_for(lambda: not self.client.exists(name), timeout, f"{name} to be free", 0.02)
+        try:
+            wait_for(lambda: not self.client.exists(name), timeout, f"{name} to be free", 0.02)
+        except WaitTimeout as exc:
+            holder = self.client.hgetall(name)
+            ttl = self.client.pttl(name)
+            raise WaitTimeout(
+                f"{exc}: still held by {holder} ({ttl} ms of TTL left). Likely causes: the body has not ended (is "
+                f"it waiting on the test?), or its holder died and the lease runs out with its TTL "
+                f"(lockguard.expire ends it now)."
+            ) from None
 
     def expire(self, target: Any, *args: Any, **kwargs: Any) -> bool:
         """End the lease now, as if its TTL ran out; the holder's next renewal reports ``lock.lost``.
@@ -388,19 +427,54 @@ def lockguard_prefix(lockguard_redis: str) -> Iterator[str]:
         delete_prefix(redis.Redis.from_url(lockguard_redis), prefix)
 
 
+@pytest.fixture(scope="session")
+def lockguard_queue() -> str:
+    """The session's own queue (``lockguard-test-<random>``): what the test app sends to and its workers consume.
+
+    A test app built on your real broker would otherwise publish to your real queue, where a development
+    worker you left running takes the test's task -- and the test fails waiting for a body that ran elsewhere.
+    """
+    return f"lockguard-test-{uuid.uuid4().hex[:10]}"
+
+
 @pytest.fixture
-def lockguard_config(lockguard_redis: str, lockguard_prefix: str) -> dict[str, Any]:
+def lockguard_config(lockguard_redis: str, lockguard_prefix: str, lockguard_queue: str) -> dict[str, Any]:
     """Settings ``lockguard_app`` gets on top of ``celery_config``; override to add your own.
 
     Events go to the stdlib logger (so ``lockguard.assert_logged`` sees them even when
-    structlog is configured), and Celery leaves the root logger's handlers alone.
+    structlog is configured), and Celery leaves the root logger's handlers alone. Every
+    task is sent to ``task_default_queue``, the session's private queue (``lockguard_queue``),
+    whatever the app's ``task_routes`` say; drop the key to keep the app's own routing.
     """
     return {
         "lockguard_redis_url": lockguard_redis,
         "lockguard_key_prefix": lockguard_prefix,
         "lockguard_log_backend": "logging",
         "worker_hijack_root_logger": False,
+        "task_default_queue": lockguard_queue,
     }
+
+
+class _PrivateQueue:
+    """A router placed first in the test app's ``task_routes``: every task to the session's queue."""
+
+    def __init__(self, queue: str) -> None:
+        self.queue = queue
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[str, str]:
+        return {"queue": self.queue}
+
+
+def _route_everything_to(app: Celery, queue: str | None) -> None:
+    """Put (or replace, or remove) the private-queue router at the head of ``task_routes``."""
+    routes = app.conf.task_routes
+    if routes is None:
+        routes = ()
+    elif not isinstance(routes, (list, tuple)):
+        routes = (routes,)
+    routes = tuple(r for r in routes if not isinstance(r, _PrivateQueue))
+    app.conf.task_routes = ((_PrivateQueue(queue),) if queue else ()) + routes
+    app.amqp.flush_routes()
 
 
 @pytest.fixture
@@ -413,6 +487,7 @@ def lockguard_app(request: pytest.FixtureRequest, lockguard_config: dict[str, An
     from ._config import reset
 
     app.conf.update(lockguard_config)
+    _route_everything_to(app, lockguard_config.get("task_default_queue"))
     if str(app.conf.broker_url or "").startswith("memory://"):
         # Kombu's in-memory transport polls once a second: a task waits up to that before it
         # starts and a worker as long to stop. A lock test sends several tasks each.
@@ -432,7 +507,9 @@ def lockguard_worker_parameters() -> dict[str, Any]:
 
 
 @pytest.fixture
-def lockguard_worker(lockguard_app: Celery, lockguard_worker_parameters: dict[str, Any]) -> Iterator[Any]:
+def lockguard_worker(
+    lockguard_app: Celery, lockguard_worker_parameters: dict[str, Any], lockguard_config: dict[str, Any]
+) -> Iterator[Any]:
     """An in-process worker for ``lockguard_app`` (``celery.contrib.testing.worker.start_worker``).
 
     pytest-celery 1.x turns ``celery_worker`` into a Docker-based worker; this one runs
@@ -442,20 +519,23 @@ def lockguard_worker(lockguard_app: Celery, lockguard_worker_parameters: dict[st
     from celery.contrib.testing.worker import start_worker
 
     params = {"perform_ping_check": False, "shutdown_timeout": 30.0, **lockguard_worker_parameters}
+    if lockguard_config.get("task_default_queue") and "queues" not in params:
+        params["queues"] = [lockguard_config["task_default_queue"]]  # only the private one, even beside task_queues
     with start_worker(lockguard_app, **params) as worker:
         yield worker
 
 
 @pytest.fixture
 def lockguard_worker_process(
-    request: pytest.FixtureRequest, lockguard_redis: str, lockguard_prefix: str, tmp_path: Path
+    request: pytest.FixtureRequest, lockguard_redis: str, lockguard_prefix: str, lockguard_queue: str, tmp_path: Path
 ) -> Iterator[Callable[..., Worker]]:
     """A factory: ``lockguard_worker_process("proj.celery:app", control=app, pool="prefork")`` -> a started Worker.
 
     Keyword arguments are :class:`celery_lockguard.testing.Worker`'s. The process runs in
-    pytest's root directory with ``LOCKGUARD_TEST_REDIS_URL`` and ``LOCKGUARD_TEST_PREFIX``
-    added to its environment (for the app module to configure from); every worker is
-    stopped at teardown.
+    pytest's root directory with ``LOCKGUARD_TEST_REDIS_URL``, ``LOCKGUARD_TEST_PREFIX`` and
+    ``LOCKGUARD_TEST_QUEUE`` added to its environment (for the app module to configure from)
+    and consumes only the session's queue unless ``queues=`` says otherwise; every worker
+    is stopped at teardown.
     """
     from .testing import Worker
 
@@ -465,8 +545,10 @@ def lockguard_worker_process(
         env = {
             "LOCKGUARD_TEST_REDIS_URL": lockguard_redis,
             "LOCKGUARD_TEST_PREFIX": lockguard_prefix,
+            "LOCKGUARD_TEST_QUEUE": lockguard_queue,
             **kwargs.pop("env", {}),
         }
+        kwargs.setdefault("queues", [lockguard_queue])
         kwargs.setdefault("cwd", request.config.rootpath)
         kwargs.setdefault("log_path", tmp_path / f"worker-{len(started)}.log")
         worker = Worker(app, env=env, **kwargs)

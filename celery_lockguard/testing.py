@@ -15,7 +15,10 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
+import functools
 import os
 import re
 import shutil
@@ -430,6 +433,66 @@ def wait_for_workers(
             raise RuntimeError(f"workers {sorted(pending)} did not answer within {timeout}s")
 
 
+# -- every worker dies with the process that started it ------------------------------------------------------
+#
+# A worker runs in a session of its own (see Worker), so a Ctrl-C at the terminal, or a SIGTERM from a timeout,
+# reaches the test run and not the worker: interrupted runs left workers polling the queue. So the process that
+# spawns workers kills their groups at exit and on SIGINT/SIGTERM, and on Linux each worker is also asked to get
+# SIGKILL when the spawning thread dies (``PR_SET_PDEATHSIG``), which covers a SIGKILLed test run.
+
+_LIVE: dict[int, Worker] = {}
+_REAPER_INSTALLED = False
+_ATEXIT_REGISTERED: list[bool] = []
+_PR_SET_PDEATHSIG = 1
+_prctl: Any = None
+if sys.platform.startswith("linux"):
+    with contextlib.suppress(OSError, AttributeError):
+        _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: nothing may be imported after fork
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
+def kill_started_workers() -> None:
+    """SIGKILL every worker this process started that is still running (its whole process group)."""
+    for worker in list(_LIVE.values()):
+        worker._signal_group(signal.SIGCONT)
+        worker._signal_group(signal.SIGKILL)
+    _LIVE.clear()
+
+
+def _chained(signum: int, frame: Any, *, previous: Any) -> None:
+    kill_started_workers()
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_IGN:
+        return
+    else:  # SIG_DFL: die of the signal, as without this handler
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def _install_reaper() -> None:
+    """Once per process: atexit, and (from the main thread, the only one that may) SIGINT/SIGTERM handlers
+    chained to the ones before."""
+    global _REAPER_INSTALLED
+    if _REAPER_INSTALLED:
+        return
+    if not _ATEXIT_REGISTERED:
+        _ATEXIT_REGISTERED.append(True)
+        atexit.register(kill_started_workers)
+    if threading.current_thread() is not threading.main_thread():
+        return  # a later spawn from the main thread installs the handlers
+    _REAPER_INSTALLED = True
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        previous = signal.getsignal(signum)
+        if previous is None or previous == signal.SIG_IGN:
+            continue  # set outside Python, or ignored on purpose: leave it
+        signal.signal(signum, functools.partial(_chained, previous=previous))
+
+
 class Worker:
     """One real ``celery worker`` subprocess: ``celery -A <app> worker -P <pool>``.
 
@@ -504,6 +567,9 @@ class Worker:
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError(f"worker {self.nodename} is already running (pid {self.proc.pid})")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        _install_reaper()
+        # PDEATHSIG follows the thread that forks: from any other thread the worker would die with that thread.
+        main = threading.current_thread() is threading.main_thread()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 self.command(),
@@ -512,7 +578,9 @@ class Worker:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=_die_with_parent if main and _prctl is not None else None,
             )
+        _LIVE[id(self)] = self
         self.paused = False
         return self
 
@@ -571,6 +639,7 @@ class Worker:
         self._signal_group(signal.SIGKILL)
         if self.proc.poll() is None:
             self.proc.wait(10)
+        _LIVE.pop(id(self), None)
 
     def terminate(self) -> None:
         """Ask for a warm shutdown without waiting (resume first): :func:`stop_all` runs these side by side."""
@@ -615,6 +684,7 @@ class Worker:
         self._signal_group(signal.SIGKILL)
         if self.proc.poll() is None:
             self.proc.wait(10)
+        _LIVE.pop(id(self), None)
 
     def kill_child(self, pid: int | None = None) -> int | None:
         """SIGKILL one pool child (``pid``, else the first one found): a child killed mid-body.

@@ -14,6 +14,7 @@ under its prefix), never by FLUSHALL on a shared server.
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,13 +27,14 @@ import structlog
 from celery_lockguard import _metrics as metrics
 from celery_lockguard.testing import RedisServer, delete_prefix, env_flag
 
+from . import services
 from .harness import Beat, Worker
 from .workerapp import create_app
 
 pytest_plugins = ["celery_lockguard.pytest_plugin"]
 
 REQUIRE = env_flag("LOCKGUARD_REQUIRE_SERVICES")
-AMQP_URL = os.environ.get("LOCKGUARD_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+AMQP_URL = os.environ.get("LOCKGUARD_TEST_AMQP_URL", services.LOCAL_AMQP)
 
 #: Modules that run whole in one pytest-xdist worker under ``make unit`` (``-n N --dist loadgroup``): their
 #: tests share a module fixture that is expensive (a private Cluster, a fleet per pool, a migrated Django
@@ -42,6 +44,47 @@ AMQP_URL = os.environ.get("LOCKGUARD_TEST_AMQP_URL", "amqp://guest:guest@127.0.0
 XDIST_WHOLE_MODULES = frozenset(
     {"tests/test_cluster.py", "tests/test_django.py", "tests/test_package.py", "tests/test_pools.py"}
 )
+
+
+#: What services.choose_all decided (controller only: xdist workers inherit it as LOCKGUARD_TEST_* variables).
+_SERVICES: list[services.Choice] = []
+#: A skip for something the machine lacks (a service, a binary, a package), reported the moment it happens.
+_MISSING = re.compile(r"not (installed|reachable|set|on PATH)|could not import|missing service", re.I)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Pick each tier's service before anything runs (tests/services.py): env, local port, else embedded."""
+    if hasattr(config, "workerinput"):
+        return
+    _SERVICES[:] = services.choose_all()
+    config.add_cleanup(lambda: services.stop_all(_SERVICES))
+
+
+def pytest_report_header(config: pytest.Config) -> list[str] | None:
+    return services.header_lines(_SERVICES) if _SERVICES else None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Say at once, not in the summary twenty minutes later, that a test skipped for something missing."""
+    if not report.skipped or report.when not in ("setup", "call"):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if not _MISSING.search(reason):
+        return
+    config = _CONFIG.get("config")
+    reporter = config.pluginmanager.get_plugin("terminalreporter") if config is not None else None
+    if reporter is not None and not hasattr(config, "workerinput"):
+        reporter.ensure_newline()
+        reporter.write_line(f"SKIPPED (missing on this machine) {report.nodeid}: {reason}", yellow=True, bold=True)
+
+
+_CONFIG: dict[str, pytest.Config] = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _CONFIG["config"] = session.config
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
@@ -86,11 +129,12 @@ def redis_url(lockguard_redis: str) -> str:
 
 @pytest.fixture(scope="session")
 def postgres_url() -> str:
+    """PostgreSQL as tests/services.py chose it at the start: the variable, local 5432, or an embedded one."""
     url = os.environ.get("LOCKGUARD_TEST_POSTGRES_URL")
     if not url:
         if REQUIRE:
             pytest.fail("LOCKGUARD_REQUIRE_SERVICES=1 but LOCKGUARD_TEST_POSTGRES_URL is not set")
-        pytest.skip("LOCKGUARD_TEST_POSTGRES_URL is not set")
+        pytest.skip("missing service: PostgreSQL (the run's header says why: tests/services.py)")
     return url
 
 
@@ -205,7 +249,7 @@ def broker_cfg(request: pytest.FixtureRequest, redis_url: str, prefix: str) -> d
     if not amqp_available():
         if REQUIRE:
             pytest.fail(f"LOCKGUARD_REQUIRE_SERVICES=1 but RabbitMQ is not reachable at {AMQP_URL}")
-        pytest.skip("RabbitMQ is not reachable")
+        pytest.skip(f"missing service: RabbitMQ is not reachable at {AMQP_URL}")
     return make_cfg(prefix, redis_url, broker=AMQP_URL, backend=redis_url)
 
 

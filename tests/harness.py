@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ def spawn_celery(cfg: dict[str, Any], command: list[str], log_path: Path) -> sub
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
+        # Dies with the test run even when it is SIGKILLed (a Ctrl-C reaches it directly: same process group).
+        preexec_fn=testing._die_with_parent if threading.current_thread() is threading.main_thread() else None,
     )
 
 

@@ -48,10 +48,11 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("dist")
     src = tmp_path_factory.mktemp("src") / "celery-lockguard"
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*_NOT_SOURCES))
-    _run([sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", str(out), str(src)])
+    built = _run([sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", str(out), str(src)])
+    (out / "build.log").write_text(built.stdout + built.stderr)
     (wheel,) = out.glob("*.whl")
     (sdist,) = out.glob("*.tar.gz")
-    return {"wheel": wheel, "sdist": sdist}
+    return {"wheel": wheel, "sdist": sdist, "log": out / "build.log"}
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +98,120 @@ def test_sdist_builds_the_same_package(dist: dict[str, Path]) -> None:
     assert any(n.endswith("celery_lockguard/py.typed") for n in names)
     assert any(n.endswith("celery_lockguard/_version.py") for n in names)
     assert any(n.endswith("CHANGELOG.md") for n in names) or any(n.endswith("README.md") for n in names)
+
+
+def test_license_is_an_spdx_expression_and_the_file_ships_in_both(dist: dict[str, Path]) -> None:
+    """PEP 639: ``License-Expression: MIT`` and the LICENSE file, no deprecated table form or classifier.
+
+    ``license = { text = "MIT" }`` made setuptools warn on every build and four times per install.
+    """
+    log = dist["log"].read_text()
+    assert "license" not in " ".join(line for line in log.splitlines() if "eprecat" in line).lower(), log
+    with zipfile.ZipFile(dist["wheel"]) as whl:
+        names = whl.namelist()
+        meta = whl.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+        licence = next((n for n in names if n.endswith(".dist-info/licenses/LICENSE")), None)
+        assert licence, names
+        assert "MIT License" in whl.read(licence).decode()
+    assert re.search(r"^License-Expression: MIT$", meta, re.M), meta[:2000]
+    assert re.search(r"^License-File: LICENSE$", meta, re.M)
+    assert not re.search(r"^Classifier: License ::", meta, re.M)
+    assert re.search(r"^Classifier: Typing :: Typed$", meta, re.M)
+    with tarfile.open(dist["sdist"]) as sdist:
+        names = sdist.getnames()
+    assert any(n.endswith("/LICENSE") for n in names)
+
+
+def test_readme_links_work_on_the_package_index() -> None:
+    """The README is the package index page's description, where a relative link leads nowhere."""
+    readme = (ROOT / "README.md").read_text()
+    relative = [t for t in re.findall(r"\]\(([^)]+)\)", readme) if not t.startswith(("https://", "http://", "#"))]
+    assert not relative, relative
+    assert "`docs/`" in readme  # says where the docs live instead
+
+
+def test_changelog_has_one_unreleased_section_and_it_is_the_version_built() -> None:
+    """The wheel builds as ``__version__``: the changelog's one unreleased section is that version."""
+    headings = re.findall(r"^## (.+)$", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    unreleased = [h for h in headings if "unreleased" in h.lower()]
+    assert unreleased == [headings[0]], headings
+    assert celery_lockguard.__version__ in headings[0], headings[0]
+    released = [h.split()[0] for h in headings[1:]]
+    assert celery_lockguard.__version__ not in released, headings
+
+
+def test_sdist_carries_the_docs_and_the_tests_helpers(dist: dict[str, Path]) -> None:
+    with tarfile.open(dist["sdist"]) as sdist:
+        names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
+    for needed in (
+        "docs/index.md",
+        "docs/testing.md",
+        "mkdocs.yml",
+        "CHANGELOG.md",
+        "README.md",
+        "tests/conftest.py",
+        "tests/harness.py",
+        "tests/workerapp.py",
+        "tests/test_docs.py",
+    ):
+        assert needed in names, needed
+    # Every test module it carries imports only what it carries (no bench/chaos/ops/tools in an sdist).
+    carried = {n.split("/")[0] for n in names}
+    for name in names:
+        if name.startswith("tests/test_") and name.endswith(".py"):
+            assert not ({"bench", "chaos", "ops", "tools"} - carried) & _top_imports(name), name
+
+
+def _top_imports(test_module: str) -> set[str]:
+    tree = ast.parse((ROOT / test_module).read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+    return names
+
+
+@pytest.mark.sdist
+@pytest.mark.timeout(900)
+def test_the_sdist_runs_its_own_docs_and_tests(
+    dist: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, redis_url: str, postgres_url: str
+) -> None:
+    """Unpacked, installed in a clean venv (its runtime extras and pytest, no editable checkout), the sdist
+    runs the docs test and a test module it carries against the installed package (``--import-mode=append``:
+    the unpacked sources come after site-packages). The docs test could not run from the sdist before: it
+    carried ``tests/test_*.py`` but neither ``docs/`` nor the tests' conftest and helpers."""
+    root = tmp_path_factory.mktemp("sdist")
+    with tarfile.open(dist["sdist"]) as sdist:
+        sdist.extractall(root, filter="data")
+    (src,) = root.iterdir()
+    venv = root / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)])
+    py = str(venv / "bin" / "python")
+    _run([py, "-m", "pip", "install", "-q", f"{dist['sdist']}[postgres,embedded,pytest,django]", "pytest-timeout"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHONPATH", "VIRTUAL_ENV"))}
+    env.update(LOCKGUARD_TEST_REDIS_URL=redis_url, LOCKGUARD_TEST_POSTGRES_URL=postgres_url)
+    proc = subprocess.run(
+        [
+            str(venv / "bin" / "pytest"),  # not ``python -m pytest``: that puts the unpacked sources first
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--import-mode=append",
+            "tests/test_docs.py",
+            "tests/test_errors.py",
+        ],
+        cwd=src,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert re.search(r"\d+ passed", summary) and "skipped" not in summary and "failed" not in summary, tail
 
 
 def test_clean_venv_runs_the_readme_sample(clean_venv: Path, server: RedisServer, tmp_path: Path) -> None:
@@ -185,3 +300,39 @@ def test_every_module_of_the_suites_imports() -> None:
     code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\nprint('ok')"
     out = _run([sys.executable, "-c", code, *modules], cwd=ROOT)
     assert out.stdout.strip() == "ok"
+
+
+def _make_install(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``make install`` of a copy of the tree into a venv of its own (no extras: a minute, not five)."""
+    src = tmp / "src"
+    if not src.exists():
+        shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*_NOT_SOURCES))
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "VIRTUAL_ENV")}
+    return subprocess.run(
+        ["make", "--no-print-directory", "-C", str(src), "install", f"PYTHON={sys.executable}", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+
+
+@pytest.mark.timeout(900)
+def test_make_install_is_quiet_and_shows_pip_only_on_failure(tmp_path: Path) -> None:
+    """``make demo`` on a fresh clone printed 243 lines of pip before the demo's first: now one line, unless
+    pip fails, and then all of pip's output and where its log is."""
+    ok = _make_install(tmp_path, f"VENV={tmp_path / 'ok'}", "EXTRAS=")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert ok.stdout.strip().splitlines() == [
+        f"Installing celery-lockguard into {tmp_path / 'ok'} (pip's output: {tmp_path / 'ok'}/install.log)..."
+    ], ok.stdout + ok.stderr
+    assert not ok.stderr.strip(), ok.stderr
+    assert "Successfully installed" in (tmp_path / "ok" / "install.log").read_text()
+
+    bad = _make_install(
+        tmp_path, f"VENV={tmp_path / 'bad'}", "EXTRAS=", "PIP_ARGS=--no-index --find-links=/nonexistent"
+    )
+    assert bad.returncode != 0
+    assert "ERROR" in bad.stdout, bad.stdout  # pip's own output, printed because it failed
+    assert f"its whole output is in {tmp_path / 'bad'}/install.log" in bad.stderr
+    assert not (tmp_path / "bad" / ".installed").exists()

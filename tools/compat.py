@@ -145,6 +145,7 @@ def main() -> int:
                     if not k.startswith("LOCKGUARD_TEST_") and k != "LOCKGUARD_REQUIRE_SERVICES"
                 }
                 env["PATH"] = prefix + os.pathsep + env.get("PATH", "")
+                env["LOCKGUARD_TEST_EMBEDDED"] = "redis"  # its own Redis, not a local port (tests/services.py)
                 env["PYTHONPATH"] = str(ROOT)
                 code = run([str(py), "-m", "pytest", *PYTEST_ARGS, *opts.pytest_args], log, env=env)
                 ok = code == 0

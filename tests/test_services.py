@@ -1,0 +1,66 @@
+"""``make test`` on a fresh machine runs every tier: the services on their usual ports, else embedded ones.
+
+The PostgreSQL tests skipped silently unless ``LOCKGUARD_TEST_POSTGRES_URL`` was set, and the skips showed
+only in the summary at the end. Here a real pytest run with no ``LOCKGUARD_TEST_*`` variable and local
+services ignored (``LOCKGUARD_TEST_EMBEDDED=1``, what a machine without them gets) starts its own
+PostgreSQL from the machine's binaries, says so in its header, and runs the PostgreSQL tests against it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from . import services
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _pytest(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("LOCKGUARD_TEST_", "LOCKGUARD_REQUIRE"))}
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "--durations=0", *args],
+        cwd=ROOT,
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.timeout(600)
+def test_without_services_the_run_starts_its_own_postgres_and_says_so() -> None:
+    if services.postgres_binaries() is None:
+        pytest.skip("not installed: initdb/pg_ctl (the machine's PostgreSQL binaries)")
+    run = _pytest("tests/test_fencing.py", "-k", "postgres", LOCKGUARD_TEST_EMBEDDED="1")
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    header = out[: out.index("collected")]
+    assert re.search(r"postgres +postgresql://postgres@127\.0\.0\.1:\d+/test <- embedded: \S+/initdb", header), header
+    assert "redis     <- embedded" in header, header
+    assert re.search(r"^  (browser|promtool) ", header, re.M), header
+    summary = out.strip().splitlines()[-1]
+    assert re.search(r"\d+ passed", summary) and "skipped" not in summary, summary
+    # the embedded cluster was stopped and removed with the run
+    dirs = re.findall(r"in (/\S+lockguard-pg-\S+)", header)
+    assert dirs and not Path(dirs[0]).exists(), dirs
+
+
+def test_a_skip_for_something_missing_is_reported_when_it_happens(tmp_path: Path) -> None:
+    """Not only in the summary at the end: the line comes before the next test's result."""
+    run = _pytest("tests/test_services.py::test_skips_for_a_missing_service_on_purpose", LOCKGUARD_SKIP_ON_PURPOSE="1")
+    out = run.stdout
+    line = "SKIPPED (missing on this machine) tests/test_services.py::test_skips_for_a_missing_service_on_purpose"
+    assert line in out, out
+    assert out.index(line) < out.index("short test summary info"), out
+
+
+def test_skips_for_a_missing_service_on_purpose() -> None:
+    if not os.environ.get("LOCKGUARD_SKIP_ON_PURPOSE"):
+        return  # only the run above makes it skip
+    pytest.skip("missing service: on purpose, for test_a_skip_for_something_missing_is_reported_when_it_happens")
