@@ -110,7 +110,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
         failovers=failovers,
         graceful_every=a.graceful_every,
         duration=0.0,  # set from the failovers' schedule
-        entities=3,
+        # Three per cell in the quick run; with more jobs, one per 20 (the retry policy serialises an entity).
+        entities=max(3, (a.jobs or (60 if a.quick else 400)) // 20),
         hold=a.hold,
         ttl=a.ttl,
         workers=a.workers,
@@ -151,7 +152,7 @@ class Run:
     stop: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
-    def send(self, k: int, entity: int, work_ms: int) -> int:
+    def send(self, k: int, entity: int, work_ms: int, queue: str | None = None) -> int:
         """Publish one job of cell ``k`` under a fresh task id; returns its job id."""
         with self.lock:
             job = len(self.jobs)
@@ -159,7 +160,8 @@ class Run:
         task_id = f"{self.run_id}-{job}"
         t_sent = time.monotonic()
         try:
-            self.app.tasks[CELLS[k].task_name].apply_async((job, entity, work_ms), task_id=task_id)
+            options = {"queue": queue} if queue else {}
+            self.app.tasks[CELLS[k].task_name].apply_async((job, entity, work_ms), task_id=task_id, **options)
             outcome = "enqueued"
         except Exception as exc:  # noqa: BLE001 - a publish that raises is recorded (and counted by the check)
             outcome = f"raised:{exc.__class__.__name__}"
@@ -246,7 +248,7 @@ def lossy_failover(run: Run, sset: SentinelSet, env: Env, n: int) -> Failover:
     replica.proc.send_signal(signal.SIGSTOP)
     master.client(socket_timeout=2).execute_command("CLIENT", "KILL", "TYPE", "replica")
     work_ms = int(opts.hold * 2000)
-    fo.baits = [run.send(k, k * SPAN + BAIT + n, work_ms) for k in range(len(CELLS))]
+    fo.baits = [run.send(k, k * SPAN + BAIT + n, work_ms, env.bait_queue) for k in range(len(CELLS))]
     try:
         # The baits made their provider call (their lease is held and renewed on the master alone).
         wait_for(
@@ -269,7 +271,7 @@ def lossy_failover(run: Run, sset: SentinelSet, env: Env, n: int) -> Failover:
     # A follower on each bait's entity takes the entity on the new master while the bait's body still runs.
     for job in fo.baits:
         k, entity, _ms = run.jobs[job]
-        run.send(k, entity, 50)
+        run.send(k, entity, 50, env.bait_queue)
     _as_replica_of(master, replica.port)
     master.start(timeout=30)
     sset.master, sset.replica = replica, master
@@ -302,6 +304,7 @@ class Env:
         self.sset = SentinelSet(down_after_ms=1000)
         self.broker = RedisServer()
         self.workers: list[Worker] = []
+        self.bait_queue = f"chaosfo-{run_id}-bait"
         self.created = False
         self._pg: Any = None
 
@@ -336,6 +339,11 @@ class Env:
             chaos_worker(f"chaosfo{k}-{self.run_id}", self.cfg, self.log_dir, self.opts.concurrency, self.app)
             for k in range(self.opts.workers)
         ]
+        # Baits and followers have a worker of their own: the failover's timing (the bait's provider call
+        # before the kill, the follower's commit before the bait's) must not wait behind the steady backlog.
+        self.workers.append(
+            chaos_worker(f"chaosfobait-{self.run_id}", self.cfg, self.log_dir, 3, self.app, queues=[self.bait_queue])
+        )
         wait_ready(self.workers, timeout=120)
         self._pg = connect(self.opts.pg)
         return self
@@ -363,9 +371,11 @@ def drive(run: Run, env: Env, rng: Any) -> None:
     opts = run.opts
     publisher = threading.Thread(target=publish_steady, args=(run, rng), daemon=True)
     publisher.start()
-    gap = 2.0  # seconds of calm between two failovers: leases taken then are replicated
+    # Failover n starts at n / failovers of the publishing time, and at least two calm seconds (leases taken
+    # then are replicated) after the previous one: the failovers span the load instead of its first part.
+    t0, slot, gap = time.monotonic(), opts.duration / max(1, opts.failovers), 2.0
     for n in range(opts.failovers):
-        if run.stop.wait(gap) or run.error:
+        if run.stop.wait(max(gap, t0 + n * slot - time.monotonic())) or run.error:
             break
         graceful = opts.graceful_every > 0 and n % opts.graceful_every == opts.graceful_every - 1
         fo = graceful_failover(run, env.sset, n) if graceful else lossy_failover(run, env.sset, env, n)
@@ -384,12 +394,15 @@ def settle(run: Run, env: Env, timeout: float) -> dict[str, tuple[str, str | Non
     """Wait (bounded) until every published task id has a final state in the result backend."""
     results_client = redis.Redis.from_url(env.cfg["results"], decode_responses=True)
     ids = {p.task_id for p in run.publishes}
-    deadline = time.monotonic() + timeout
+    deadline, said = time.monotonic() + timeout, time.monotonic()
     while True:
         results = read_results(results_client, ids)
         pending = [t for t, (state, _) in results.items() if state not in check.TERMINAL]
         if not pending or time.monotonic() > deadline:
             return results
+        if time.monotonic() - said > 15:
+            said = time.monotonic()
+            print(f"[failover] waiting for {len(pending)} of {len(ids)} jobs to settle", flush=True)
         time.sleep(0.5)
 
 
@@ -402,8 +415,9 @@ def run_leg(opts: Options, log_dir: Path) -> dict[str, Any]:
     started = time.monotonic()
     try:
         env.start()
-        # Publishing spans the failovers: about 2 x hold + ~6 s each (lossy), plus the calm between them.
-        opts.duration = opts.failovers * (2 * opts.hold + 8)
+        # Publishing spans the failovers: a lossy one takes about hold + 5 s (the bait's first half, the
+        # promotion, the rejoin), a graceful one about 12 s (the sentinels reconfigure the old master).
+        opts.duration = opts.failovers * (opts.hold + 8)
         run = Run(opts, env.app, run_id)
         print(
             f"chaos failover {run_id}: {len(CELLS)} cells x {opts.jobs} jobs, {opts.failovers} failovers,"
