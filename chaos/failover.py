@@ -95,7 +95,12 @@ def parse_args(argv: list[str] | None = None) -> Options:
     p.add_argument("--jobs", type=int, help="steady jobs per cell (quick: 60, else 400)")
     p.add_argument("--failovers", type=int, help="quick: 4, else 10")
     p.add_argument("--graceful-every", type=int, default=3, help="every n-th failover is SENTINEL FAILOVER")
-    p.add_argument("--hold", type=float, default=4.0, help="a bait's half body in seconds (outlasts the failover)")
+    p.add_argument(
+        "--hold",
+        type=float,
+        default=5.0,
+        help="a bait's half body in seconds: must outlast the promotion (~2.5 s) and the follower's commit",
+    )
     p.add_argument("--ttl", type=float, default=4.0)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=2)
