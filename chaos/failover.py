@@ -28,8 +28,8 @@ cell: ``while_running/retry`` (must hold every invariant: no double effect,
 no lost job, no fence regression, no overlap a failover does not explain)
 and the same cell with ``no-fence`` (the control: the check must count a
 stale write or a double effect, else the failover window is too gentle).
-Exits 1 on any violation, an uncaught control, or a lossy failover that lost
-no lease.
+Exits 1 on any violation, an uncaught control, a lossy failover that lost
+no lease, or a lost lease its holder was not told about.
 """
 
 from __future__ import annotations
@@ -481,6 +481,9 @@ def run_leg(opts: Options, log_dir: Path) -> dict[str, Any]:
                 "outcomes": dict(outcomes),
             }
         lossy = [f for f in run.failovers if f.kind == "lossy"]
+        baits = {job for f in lossy for job in f.baits}
+        # The library told the bait its lease was gone (the renewer found its token missing on the new master).
+        told = {x.job_id for x in executions if x.job_id in baits and (x.lost_body or x.lost_release)}
         report = {
             "run_id": run_id,
             "seed": opts.seed,
@@ -490,6 +493,7 @@ def run_leg(opts: Options, log_dir: Path) -> dict[str, Any]:
             "wanted_failovers": opts.failovers,
             "leases_unreplicated": sum(f.unreplicated for f in lossy),
             "leases_lost": sum(f.lost for f in lossy),
+            "baits_told_lost": len(told),
             "leases_on_master_at_kill": sum(f.leases_on_master for f in lossy),
             # Seconds from the kill (lossy) or the SENTINEL FAILOVER command (graceful) to every sentinel naming
             # the new master; a lossy failover's window (cut to promotion) is the hold longer.
@@ -504,6 +508,7 @@ def run_leg(opts: Options, log_dir: Path) -> dict[str, Any]:
             all(c["ok"] for c in cells.values())
             and len(run.failovers) == opts.failovers
             and all(f.lost > 0 for f in lossy)
+            and report["baits_told_lost"] == report["leases_lost"]
         )
         print(render(report), flush=True)
         if not report["ok"]:
@@ -529,8 +534,9 @@ def render(report: dict[str, Any]) -> str:
         f" {report['elapsed_s']} s under load ({report['total_s']} s in all)",
         f"  leases never replicated when the master was killed: {report['leases_unreplicated']} baits"
         f" (of {report['leases_on_master_at_kill']} leases on the master), lost on the new master:"
-        f" {report['leases_lost']}; promotion took {report['promotion_s']} s after the kill/command,"
-        f" replica cut off for {report['window_s']} s",
+        f" {report['leases_lost']}, reported lost to their holder: {report['baits_told_lost']}",
+        f"  promotion took {report['promotion_s']} s after the kill/command, replica cut off for"
+        f" {report['window_s']} s",
     ]
     for name, c in report["cells"].items():
         verdict = (
