@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
 import sys
@@ -175,7 +176,7 @@ class Run:
         return job
 
 
-def publish_steady(run: Run, rng: Any) -> None:
+def publish_steady(run: Run, rng: random.Random) -> None:
     """The steady load: ``jobs`` per cell, interleaved, paced over ``duration``, short bodies."""
     opts = run.opts
     order = [k for k in range(len(CELLS)) for _ in range(opts.jobs)]
@@ -371,7 +372,7 @@ class Env:
         self.broker.close()
 
 
-def drive(run: Run, env: Env, rng: Any) -> None:
+def drive(run: Run, env: Env, rng: random.Random) -> None:
     """Publish the steady load in a thread while the failovers run one after the other."""
     opts = run.opts
     publisher = threading.Thread(target=publish_steady, args=(run, rng), daemon=True)
@@ -412,8 +413,7 @@ def settle(run: Run, env: Env, timeout: float) -> dict[str, tuple[str, str | Non
 
 
 def run_leg(opts: Options, log_dir: Path) -> dict[str, Any]:
-    import random
-
+    """Start, drive, settle and check the leg; returns its report (``ok``: everything held)."""
     rng = random.Random(opts.seed)
     run_id = uuid.uuid4().hex[:8]
     env = Env(opts, run_id, log_dir)
