@@ -272,6 +272,12 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         lockguard_completion_backend=store,
         lockguard_completion_table=tables.completions,
     )
+    if cfg.get("sentinels"):  # the failover leg (chaos.failover): the lock Redis is a Sentinel-managed master
+        app.conf.update(
+            lockguard_redis_url=None,
+            lockguard_sentinels=[tuple(s) for s in cfg["sentinels"]],
+            lockguard_sentinel_master=cfg["sentinel_master"],
+        )
     # One autocommit connection per process (the server is shared: keep to few connections). The
     # history rows commit at once, so they survive the ledger transaction's rollback; the ledger write
     # is an explicit transaction on the same connection.
