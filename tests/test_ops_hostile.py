@@ -99,9 +99,11 @@ def test_a_completion_database_is_named_without_its_secrets(redis_url: str, pref
 @pytest.mark.parametrize(
     "dsn",
     [
-        f"host=127.0.0.1 port={free_port()} dbname=test user=postgres sslpassword={LIBPQ_PW}",
+        # Port 9 (discard): nothing listens there. The ids must be the same in every xdist worker.
+        f"host=127.0.0.1 port=9 dbname=test user=postgres sslpassword={LIBPQ_PW}",
         f"host=127.0.0.1 dbname=test user=postgres password=abc {HALF_PW}",  # libpq: missing "=" after "Half..."
     ],
+    ids=["sslpassword", "password-with-space"],
 )
 def test_a_libpq_keyword_dsn_is_never_printed_unparsed(redis_url: str, prefix: str, dsn: str) -> None:
     cfg = make_cfg(prefix, redis_url)
