@@ -88,14 +88,17 @@ def _lease_row(lease: HeldLease, waiting: int) -> list[str]:
 
 
 def leases_section(snap: Snapshot) -> str:
-    out = [f'<section id="leases"><h2>Held leases <span class="count">{snap.lease_count}</span></h2>']
+    count = snap.lease_count if snap.lease_count_exact else f"about {snap.lease_count}"
+    out = [f'<section id="leases"><h2>Held leases <span class="count">{count}</span></h2>']
     out.append(_error(snap.errors, "leases"))
     if snap.leases:
         headers = ["key", "state", "task", "task id", "worker", "fence", "held", "TTL left", "waiting"]
         out.append(_table(headers, (_lease_row(x, snap.waiting.get(x.key, 0)) for x in snap.leases), "leases"))
         if snap.lease_count > len(snap.leases):
-            more = snap.lease_count - len(snap.leases)
-            out.append(f'<p class="note">{plural(more, "more lease")} not shown (lockguard locks lists all)</p>')
+            more = plural(snap.lease_count - len(snap.leases), "more lease")
+            about = "" if snap.lease_count_exact else "about "
+            shown = "most waiters, then longest held, first"
+            out.append(f'<p class="note">{about}{more} not shown ({shown}; lockguard locks --all lists all)</p>')
         odd = [x for x in snap.leases if x.malformed]
         if odd:
             out.append(f'<p class="note">{plural(len(odd), "lease")} with values no worker writes, shown as ?</p>')
