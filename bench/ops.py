@@ -207,9 +207,7 @@ def report(rows: list[Figures], idle_seconds: float) -> str:
             f"{f.live_s * 1000:.1f} ms ({ratio(f.live_s, base.live_s)}) | {f.idle_cpu:.1%} | "
             f"{f.idle_rss_mb:.0f} MB | {cmds} | {f.task_commands} ({f.task_round_trips}) |"
         )
-    worst = max(
-        max(f.locks_s / base.locks_s, f.first_page_s / base.first_page_s, f.live_s / base.live_s) for f in rows
-    )
+    worst = max(max(f.locks_s / base.locks_s, f.first_page_s / base.first_page_s, f.live_s / base.live_s) for f in rows)
     cpu = max(f.idle_cpu for f in rows)
     ok = worst <= TARGET_RATIO and cpu < TARGET_IDLE_CPU and all(f.task_commands <= 2 for f in rows)
     lines += [

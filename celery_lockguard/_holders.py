@@ -430,16 +430,18 @@ def _is_cluster(client: Any) -> bool:
     return callable(getattr(client, "get_nodes", None))
 
 
-def top_leases(client: Any, prefix: str, match: str = "*", limit: int = 50, budget: int = SAMPLE_LEASES) -> LeaseSample:
+def top_leases(client: Any, prefix: str, match: str = "*", limit: int = 50, budget: int | None = None) -> LeaseSample:
     """The ``limit`` leases an operator needs first, reading at most ``budget`` lease keys' ages, not every lease.
 
     The scan runs in the server (:data:`_STEP`, one SCAN step per round trip) and sends back only the oldest
     rows of each step; the winners are then read whole (HGETALL + PTTL) with their waiter counts. It stops
-    at ``budget`` leases seen or :data:`SCAN_KEYS` keys looked at: the rows are then the oldest of a sample
-    and the total an estimate. Tasks pay nothing for this (no index is kept on their path). On Redis
-    Cluster a script's SCAN sees one node only, so every lease is read instead (:func:`read_leases`).
+    at ``budget`` (default :data:`SAMPLE_LEASES`) leases seen or :data:`SCAN_KEYS` keys looked at: the rows
+    are then the oldest of a sample and the total an estimate. Tasks pay nothing for this (no index is
+    kept on their path). On Redis Cluster a script's SCAN sees one node only, so every lease is read
+    instead (:func:`read_leases`).
     """
     limit = max(1, limit)
+    budget = SAMPLE_LEASES if budget is None else budget
     if _is_cluster(client):
         every = read_leases(client, prefix, match)
         waiting = read_waiting(client, prefix, sorted({lease.key for lease in every}))
