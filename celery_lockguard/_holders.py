@@ -463,8 +463,9 @@ def top_leases(client: Any, prefix: str, match: str = "*", limit: int = 50, budg
     waits: list[tuple[int, str]] = []
     rates: list[str] = []
     debounces: list[str] = []
+    step = client.register_script(_STEP)  # EVALSHA (SCRIPT LOAD on NOSCRIPT): what a worker's grant has
     while True:
-        reply = client.eval(_STEP, 0, cursor, pattern, SCAN_STEP, limit)
+        reply = step(keys=[], args=[cursor, pattern, SCAN_STEP, limit])
         # With MATCH, a step reports only the keys that match: it looked at about SCAN_STEP keys.
         cursor, looked, seen = str(reply[0]), looked + SCAN_STEP, seen + int(reply[2])
         pairs = reply[3]
