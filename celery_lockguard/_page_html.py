@@ -75,7 +75,7 @@ def _lease_row(lease: HeldLease, waiting: int) -> list[str]:
 
     where = lease.worker or f"{'?' if 'host' in bad else lease.host or '-'}:{'?' if 'pid' in bad else lease.pid or '-'}"
     return [
-        f'<span class="key">{text(lease.key)}</span>',
+        f'<span class="key">{text(lease.label)}</span>',
         text(lease.state),
         cell(lease.task_name, "task_name"),
         f'<span class="id">{cell(lease.task_id, "task_id")}</span>',
@@ -104,6 +104,8 @@ def leases_section(snap: Snapshot) -> str:
             out.append(f'<p class="note">{plural(len(odd), "lease")} with values no worker writes, shown as ?</p>')
     elif "leases" not in snap.errors:
         out.append(f'<p class="empty">no leases under {text(repr(snap.prefix))}</p>')
+    if snap.uses:  # lock_limit / lock_rate: slots held N/M and the start window's fill, as `locks` prints
+        out.append('<ul class="uses">' + "".join(f"<li>{text(u.text(), None)}</li>" for u in snap.uses) + "</ul>")
     out.append("</section>")
     return "".join(out)
 

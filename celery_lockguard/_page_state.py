@@ -56,7 +56,16 @@ from . import _stats as stats
 from ._config import Settings
 from ._connection import UNAVAILABLE_ERRORS
 from ._events import logger
-from ._holders import HeldLease, display_order, read_leases, read_waiting, top_leases
+from ._holders import (
+    EntityUse,
+    HeldLease,
+    display_order,
+    entity_use,
+    idle_windows,
+    read_leases,
+    read_waiting,
+    top_leases,
+)
 from ._redact import redact_text
 
 #: Seconds of history the sparklines and the busy entities cover.
@@ -209,6 +218,9 @@ class Snapshot:
     #: False when ``lease_count`` is an estimate (a prefix past the sample's budget).
     lease_count_exact: bool = True
     waiting: dict[str, int] = field(default_factory=dict)
+    #: ``lock_limit`` / ``lock_rate`` entities among the rows (slots held N/M, starts in the window), and
+    #: start windows that count starts while no slot is held: what ``locks`` prints under its table.
+    uses: tuple[EntityUse, ...] = ()
     summary: dict[str, Any] | None = None
     samples: tuple[Sample, ...] = ()
     busy: tuple[BusyEntity, ...] = ()
@@ -230,6 +242,7 @@ class Snapshot:
             "lease_count_exact": self.lease_count_exact,
             "leases": [{**lease.as_dict(), "waiting": self.waiting.get(lease.key, 0)} for lease in self.leases],
             "busy_entities": [b.as_dict() for b in self.busy],
+            "limited_entities": [{**use.as_dict(self.prefix), "text": use.text()} for use in self.uses],
             "samples": [s.__dict__ for s in self.samples],
             "tasks": (self.summary or {}).get("tasks", {}),
             "doctor": {
@@ -260,6 +273,10 @@ class PageState:
         self._samples_taken: deque[float] = deque(maxlen=int(HISTORY_SECONDS / self.interval) + 1)
         self._doctor = Doctor()
         self._templates = self._key_templates()
+        try:
+            self._rate_tasks = _inventory.rate_tasks(app)
+        except Exception:  # noqa: BLE001 - as the templates: a window is then shown by its start count only
+            self._rate_tasks = []
         # A sample is late past three intervals plus the reads' socket timeouts (two reads, each may retry once).
         self.stale_after = 3 * self.interval + 4 * s.socket_timeout
         self._current = Snapshot(
@@ -363,6 +380,7 @@ class PageState:
         rows: list[HeldLease] = []
         waiting: dict[str, int] = {}
         count, exact = 0, True
+        uses: list[EntityUse] = []
         summary: dict[str, Any] | None = None
         try:
             client = connection.operator_client(s)
@@ -380,6 +398,10 @@ class PageState:
                     count = len(rows)
                 else:  # past FULL_READ: the rows shown, and a count (exact, or an estimate past the budget)
                     rows, waiting, count, exact = sample.leases, sample.waiting, sample.total, sample.complete
+                shown = rows[:MAX_LEASES]
+                uses = entity_use(client, s.key_prefix, shown)
+                held = {lease.key for lease in shown}
+                uses += idle_windows(client, s.key_prefix, "*", held, self._rate_tasks, keys=sample.rate_keys)
             except Exception as exc:  # noqa: BLE001 - one section fails, the others are shown
                 codes.append(self._failed("leases", exc, errors))
             try:
@@ -401,6 +423,7 @@ class PageState:
             lease_count=count,
             lease_count_exact=exact,
             waiting=waiting,
+            uses=tuple(uses),
             summary=summary,
             samples=tuple(self._ring),
             busy=busy,
