@@ -89,8 +89,9 @@ DEFAULT_INTERVAL, DEFAULT_DOCTOR_INTERVAL = 5.0, 300.0
 VIEW_SECONDS = 60.0
 #: Seconds between the metrics-only samples while nobody views the page.
 IDLE_INTERVAL = 30.0
-#: Seconds the first page request after start (or after an idle spell) waits for a fresh sample.
-FIRST_WAIT = 5.0
+#: Seconds the first page request after start (or after an idle spell) waits for a fresh sample (a sample
+#: reads a bounded number of leases: well under a second on an idle server, seconds on a starved one).
+FIRST_WAIT = 15.0
 #: Up to this many leases under the prefix, a sample reads every one (the busy entities see each entity
 #: change hands); past it, only the rows shown (the oldest and most waited-on of a bounded scan).
 FULL_READ = 5000
