@@ -191,7 +191,8 @@ def measure(url: str, admin: redis.Redis, n: int, idle_seconds: float) -> Figure
     first, live = first_page(env)
     cpu, rss, commands = idle(env, admin, idle_seconds)
     sent, waited = probe(url)
-    return Figures(n, statistics.median(reads), locks, json_s, json_bytes, first, live, cpu, rss, commands, sent, waited)
+    read = statistics.median(reads)
+    return Figures(n, read, locks, json_s, json_bytes, first, live, cpu, rss, commands, sent, waited)
 
 
 def report(rows: list[Figures], idle_seconds: float) -> str:
@@ -215,7 +216,8 @@ def report(rows: list[Figures], idle_seconds: float) -> str:
     for f in rows:
         cmds = ", ".join(f"{k} {v}" for k, v in f.idle_commands.items()) or "none"
         lines.append(
-            f"| {f.leases:,} | {f.read_s * 1000:.0f} ms ({ratio(f.read_s, base.read_s)}) | {f.locks_s:.2f} s ({ratio(f.locks_s, base.locks_s)}) | {f.json_s:.2f} s "
+            f"| {f.leases:,} | {f.read_s * 1000:.0f} ms ({ratio(f.read_s, base.read_s)}) "
+            f"| {f.locks_s:.2f} s ({ratio(f.locks_s, base.locks_s)}) | {f.json_s:.2f} s "
             f"({f.json_bytes:,}) | {f.first_page_s:.2f} s ({ratio(f.first_page_s, base.first_page_s)}) | "
             f"{f.live_s * 1000:.1f} ms ({ratio(f.live_s, base.live_s)}) | {f.idle_cpu:.1%} | "
             f"{f.idle_rss_mb:.0f} MB | {cmds} | {f.task_commands} ({f.task_round_trips}) |"
