@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test lint typecheck unit docs demo bench bench-quick chaos chaos-quick chaos-limits chaos-workflows \
+.PHONY: install test lint typecheck unit docs demo bench bench-quick bench-ops chaos chaos-quick chaos-limits chaos-workflows \
 	chaos-debounce chaos-debounce-quick chaos-failover chaos-failover-quick compat compat-quick clean dashboard dashboard-pictures
 
 # Installs quietly: pip's output goes to $(VENV)/install.log and is printed only if pip fails, so the first
@@ -69,6 +69,14 @@ bench: $(BENCH_STAMP)
 
 bench-quick: $(BENCH_STAMP)
 	$(BENCH_PY) -m bench.run --quick
+
+# The operator surfaces at scale (issue 30): 1k and 100k held leases planted on a private redis-server;
+# locks, the first /page byte, /page/live and the idle exporter's CPU, with ratios (~3 min). Its own section
+# of docs/benchmarks.md; BENCH_OPS_ARGS="--sizes 1000 100000 1000000" adds a million (planting: ~2 min more).
+BENCH_OPS_ARGS ?=
+
+bench-ops: $(BENCH_STAMP)
+	$(BENCH_PY) -m bench.ops --out docs/benchmarks.md $(BENCH_OPS_ARGS)
 
 # The chaos soak (docs/chaos.md): real workers under SIGKILLs, a SIGSTOP pause, lock-Redis restarts, BUSY and
 # NOREPLICAS replies, a PostgreSQL store outage and redelivery, in every lock_mode x on_locked cell, on both

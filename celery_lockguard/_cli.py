@@ -55,7 +55,7 @@ from ._config import Settings, settings
 from ._connection import UNAVAILABLE_ERRORS
 from ._debounce import DebounceRow, read_debounce
 from ._events import emit
-from ._holders import HeldLease, entity_use, idle_windows, read_leases, read_waiting
+from ._holders import HeldLease, entity_use, idle_windows, iter_leases, read_waiting, top_leases
 from ._keys import (
     checkpoint_name,
     done_name,
@@ -73,6 +73,8 @@ from .exceptions import ConfigurationError, CorruptFence
 EX_CONFIG = getattr(os, "EX_CONFIG", 78)
 
 _OUTPUT = "Output Options"
+#: Rows ``lockguard locks`` shows unless told otherwise (--limit, --all).
+DEFAULT_LOCKS_LIMIT = 50
 
 
 # -- plumbing -----------------------------------------------------------------------------
@@ -144,29 +146,94 @@ def lockguard(ctx: click.Context, **_: Any) -> None:
     help="Glob over entity keys (e.g. 'invoice:*').",
 )
 @click.option("--json", "as_json", is_flag=True, cls=CeleryOption, help_group=_OUTPUT, help="Print JSON.")
+@click.option(
+    "--limit",
+    default=DEFAULT_LOCKS_LIMIT,
+    show_default=True,
+    type=click.IntRange(min=1),
+    cls=CeleryOption,
+    help_group=_OUTPUT,
+    help="Rows shown: those with most deliveries waiting, then the longest held (a 'showing N of M' line follows).",
+)
+@click.option(
+    "--all",
+    "every",
+    is_flag=True,
+    cls=CeleryOption,
+    help_group=_OUTPUT,
+    help="Stream every lease as it is read (in scan order, not sorted; memory stays one batch).",
+)
 @click.pass_context
-def locks(ctx: click.Context, match: str, as_json: bool, **_: Any) -> None:
-    """Every held lease and queue claim (holder, worker, state, fence, held for, TTL left, deliveries waiting),
-    and debounced runs."""
+def locks(ctx: click.Context, match: str, as_json: bool, limit: int, every: bool, **_: Any) -> None:
+    """Held leases and queue claims (holder, worker, state, fence, held for, TTL left, waiting), debounced runs.
+
+    By default the --limit rows an operator needs first, read without reading every lease (a bounded scan
+    in the server: past SAMPLE_LEASES leases the rows are the oldest of a sample and the total an estimate,
+    and the line under the rows says so); --all streams every one.
+    """
     s = _settings(ctx)
+    rated = _inventory.rate_tasks(_app(ctx))
+    if every:
+        with _redis(s) as client:
+            _locks_all(client, s.key_prefix, match, as_json, rated)
+        return
     with _redis(s) as client:
-        leases = read_leases(client, s.key_prefix, match)
-        waiting = read_waiting(client, s.key_prefix, [lease.key for lease in leases])  # as the page counts them
-        pending = read_debounce(client, s.key_prefix, match)
+        sample = top_leases(client, s.key_prefix, match, limit)
+        leases, waiting = sample.leases, sample.waiting
+        pending = read_debounce(client, s.key_prefix, match, names=sample.debounce_names)[:limit]
         uses = entity_use(client, s.key_prefix, leases)
         held = {lease.key for lease in leases}
-        windows = idle_windows(client, s.key_prefix, match, held, _inventory.rate_tasks(_app(ctx)))
+        windows = idle_windows(client, s.key_prefix, match, held, rated, keys=sample.rate_keys)
     if as_json:
         rows = [{**lease.as_dict(), "waiting": waiting.get(lease.key, 0)} for lease in leases]
-        rows += [row.as_dict() for row in pending]
-        _echo_json(rows + [use.as_dict(s.key_prefix) for use in windows])
+        _echo_json(rows + [row.as_dict() for row in pending] + [use.as_dict(s.key_prefix) for use in windows])
+        if sample.total > len(leases):
+            click.echo(sample.summary(len(leases)), err=True)
         return
     if not leases and not pending and not windows:
         click.echo(f"no leases under {s.key_prefix!r} matching {match!r}")
         return
     if leases:
         _lease_table(leases, waiting)
+        if sample.total > len(leases):
+            click.echo(sample.summary(len(leases)))
     for use in [*uses, *windows]:  # lock_limit / lock_rate entities: slots held N/M, the start window's use
+        click.echo(printable(use.text()))
+    if pending:
+        _debounce_table(pending)
+
+
+def _locks_all(client: Any, prefix: str, match: str, as_json: bool, rated: list[Any]) -> None:
+    """``locks --all``: every lease, a batch at a time as read (a JSON array written row by row)."""
+    limited: list[HeldLease] = []  # lock_limit / lock_rate rows only: their entities' use is summed at the end
+    count = 0
+    for batch in iter_leases(client, prefix, match):
+        waiting = read_waiting(client, prefix, sorted({lease.key for lease in batch}))
+        limited += [lease for lease in batch if lease.limit is not None or lease.rate is not None]
+        if as_json:
+            for lease in batch:
+                row = {**lease.as_dict(), "waiting": waiting.get(lease.key, 0)}
+                line = json.dumps(row, sort_keys=True, default=str)
+                click.echo(("[\n  " if not count else ",\n  ") + line, nl=False)
+                count += 1
+        else:
+            table = _lease_table(batch, waiting, echo=False)
+            click.echo(table if not count else table.split("\n", 1)[1] if "\n" in table else "")
+            count += len(batch)
+    pending = read_debounce(client, prefix, match)
+    uses = entity_use(client, prefix, limited)
+    windows = idle_windows(client, prefix, match, {lease.key for lease in limited}, rated)
+    if as_json:
+        rest = [row.as_dict() for row in pending] + [use.as_dict(prefix) for use in windows]
+        for extra in rest:
+            click.echo(("[\n  " if not count else ",\n  ") + json.dumps(extra, sort_keys=True, default=str), nl=False)
+            count += 1
+        click.echo("\n]" if count else "[]")
+        return
+    if not count and not pending and not windows:
+        click.echo(f"no leases under {prefix!r} matching {match!r}")
+        return
+    for use in [*uses, *windows]:
         click.echo(printable(use.text()))
     if pending:
         _debounce_table(pending)
@@ -195,8 +262,8 @@ def _debounce_table(pending: list[DebounceRow]) -> None:
     click.echo(terminal.table(headings, rows))
 
 
-def _lease_table(leases: list[HeldLease], waiting: dict[str, int]) -> None:
-    """The leases and queue claims of ``lockguard locks``, with the deliveries parked behind each entity."""
+def _lease_table(leases: list[HeldLease], waiting: dict[str, int], echo: bool = True) -> str:
+    """The leases and queue claims of ``lockguard locks``, with the deliveries waiting behind each entity."""
     rows = []
     for lease in leases:
         bad = lease.malformed
@@ -214,11 +281,13 @@ def _lease_table(leases: list[HeldLease], waiting: dict[str, int]) -> None:
                 cell(lease.fence, "fence"),
                 "?" if "acquired_at" in bad else duration(lease.held_for_ms),
                 duration(lease.ttl_left_ms),
-                str(waiting.get(lease.key, 0)),
+                str(waiting.get(lease.key, 0) or "-"),
             ]
         )
-    headers = ["KEY", "STATE", "TASK", "TASK ID", "WORKER", "FENCE", "HELD", "TTL LEFT", "WAITING"]
-    click.echo(terminal.table(headers, rows))
+    headings = ["KEY", "STATE", "TASK", "TASK ID", "WORKER", "FENCE", "HELD", "TTL LEFT", "WAITING"]
+    table = terminal.table(headings, rows)
+    if echo:
+        click.echo(table)
     odd = [lease for lease in leases if lease.malformed]
     if odd:
         click.echo(
@@ -226,6 +295,7 @@ def _lease_table(leases: list[HeldLease], waiting: dict[str, int]) -> None:
             + "; ".join(f"{printable(lease.key)}: {', '.join(lease.malformed)}" for lease in odd[:10]),
             err=True,
         )
+    return table
 
 
 def _yes_option(group: str) -> Any:

@@ -528,10 +528,14 @@ class DebounceRow:
         }
 
 
-def read_debounce(client: Any, prefix: str, match: str = "*") -> list[DebounceRow]:
-    """Every debounce record under ``prefix`` whose entity key matches ``match``, sorted (one SCAN, one pipeline)."""
+def read_debounce(client: Any, prefix: str, match: str = "*", names: list[str] | None = None) -> list[DebounceRow]:
+    """Every debounce record under ``prefix`` whose entity key matches ``match``, sorted (one SCAN, one pipeline).
+
+    ``names``: read these records instead of scanning (``lockguard locks`` found them in its own bounded scan).
+    """
     found = []
-    for name in client.scan_iter(match=f"{prefix}:v1:{{{match}}}:debounce:*", count=1000):
+    scanned = client.scan_iter(match=f"{prefix}:v1:{{{match}}}:debounce:*", count=1000) if names is None else names
+    for name in scanned:
         name = _text(name)
         parsed = keys.parse_debounce_name(prefix, name)
         if parsed is not None:

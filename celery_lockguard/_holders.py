@@ -18,6 +18,7 @@ usual. Numbers are ASCII digits only.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,16 +249,20 @@ class EntityUse:
 RateTask = tuple["re.Pattern[str]", int, int, int]
 
 
-def idle_windows(client: Any, prefix: str, match: str, skip: set[str], rated: list[RateTask]) -> list[EntityUse]:
+def idle_windows(
+    client: Any, prefix: str, match: str, skip: set[str], rated: list[RateTask], keys: list[str] | None = None
+) -> list[EntityUse]:
     """``lock_rate`` windows holding starts while no slot of the entity is held (throttled between bodies).
 
     A slot holder's row carries its rate and window; with none, the entity's key is matched against the
     app's ``lock_rate`` tasks (``rated``): one match (or several that agree) gives the window, counted with
     ``ZCOUNT`` by the server's clock; otherwise ``ZCARD`` says how many starts the window still records.
-    One SCAN, then one pipeline.
+    One SCAN (none when ``keys``, the entity keys of the windows to read, are given), then one pipeline.
     """
-    found = client.scan_iter(match=rate_name(prefix, match), count=1000)
-    entities = sorted({k for k in (parse_rate_name(prefix, n) for n in found) if k is not None and k not in skip})
+    if keys is None:
+        found = client.scan_iter(match=rate_name(prefix, match), count=1000)
+        keys = [k for k in (parse_rate_name(prefix, n) for n in found) if k is not None]
+    entities = sorted({k for k in keys if k not in skip})
     if not entities:
         return []
     specs = {}
@@ -338,3 +343,198 @@ def read_waiting(client: Any, prefix: str, keys: list[str]) -> dict[str, int]:
             if isinstance(n, int) and not isinstance(n, bool) and n > 0:
                 out[key] = n
     return out
+
+
+# -- the first rows, without reading every lease ----------------------------------------------------
+
+#: Lease hashes the operator's default view reads at most before it stops and reports a sample. Below it every
+#: lease is seen and the count is exact; above it, the rows are the oldest (and most waited-on) of the leases
+#: seen, and the total is an estimate (the share of lease keys among the keys scanned, times DBSIZE).
+SAMPLE_LEASES = 20_000
+#: Keys one step of the scan looks at (server side: a step holds Redis for ~1 ms per 1000 keys, never more).
+SCAN_STEP = 1000
+#: Keys the scan looks at in all, whatever it finds: a lock Redis shared with millions of other keys is
+#: sampled too, not walked end to end.
+SCAN_KEYS = 2_000_000
+
+#: One step of :func:`top_leases`, server side: SCAN one cursor step, keep only this prefix's keys, and send
+#: back the lease count, the ``limit`` oldest leases (acquired_at, name), the ``limit`` longest waiter queues,
+#: and the names of start windows and debounce records (at most ``limit`` each). Nothing is written. Reading
+#: acquired_at and LLEN here is what lets the client see the oldest leases without fetching every one.
+_STEP = """
+local res = redis.call('SCAN', ARGV[1], 'MATCH', ARGV[2], 'COUNT', ARGV[3])
+local limit = tonumber(ARGV[4])
+local n, ages, waits, rates, debounces = 0, {}, {}, {}, {}
+for _, k in ipairs(res[2]) do
+  if string.sub(k, -6) == '}:lock' or string.find(k, '}:lock:%d+$') then
+    n = n + 1
+    local ok, a = pcall(redis.call, 'HGET', k, 'acquired_at')
+    a = ok and tonumber(a) or 0
+    ages[#ages + 1] = {a, k}
+  elseif string.sub(k, -6) == '}:wait' then
+    local ok, l = pcall(redis.call, 'LLEN', k)
+    if ok and l > 0 then waits[#waits + 1] = {l, k} end
+  elseif string.sub(k, -6) == '}:rate' then
+    if #rates < limit then rates[#rates + 1] = k end
+  elseif string.find(k, '}:debounce:', 1, true) and not string.find(k, '}:debounce:.*:run:') then
+    if #debounces < limit then debounces[#debounces + 1] = k end
+  end
+end
+table.sort(ages, function(x, y) return x[1] < y[1] end)
+table.sort(waits, function(x, y) return x[1] > y[1] end)
+local out = {res[1], #res[2], n, {}, {}, rates, debounces}
+for i = 1, math.min(limit, #ages) do
+  table.insert(out[4], ages[i][2]); table.insert(out[4], ages[i][1])
+end
+for i = 1, math.min(limit, #waits) do
+  table.insert(out[5], waits[i][2]); table.insert(out[5], waits[i][1])
+end
+return out
+"""
+
+
+@dataclass(frozen=True)
+class LeaseSample:
+    """The first rows of ``lockguard locks`` (most waiters, then longest held) and what the scan behind them saw."""
+
+    leases: list[HeldLease]
+    #: Waiter queue lengths of the rows' entities (entities nobody waits on are left out).
+    waiting: dict[str, int]
+    #: Lease keys the scan saw; every one when ``complete``.
+    seen: int
+    #: The total: exact when ``complete``, else an estimate.
+    total: int
+    complete: bool
+    #: Start windows and debounce records the scan found (entity keys / Redis names), at most the row limit each.
+    rate_keys: list[str]
+    debounce_names: list[str]
+
+    def summary(self, shown: int) -> str:
+        """``showing N of M leases ...``: the line under the rows (says when M is an estimate)."""
+        order = "most waiters, then longest held, first"
+        if self.complete:
+            return f"showing {shown} of {plural(self.total, 'lease')} ({order}; --all lists every one)"
+        return (
+            f"showing {shown} of about {plural(self.total, 'lease')}: the {order} of a sample of {self.seen} "
+            "(the scan stops there; --all lists every one)"
+        )
+
+
+def display_order(lease: HeldLease, waiting: dict[str, int]) -> tuple[int, int, str]:
+    """The operator's order: most deliveries waiting first, then longest held (unknown age first), then key."""
+    held = lease.held_for_ms if lease.held_for_ms is not None else 2**62
+    return (-waiting.get(lease.key, 0), -held, lease.redis_key)
+
+
+def _is_cluster(client: Any) -> bool:
+    return callable(getattr(client, "get_nodes", None))
+
+
+def top_leases(client: Any, prefix: str, match: str = "*", limit: int = 50, budget: int | None = None) -> LeaseSample:
+    """The ``limit`` leases an operator needs first, reading at most ``budget`` lease keys' ages, not every lease.
+
+    The scan runs in the server (:data:`_STEP`, one SCAN step per round trip) and sends back only the oldest
+    rows of each step; the winners are then read whole (HGETALL + PTTL) with their waiter counts. It stops
+    at ``budget`` (default :data:`SAMPLE_LEASES`) leases seen or :data:`SCAN_KEYS` keys looked at: the rows
+    are then the oldest of a sample and the total an estimate. Tasks pay nothing for this (no index is
+    kept on their path). On Redis Cluster a script's SCAN sees one node only, so every lease is read
+    instead (:func:`read_leases`).
+    """
+    limit = max(1, limit)
+    budget = SAMPLE_LEASES if budget is None else budget
+    if _is_cluster(client):
+        every = read_leases(client, prefix, match)
+        waiting = read_waiting(client, prefix, sorted({lease.key for lease in every}))
+        every.sort(key=lambda lease: display_order(lease, waiting))
+        rows = every[:limit]
+        shown = {lease.key for lease in rows}
+        return LeaseSample(
+            leases=rows,
+            waiting={k: n for k, n in waiting.items() if k in shown},
+            seen=len(every),
+            total=len(every),
+            complete=True,
+            rate_keys=[],
+            debounce_names=[],
+        )
+    pattern = f"{prefix}:v1:{{{match}}}:*"
+    cursor, looked, seen = "0", 0, 0
+    ages: list[tuple[int, str]] = []
+    waits: list[tuple[int, str]] = []
+    rates: list[str] = []
+    debounces: list[str] = []
+    step = client.register_script(_STEP)  # EVALSHA (SCRIPT LOAD on NOSCRIPT): what a worker's grant has
+    while True:
+        reply = step(keys=[], args=[cursor, pattern, SCAN_STEP, limit])
+        # With MATCH, a step reports only the keys that match: it looked at about SCAN_STEP keys.
+        cursor, looked, seen = str(reply[0]), looked + SCAN_STEP, seen + int(reply[2])
+        pairs = reply[3]
+        ages = sorted([*ages, *((int(a), str(k)) for k, a in zip(pairs[0::2], pairs[1::2], strict=True))])[:limit]
+        pairs = reply[4]
+        found = ((-int(n), str(k)) for k, n in zip(pairs[0::2], pairs[1::2], strict=True))
+        waits = sorted([*waits, *found])[:limit]
+        rates += [str(k) for k in reply[5]][: max(0, limit - len(rates))]
+        debounces += [str(k) for k in reply[6]][: max(0, limit - len(debounces))]
+        if cursor == "0" or seen >= budget or looked >= SCAN_KEYS:
+            break
+    complete = cursor == "0"
+    if complete:
+        total = seen
+    else:
+        total = max(seen, round(seen * max(int(client.dbsize()), looked) / looked))
+    # Candidates: the oldest leases and the entities with the longest waiter queues (their slot-0 lease).
+    names = [name for _, name in ages]
+    for _, wait_key in waits:
+        entity = wait_key[len(f"{prefix}:v1:{{") : -len("}:wait")]
+        if lock_name(prefix, entity) not in names:
+            names.append(lock_name(prefix, entity))
+    rows = _read_named(client, prefix, names)
+    waiting = read_waiting(client, prefix, sorted({lease.key for lease in rows}))
+    rows.sort(key=lambda lease: display_order(lease, waiting))
+    rows = rows[:limit]
+    shown = {lease.key for lease in rows}
+    return LeaseSample(
+        leases=rows,
+        waiting={k: n for k, n in waiting.items() if k in shown},
+        seen=seen,
+        total=total,
+        complete=complete,
+        rate_keys=sorted({k for k in (parse_rate_name(prefix, n) for n in rates) if k is not None}),
+        debounce_names=sorted(debounces),
+    )
+
+
+def _read_named(client: Any, prefix: str, names: list[str]) -> list[HeldLease]:
+    """The lease hashes ``names`` (HGETALL + PTTL in pipelines); a key released meanwhile is left out."""
+    now_ms = server_ms(client)
+    out: list[HeldLease] = []
+    for i in range(0, len(names), BATCH):
+        chunk = names[i : i + BATCH]
+        pipe = client.pipeline(transaction=False)
+        for name in chunk:
+            pipe.hgetall(name)
+            pipe.pttl(name)
+        replies = pipe.execute(raise_on_error=False)
+        for name, fields, pttl in zip(chunk, replies[0::2], replies[1::2], strict=True):
+            if isinstance(fields, Exception):
+                reason = str(fields).split(" ", 1)[0] or fields.__class__.__name__
+                out.append(HeldLease.unreadable(prefix, name, reason))
+            elif fields:
+                out.append(HeldLease.from_hash(prefix, name, fields, pttl, now_ms))
+    return out
+
+
+def iter_leases(client: Any, prefix: str, match: str = "*") -> Iterator[list[HeldLease]]:
+    """Every lease under ``prefix`` matching ``match``, :data:`BATCH` at a time in scan order (``locks --all``).
+
+    Memory stays one batch whatever the count: the rows are printed as they come, not sorted.
+    """
+    chunk: list[str] = []
+    for name in client.scan_iter(match=lock_name(prefix, match) + "*", count=1000):
+        if parse_slot_lock_name(prefix, name) is not None:
+            chunk.append(name)
+        if len(chunk) >= BATCH:
+            yield _read_named(client, prefix, chunk)
+            chunk = []
+    if chunk:
+        yield _read_named(client, prefix, chunk)

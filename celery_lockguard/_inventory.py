@@ -122,7 +122,8 @@ def markdown(app: Any, rows: list[dict[str, Any]]) -> str:
         if r.get("completion_namespace"):
             scope += f" (shared: `{_cell(r['completion_namespace'])}`)"
         ctl = f"{r['completion_ttl']:g}s" if r["completion"] else "-"
-        key = f"`{_cell(r['key_template'])}`" if r["key_template"] else "(none: unlocked)"
+        # A LockedTask without a key runs unlocked alone, but under a workflow() it holds the workflow's lease.
+        key = f"`{_cell(r['key_template'])}`" if r["key_template"] else "(none: unlocked; a workflow's key in one)"
         mode = r["mode"]
         if r.get("lock_limit", 1) > 1:
             mode += f", {r['lock_limit']} slots"

@@ -158,6 +158,8 @@ class Front:
             body = b"this page answers to loopback names only (add yours with --allow-host)\n"
             send(handler, 403, "text/plain; charset=utf-8", body)
             return True
+        if self.state is not None and route in (self._page, self._live, self._data):
+            self.state.viewed()  # someone looks: the sampler reads leases (the first view waits for a sample)
         try:
             code, ctype, body = route()
         except Exception as exc:  # noqa: BLE001 - one bad render answers 500; the next request renders again

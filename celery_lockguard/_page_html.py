@@ -75,7 +75,7 @@ def _lease_row(lease: HeldLease, waiting: int) -> list[str]:
 
     where = lease.worker or f"{'?' if 'host' in bad else lease.host or '-'}:{'?' if 'pid' in bad else lease.pid or '-'}"
     return [
-        f'<span class="key">{text(lease.key)}</span>',
+        f'<span class="key">{text(lease.label)}</span>',
         text(lease.state),
         cell(lease.task_name, "task_name"),
         f'<span class="id">{cell(lease.task_id, "task_id")}</span>',
@@ -88,21 +88,24 @@ def _lease_row(lease: HeldLease, waiting: int) -> list[str]:
 
 
 def leases_section(snap: Snapshot) -> str:
-    out = [f'<section id="leases"><h2>Held leases <span class="count">{snap.lease_count}</span></h2>']
+    count = snap.lease_count if snap.lease_count_exact else f"about {snap.lease_count}"
+    out = [f'<section id="leases"><h2>Held leases <span class="count">{count}</span></h2>']
     out.append(_error(snap.errors, "leases"))
     if snap.leases:
         headers = ["key", "state", "task", "task id", "worker", "fence", "held", "TTL left", "waiting"]
         out.append(_table(headers, (_lease_row(x, snap.waiting.get(x.key, 0)) for x in snap.leases), "leases"))
         if snap.lease_count > len(snap.leases):
-            more = snap.lease_count - len(snap.leases)
-            out.append(f'<p class="note">{plural(more, "more lease")} not shown (lockguard locks lists all)</p>')
-        if snap.uses:  # lock_limit / lock_rate: "invoice:7: 1/2 slots held, 3/10 starts in the last 60s"
-            out.append('<ul class="uses">' + "".join(f"<li>{text(use.text())}</li>" for use in snap.uses) + "</ul>")
+            more = plural(snap.lease_count - len(snap.leases), "more lease")
+            about = "" if snap.lease_count_exact else "about "
+            shown = "most waiters, then longest held, first"
+            out.append(f'<p class="note">{about}{more} not shown ({shown}; lockguard locks --all lists all)</p>')
         odd = [x for x in snap.leases if x.malformed]
         if odd:
             out.append(f'<p class="note">{plural(len(odd), "lease")} with values no worker writes, shown as ?</p>')
     elif "leases" not in snap.errors:
         out.append(f'<p class="empty">no leases under {text(repr(snap.prefix))}</p>')
+    if snap.uses:  # lock_limit / lock_rate: slots held N/M and the start window's fill, as `locks` prints
+        out.append('<ul class="uses">' + "".join(f"<li>{text(u.text(), None)}</li>" for u in snap.uses) + "</ul>")
     out.append("</section>")
     return "".join(out)
 

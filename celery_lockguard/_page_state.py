@@ -1,12 +1,24 @@
 """What the lock page shows, sampled by one thread: leases, busy entities, the four numbers, doctor findings.
 
 The page (:mod:`celery_lockguard._page`) never reads Redis while answering a
-request. One sampler thread reads, every ``interval`` seconds, what
-``lockguard locks`` and ``lockguard stats`` read (:func:`~celery_lockguard._holders.read_leases`,
+request. One sampler thread reads what ``lockguard locks`` and ``lockguard
+stats`` read (:func:`~celery_lockguard._holders.top_leases`,
 :func:`~celery_lockguard._stats.read` and :func:`~celery_lockguard._stats.summarize`)
 and swaps in a new immutable :class:`Snapshot`; every request renders the
 latest one. So ten open browser tabs cost Redis what one costs, and a slow
 Redis slows the sampler, not the HTTP threads (which the exporter bounds).
+
+**It reads leases only while someone looks.** A page request (any ``/page``
+route: the open page polls ``/page/live`` every interval) marks the page
+viewed; for :data:`VIEW_SECONDS` after the last one the sampler reads leases
+and metrics every ``interval`` seconds. With nobody viewing it reads only the
+fleet's metrics (no SCAN: the sparklines keep filling), every
+:data:`IDLE_INTERVAL` seconds, and no doctor run. The first request after
+start or after an idle spell wakes it and waits for that sample (at most
+:data:`FIRST_WAIT` seconds). A sample reads at most
+:data:`~celery_lockguard._holders.SAMPLE_LEASES` lease ages and
+:data:`MAX_LEASES` rows, whatever the prefix holds (with up to :data:`FULL_READ`
+leases, every one is read, as the busy entities need).
 
 What the page adds is memory, not Redis data:
 
@@ -44,7 +56,16 @@ from . import _stats as stats
 from ._config import Settings
 from ._connection import UNAVAILABLE_ERRORS
 from ._events import logger
-from ._holders import EntityUse, HeldLease, entity_use, read_leases, read_waiting
+from ._holders import (
+    EntityUse,
+    HeldLease,
+    display_order,
+    entity_use,
+    idle_windows,
+    read_leases,
+    read_waiting,
+    top_leases,
+)
 from ._redact import redact_text
 
 #: Seconds of history the sparklines and the busy entities cover.
@@ -64,6 +85,16 @@ TOP_ENTITIES = 10
 MAX_TRACKED = 5000
 #: Default seconds between samples, and between doctor runs.
 DEFAULT_INTERVAL, DEFAULT_DOCTOR_INTERVAL = 5.0, 300.0
+#: Seconds after the last page request during which the page counts as viewed (leases sampled each interval).
+VIEW_SECONDS = 60.0
+#: Seconds between the metrics-only samples while nobody views the page.
+IDLE_INTERVAL = 30.0
+#: Seconds the first page request after start (or after an idle spell) waits for a fresh sample (a sample
+#: reads a bounded number of leases: well under a second on an idle server, seconds on a starved one).
+FIRST_WAIT = 15.0
+#: Up to this many leases under the prefix, a sample reads every one (the busy entities see each entity
+#: change hands); past it, only the rows shown (the oldest and most waited-on of a bounded scan).
+FULL_READ = 5000
 
 
 @dataclass(frozen=True)
@@ -185,8 +216,11 @@ class Snapshot:
     interval: float
     leases: tuple[HeldLease, ...] = ()
     lease_count: int = 0
+    #: False when ``lease_count`` is an estimate (a prefix past the sample's budget).
+    lease_count_exact: bool = True
     waiting: dict[str, int] = field(default_factory=dict)
-    #: lock_limit / lock_rate entities held now: slots held of N, starts in the window (as ``locks`` prints them).
+    #: ``lock_limit`` / ``lock_rate`` entities among the rows (slots held N/M, starts in the window), and
+    #: start windows that count starts while no slot is held: what ``locks`` prints under its table.
     uses: tuple[EntityUse, ...] = ()
     summary: dict[str, Any] | None = None
     samples: tuple[Sample, ...] = ()
@@ -206,9 +240,11 @@ class Snapshot:
             "status": self.status,
             "errors": self.errors,
             "lease_count": self.lease_count,
+            "lease_count_exact": self.lease_count_exact,
             "leases": [{**lease.as_dict(), "waiting": self.waiting.get(lease.key, 0)} for lease in self.leases],
             "entity_use": [asdict(use) for use in self.uses],
             "busy_entities": [b.as_dict() for b in self.busy],
+            "limited_entities": [{**use.as_dict(self.prefix), "text": use.text()} for use in self.uses],
             "samples": [s.__dict__ for s in self.samples],
             "tasks": (self.summary or {}).get("tasks", {}),
             "doctor": {
@@ -239,12 +275,20 @@ class PageState:
         self._samples_taken: deque[float] = deque(maxlen=int(HISTORY_SECONDS / self.interval) + 1)
         self._doctor = Doctor()
         self._templates = self._key_templates()
+        try:
+            self._rate_tasks = _inventory.rate_tasks(app)
+        except Exception:  # noqa: BLE001 - as the templates: a window is then shown by its start count only
+            self._rate_tasks = []
         # A sample is late past three intervals plus the reads' socket timeouts (two reads, each may retry once).
         self.stale_after = 3 * self.interval + 4 * s.socket_timeout
         self._current = Snapshot(
             taken_at=time.time(), prefix=s.key_prefix, interval=self.interval, status=503, stale_after=self.stale_after
         )
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._sampled = threading.Condition()
+        self._generation = 0  # lease samples taken (a request waiting for a fresh one watches it)
+        self._viewed_at = -float("inf")  # monotonic time of the last page request
         self._thread: threading.Thread | None = None
 
     def _key_templates(self) -> dict[str, str]:
@@ -261,31 +305,54 @@ class PageState:
     # -- the thread ------------------------------------------------------------------------
 
     def start(self) -> PageState:
-        """Take the first sample now (the first request sees data), then keep sampling in a thread."""
-        self.refresh()
+        """Start the sampler thread; nothing is read until a page is requested (the server answers at once)."""
         self._thread = threading.Thread(target=self._run, name="lockguard-page-sampler", daemon=True)
         self._thread.start()
         return self
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=self.settings.socket_timeout * 4 + 5)
 
+    @property
+    def viewing(self) -> bool:
+        """True while a page request came in the last :data:`VIEW_SECONDS`."""
+        return time.monotonic() - self._viewed_at <= VIEW_SECONDS
+
+    def viewed(self, wait: float = FIRST_WAIT) -> None:
+        """A page request came in: sample leases from now on; the first after an idle spell waits for one."""
+        idle = not self.viewing
+        self._viewed_at = time.monotonic()
+        if not idle or self._thread is None:
+            return
+        with self._sampled:
+            seen = self._generation
+            self._wake.set()
+            self._sampled.wait_for(lambda: self._generation > seen or self._stop.is_set(), timeout=wait)
+
     def _run(self) -> None:
-        next_doctor = 0.0
-        while True:
-            if time.monotonic() >= next_doctor:
-                self.run_doctor()
-                next_doctor = time.monotonic() + self.doctor_interval
-            if self._stop.wait(self.interval):
-                return
+        # The doctor runs once after the first sample (in this thread: the server answers meanwhile), then
+        # every doctor_interval while the page is viewed.
+        next_doctor, doctor_ran = 0.0, False
+        while not self._stop.is_set():
+            viewing = self.viewing
             try:
-                self.refresh()
+                self.refresh(leases=viewing)
             except Exception as exc:  # noqa: BLE001 - the sampler never dies: the failure is shown, the next read runs
                 reason = f"{exc.__class__.__name__}: {self._safe(exc)}"
                 logger.warning("page.sample_failed", reason=reason)
                 self._current = replace(self._current, errors={**self._current.errors, "page": reason}, status=500)
+            if viewing:
+                with self._sampled:
+                    self._generation += 1
+                    self._sampled.notify_all()
+            if (viewing or not doctor_ran) and time.monotonic() >= next_doctor:
+                self.run_doctor()
+                next_doctor, doctor_ran = time.monotonic() + self.doctor_interval, True
+            self._wake.wait(self.interval if viewing else max(self.interval, IDLE_INTERVAL))
+            self._wake.clear()
 
     # -- one sample ------------------------------------------------------------------------
 
@@ -299,14 +366,22 @@ class PageState:
             self._doctor = Doctor(at=time.time(), error=f"{exc.__class__.__name__}: {self._safe(exc)}")
         self._current = replace(self._current, doctor=self._doctor)
 
-    def refresh(self) -> None:
-        """Read leases and metrics once, append a sample, and swap in the new snapshot."""
+    def refresh(self, leases: bool = True) -> None:
+        """Read leases and metrics once, append a sample, and swap in the new snapshot.
+
+        ``leases=False`` (nobody views the page): the metrics only, for the sparklines; the lease rows
+        of the last snapshot stay, with its time (so the page says how old they are).
+        """
+        if not leases:
+            self._refresh_metrics()
+            return
         now = time.time()
         s = self.settings
         errors: dict[str, str] = {}
         codes: list[int] = []
-        leases: list[HeldLease] = []
+        rows: list[HeldLease] = []
         waiting: dict[str, int] = {}
+        count, exact = 0, True
         uses: list[EntityUse] = []
         summary: dict[str, Any] | None = None
         try:
@@ -316,10 +391,19 @@ class PageState:
             errors["redis"] = f"{exc.__class__.__name__}: {self._safe(exc)}"
         if client is not None:
             try:
-                leases = read_leases(client, s.key_prefix)
-                # Every lease's waiters, not only the rows shown: the busiest entities are chosen from all of them.
-                waiting = read_waiting(client, s.key_prefix, [lease.key for lease in leases])
-                uses = entity_use(client, s.key_prefix, leases)[:MAX_LEASES]  # one pipeline, limited entities only
+                sample = top_leases(client, s.key_prefix, "*", MAX_LEASES)
+                if sample.complete and sample.seen <= FULL_READ:
+                    rows = read_leases(client, s.key_prefix)
+                    # Every lease's waiters, not only the rows shown: the busiest entities are chosen from all.
+                    waiting = read_waiting(client, s.key_prefix, [lease.key for lease in rows])
+                    rows.sort(key=lambda lease: display_order(lease, waiting))
+                    count = len(rows)
+                else:  # past FULL_READ: the rows shown, and a count (exact, or an estimate past the budget)
+                    rows, waiting, count, exact = sample.leases, sample.waiting, sample.total, sample.complete
+                shown = rows[:MAX_LEASES]
+                uses = entity_use(client, s.key_prefix, shown)
+                held = {lease.key for lease in shown}
+                uses += idle_windows(client, s.key_prefix, "*", held, self._rate_tasks, keys=sample.rate_keys)
             except Exception as exc:  # noqa: BLE001 - one section fails, the others are shown
                 codes.append(self._failed("leases", exc, errors))
             try:
@@ -330,15 +414,16 @@ class PageState:
         busy: tuple[BusyEntity, ...] = ()
         if client is not None and "leases" not in errors:
             try:
-                busy = self._observe(leases, waiting, now)
+                busy = self._observe(rows, waiting, now)
             except Exception as exc:  # noqa: BLE001 - as above
                 codes.append(self._failed("entities", exc, errors))
         self._current = Snapshot(
             taken_at=now,
             prefix=s.key_prefix,
             interval=self.interval,
-            leases=tuple(leases[:MAX_LEASES]),
-            lease_count=len(leases),
+            leases=tuple(rows[:MAX_LEASES]),
+            lease_count=count,
+            lease_count_exact=exact,
             waiting=waiting,
             uses=tuple(uses),
             summary=summary,
@@ -349,6 +434,19 @@ class PageState:
             status=max(codes, default=200),
             stale_after=self.stale_after,
         )
+
+    def _refresh_metrics(self) -> None:
+        """The idle sample: the fleet's metrics only (no SCAN), into the ring and the snapshot."""
+        now = time.time()
+        s = self.settings
+        try:
+            client = connection.operator_client(s)
+            summary = stats.summarize(stats.read(client, s.key_prefix, now=now), self._templates)
+        except Exception as exc:  # noqa: BLE001 - shown when the page is next opened (it samples again then)
+            logger.warning("page.read_failed", section="metrics", reason=f"{exc.__class__.__name__}: {self._safe(exc)}")
+            return
+        self.remember(fleet_sample(summary, now))
+        self._current = replace(self._current, summary=summary, samples=tuple(self._ring))
 
     def remember(self, sample: Sample) -> None:
         """Add ``sample`` to the sparklines' ring: it replaces the last one if both fall in one slot."""

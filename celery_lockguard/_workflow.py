@@ -608,8 +608,9 @@ def deliver(
             assert holder is not None
             emit(
                 "lock.skipped_duplicate",
-                task.name,
+                spec.name,  # counted under the workflow (what was skipped), not under its first member's task
                 **fields,
+                member=task.name,
                 holder_task_id=holder.task_id,
                 policy="skip",
                 reason="identical_workflow_running",

@@ -112,3 +112,21 @@ def test_locks_shows_a_window_that_holds_starts_while_no_slot_is_held(app: Celer
     }  # fmt: skip
     assert rows["other:1"]["rate"] is None and rows["other:1"]["starts"] == 1
     assert invoke(app, "locks", "--match", "other:*").stdout.count("start recorded") == 1
+
+
+def test_the_page_shows_slots_held_and_the_windows_fill(app: Celery, r: redis.Redis, prefix: str) -> None:
+    """Issue 30: the page showed slot leases under one key and no `N/M slots held` or window fill (`locks` did)."""
+    from celery_lockguard import _page_html as html
+    from celery_lockguard._config import settings
+    from celery_lockguard._page_state import PageState
+
+    first, _ = take(r, prefix, "t-1"), take(r, prefix, "t-2")
+    L.release(r, first, prefix)
+    take(r, prefix, "t-3")
+    state = PageState(app, settings(app), interval=1, doctor_interval=3600)
+    state.refresh()
+    section = html.leases_section(state.snapshot)
+    assert "tenant:a (slot 1)" in section
+    assert "tenant:a: 2/3 slots held, 3/10 starts in the last 60s" in section
+    (use,) = state.snapshot.as_dict()["limited_entities"]
+    assert (use["held"], use["limit"], use["starts"], use["rate"]) == (2, 3, 3, 10)

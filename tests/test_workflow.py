@@ -754,3 +754,45 @@ def test_a_page_whose_retries_ran_out_after_leaving_is_counted_out_once(c: Any) 
     assert scripts.workflow_leave(c, leave, ["tok1", wf.slot(1), 2000, "1", "1", 2, "1"]) == 1
     assert c.hget(lock_name(P, KEY), "state") == "running"
     assert scripts.workflow_leave(c, leave, ["tok1", wf.slot(1), 2000, "1", "", 2]) == -2  # p2, the last out
+
+
+def test_a_skipped_identical_workflow_is_counted_under_the_workflow(own_redis: RedisServer) -> None:
+    """Issue 30: it was counted under its first member's task, so `stats` showed the task skipping itself."""
+    from celery_lockguard import _metrics as metrics
+
+    app = Celery("wf-skip-count", broker="memory://", set_as_current=False)
+    app.conf.update(lockguard_redis_url=own_redis.url, lockguard_key_prefix=P)
+    ran: list[str] = []
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="skipcount.step")
+    def step(self: Any, prev: Any = None, tag: str = "") -> None:
+        ran.append(tag)
+
+    # One member: an eager chain would go on to the next member after a skip (a worker's does not).
+    w = workflow(chain(step.s(tag="a")), lock_key="t:{t}", t="skip")
+    c = own_redis.client()
+    running = w.spec()  # an identical workflow (same name and digest) holds the entity, its first member running
+    assert wf.enter(c, settings(app), running, member("m-0"), "tok-0", False).kind == "started"
+    metrics.clear()
+    assert w.apply().get() is None and ran == []  # skipped whole
+    counted = metrics.snapshot()
+    assert counted.get("workflow:skipcount.step", {}).get("lock.skipped_duplicate") == 1, counted
+    assert "lock.skipped_duplicate" not in counted.get("skipcount.step", {})
+
+
+def test_describe_says_a_keyless_member_takes_the_workflows_key(own_redis: RedisServer) -> None:
+    """Issue 30: describe listed a workflow's keyless members as "(none: unlocked)"."""
+    from celery.bin.base import CLIContext
+    from click.testing import CliRunner
+
+    from celery_lockguard._cli import lockguard
+
+    app = Celery("wf-describe", broker="memory://", set_as_current=False)
+    app.conf.update(lockguard_redis_url=own_redis.url, lockguard_key_prefix=P)
+
+    @app.task(base=LockedTask, shared=False, name="describe.member")
+    def member() -> None: ...
+
+    out = CliRunner().invoke(lockguard, ["describe"], obj=CLIContext(app=app, no_color=True, workdir=None, quiet=True))
+    row = next(line for line in out.stdout.splitlines() if "describe.member" in line)
+    assert "(none: unlocked)" not in row and "a workflow's key in one" in row, row
