@@ -258,3 +258,21 @@ def test_debounce_check_catches_a_second_run_wrong_arguments_and_a_dangling_chai
     dangling = {"lockguard": "superseded", "superseded_by": "zz"}
     assert any("ends at zz" in p for p in check_burst(b, {"a": dangling, "b": sup, "c": run}, ["c"]))
     assert any("ends at a" in p for p in check_burst(b, {"a": None, "b": sup, "c": run}, ["c"]))
+
+
+def test_debounce_check_lets_a_burst_the_driver_stalled_in_split_but_never_lose_its_last_run() -> None:
+    """A driver stalled a whole delay between two publishes: the library may rightly see two bursts."""
+    from chaos.debounce import Burst, check_burst
+
+    run = {"entity": 3, "burst": 1, "position": 2}
+    b_run = {"entity": 3, "burst": 1, "position": 1}
+    results = {"a": {"lockguard": "superseded", "superseded_by": "b"}, "b": b_run, "c": run}
+    tight = Burst(3, 1, ["a", "b", "c"], [(0.0, 0.01), (0.02, 0.03), (0.04, 0.05)])
+    stalled = Burst(3, 1, ["a", "b", "c"], [(0.0, 0.01), (0.02, 0.03), (0.60, 0.61)])  # c came 0.59 s after b
+    assert not tight.split_possible(0.5) and stalled.split_possible(0.5)
+    assert any("bodies ran" in p for p in check_burst(tight, results, ["b", "c"], 0.5)), "no stall: one run only"
+    assert check_burst(stalled, results, ["b", "c"], 0.5) == []  # two library bursts: b's run and c's
+    # Even split, the last publish must run with its arguments, and every chain must end at a run that ran.
+    assert any("bodies ran" in p for p in check_burst(stalled, results, ["b"], 0.5))
+    lost = {**results, "a": {"lockguard": "superseded", "superseded_by": "zz"}}
+    assert any("ends at zz" in p for p in check_burst(stalled, lost, ["b", "c"], 0.5))
