@@ -51,6 +51,44 @@ def test_without_services_the_run_starts_its_own_postgres_and_says_so() -> None:
     assert dirs and not Path(dirs[0]).exists(), dirs
 
 
+def _processes_naming(word: str) -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if word in args:
+            found.append(args[:200])
+    return found
+
+
+@pytest.mark.timeout(600)
+def test_without_rabbitmq_on_5672_the_run_starts_a_private_node_and_stops_it() -> None:
+    """The machine's RabbitMQ (if any) stays untouched: the private node has its own ports, name and epmd."""
+    if services.rabbitmq_server() is None:
+        pytest.skip("not installed: rabbitmq-server")
+    machine_node_before = services._port_open(5672)
+    epmds_before = len(_processes_naming("epmd"))
+    run = _pytest("tests/test_queue_modes.py::test_warm_shutdown_finishes_and_releases", LOCKGUARD_TEST_EMBEDDED="1")
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    header = out[: out.index("collected")]
+    found = re.search(
+        r"rabbitmq +amqp://guest:\*\*\*@127\.0\.0\.1:(\d+)// <- embedded: \S+rabbitmq-server as (\S+) in (\S+)", header
+    )
+    assert found, header
+    port, node, node_dir = int(found[1]), found[2], Path(found[3])
+    assert port != 5672 and node.startswith("lockguard-test-"), header
+    summary = out.strip().splitlines()[-1]
+    assert re.search(r"2 passed", summary) and "skipped" not in summary, summary  # [redis] and [amqp]
+    # stopped with the run: no process of that node (nor its epmd), its directory gone, its port free
+    assert not _processes_naming(node.split("@")[0]), _processes_naming(node.split("@")[0])
+    assert not node_dir.exists() and not services._port_open(port)
+    assert len(_processes_naming("epmd")) <= epmds_before  # its private epmd was stopped too
+    assert services._port_open(5672) == machine_node_before
+
+
 def test_a_skip_for_something_missing_is_reported_when_it_happens(tmp_path: Path) -> None:
     """Not only in the summary at the end: the line comes before the next test's result."""
     run = _pytest("tests/test_services.py::test_skips_for_a_missing_service_on_purpose", LOCKGUARD_SKIP_ON_PURPOSE="1")
