@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test lint typecheck unit docs demo bench bench-quick chaos chaos-quick chaos-limits chaos-workflows \
+.PHONY: install provision test lint typecheck unit docs demo bench bench-quick chaos chaos-quick chaos-limits chaos-workflows \
 	chaos-debounce chaos-debounce-quick compat compat-quick clean dashboard dashboard-pictures
 
 # Installs quietly: pip's output goes to $(VENV)/install.log and is printed only if pip fails, so the first
@@ -44,8 +44,14 @@ unit: $(STAMP)
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict --site-dir build/site
 
-# The README's test command: lint, types, the whole suite (real Redis, PostgreSQL, workers), docs.
-test: lint typecheck unit docs
+# Chromium/chromedriver and promtool (Debian packages) for the page and alert-rule tests: installed when missing
+# and this is root with apt-get, else it says at once which tests will be reported as skipped and why.
+provision:
+	@tools/provision.sh
+
+# The README's test command: the binaries above, lint, types, the whole suite (real Redis, PostgreSQL, RabbitMQ,
+# workers: tests/services.py starts embedded ones when nothing answers on the usual ports), docs.
+test: provision lint typecheck unit docs
 
 # The example: embedded Valkey unless LOCKGUARD_REDIS_URL is set.
 demo: $(STAMP)
