@@ -229,7 +229,9 @@ class Fleet:
 
 
 @pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
+def fleet(tmp_path: Path, prefix: str) -> Iterator[Fleet]:
+    """Needs ``prefix`` so that it is set up after it and torn down before it: the workers stop (and flush
+    their metrics under the prefix) before the prefix's keys are deleted, whatever order a test names them."""
     f = Fleet(tmp_path)
     yield f
     f.close()

@@ -13,10 +13,12 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from . import services
+from .conftest import make_cfg
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -102,3 +104,32 @@ def test_skips_for_a_missing_service_on_purpose() -> None:
     if not os.environ.get("LOCKGUARD_SKIP_ON_PURPOSE"):
         return  # only the run above makes it skip
     pytest.skip("missing service: on purpose, for test_a_skip_for_something_missing_is_reported_when_it_happens")
+
+
+def test_a_worker_test_leaves_no_key_behind_whatever_order_it_names_its_fixtures() -> None:
+    """A test that names ``fleet`` before ``prefix`` had its prefix deleted before its workers stopped, and each
+    worker's shutdown flush then wrote ``<prefix>:v1:metrics:{fleet}:*`` keys that nothing deleted: hundreds on
+    the shared Redis after a run, and ``lockguard doctor`` on the README's app there reported ``cache_traffic``.
+    Run against a Redis of its own, so any key left is this run's."""
+    from celery_lockguard.testing import RedisServer
+
+    with RedisServer() as own:
+        run = _pytest(
+            "tests/test_services.py::test_a_worker_test_on_purpose",
+            LOCKGUARD_TEST_REDIS_URL=own.url,
+            LOCKGUARD_TEST_EMBEDDED="redis",
+            LOCKGUARD_WORKER_ON_PURPOSE="1",
+        )
+        assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout[-3000:]
+        left = sorted(str(k) for k in own.client().scan_iter(count=1000))
+        assert left == [], left
+
+
+def test_a_worker_test_on_purpose(fleet: Any, prefix: str, redis_url: str) -> None:
+    """``fleet`` first on purpose (set up before ``prefix``, so torn down after it, before the fix)."""
+    if not os.environ.get("LOCKGUARD_WORKER_ON_PURPOSE"):
+        return  # only the run above starts a worker here
+    cfg = make_cfg(prefix, redis_url)
+    fleet.worker(cfg)
+    res = fleet.app(cfg).tasks["charge"].delay(7, 100, 0.1)
+    assert res.get(timeout=60) is not None
