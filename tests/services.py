@@ -342,7 +342,12 @@ def choose_tool(name: str, *binaries: str) -> Choice:
     if all(paths):
         return Choice(name, None, ", ".join(str(p) for p in paths))
     missing = [b for b, p in zip(binaries, paths, strict=True) if not p]
-    return Choice(name, None, f"missing ({', '.join(missing)} not on PATH; its tests skip, and fail under CI)")
+    return Choice(
+        name,
+        None,
+        f"missing ({', '.join(missing)} not on PATH; its tests skip, and fail under CI;"
+        " `make test` installs it as root with apt-get: tools/provision.sh)",
+    )
 
 
 def choose_all() -> list[Choice]:
