@@ -30,11 +30,19 @@ LOCAL_REDIS = "redis://127.0.0.1:6379/0"
 LOCAL_POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
 LOCAL_AMQP = "amqp://guest:guest@127.0.0.1:5672//"
 #: LOCKGUARD_TEST_EMBEDDED=1: never use a service on a local port, start embedded ones (what a machine without
-#: them gets; tests/test_services.py runs the suite's PostgreSQL tests that way).
-EMBEDDED_ONLY = os.environ.get("LOCKGUARD_TEST_EMBEDDED", "") not in ("", "0")
-#: LOCKGUARD_TEST_EMBEDDED=redis: a private Redis and nothing else (make compat's cells: the PostgreSQL and
-#: RabbitMQ tests skip there, as they always did; its matrix is about Celery, redis-py and the server).
-REDIS_ONLY = os.environ.get("LOCKGUARD_TEST_EMBEDDED", "") == "redis"
+#: them gets; tests/test_services.py runs the suite's PostgreSQL and RabbitMQ tests that way).
+_EMBEDDED = os.environ.get("LOCKGUARD_TEST_EMBEDDED", "")
+EMBEDDED_ONLY = _EMBEDDED not in ("", "0")
+#: LOCKGUARD_TEST_EMBEDDED=<tiers>, e.g. ``redis`` or ``redis,rabbitmq``: embedded ones for those tiers and the
+#: others left out (make compat's cells: ``redis``, since its matrix is about Celery, redis-py and the server;
+#: tests/test_services.py, so that a run about one tier does not wait for another's server to start).
+EMBEDDED_TIERS = None if _EMBEDDED in ("", "0", "1") else {t.strip() for t in _EMBEDDED.split(",")}
+
+
+def _left_out(tier: str) -> Choice | None:
+    if EMBEDDED_TIERS is None or tier in EMBEDDED_TIERS:
+        return None
+    return Choice(tier, None, f"left out (LOCKGUARD_TEST_EMBEDDED={_EMBEDDED})")
 
 
 @dataclass
@@ -291,8 +299,8 @@ def choose_redis() -> Choice:
 def choose_postgres() -> Choice:
     if url := os.environ.get("LOCKGUARD_TEST_POSTGRES_URL"):
         return Choice("postgres", url, "LOCKGUARD_TEST_POSTGRES_URL")
-    if REDIS_ONLY:
-        return Choice("postgres", None, "left out (LOCKGUARD_TEST_EMBEDDED=redis)")
+    if left_out := _left_out("postgres"):
+        return left_out
     if not EMBEDDED_ONLY and _postgres_answers(LOCAL_POSTGRES):
         os.environ["LOCKGUARD_TEST_POSTGRES_URL"] = LOCAL_POSTGRES
         return Choice("postgres", LOCAL_POSTGRES, "local port 5432")
@@ -321,8 +329,8 @@ def choose_postgres() -> Choice:
 def choose_amqp() -> Choice:
     if url := os.environ.get("LOCKGUARD_TEST_AMQP_URL"):
         return Choice("rabbitmq", url, "LOCKGUARD_TEST_AMQP_URL")
-    if REDIS_ONLY:
-        return Choice("rabbitmq", None, "left out (LOCKGUARD_TEST_EMBEDDED=redis)")
+    if left_out := _left_out("rabbitmq"):
+        return left_out
     if not EMBEDDED_ONLY and _amqp_answers(LOCAL_AMQP):
         os.environ["LOCKGUARD_TEST_AMQP_URL"] = LOCAL_AMQP
         return Choice("rabbitmq", LOCAL_AMQP, "local port 5672")

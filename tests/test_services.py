@@ -2,7 +2,7 @@
 
 The PostgreSQL tests skipped silently unless ``LOCKGUARD_TEST_POSTGRES_URL`` was set, and the skips showed
 only in the summary at the end. Here a real pytest run with no ``LOCKGUARD_TEST_*`` variable and local
-services ignored (``LOCKGUARD_TEST_EMBEDDED=1``, what a machine without them gets) starts its own
+services ignored (``LOCKGUARD_TEST_EMBEDDED``, what a machine without them gets) starts its own
 PostgreSQL from the machine's binaries, says so in its header, and runs the PostgreSQL tests against it.
 """
 
@@ -39,7 +39,7 @@ def _pytest(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 def test_without_services_the_run_starts_its_own_postgres_and_says_so() -> None:
     if services.postgres_binaries() is None:
         pytest.skip("not installed: initdb/pg_ctl (the machine's PostgreSQL binaries)")
-    run = _pytest("tests/test_fencing.py", "-k", "postgres", LOCKGUARD_TEST_EMBEDDED="1")
+    run = _pytest("tests/test_fencing.py", "-k", "postgres", LOCKGUARD_TEST_EMBEDDED="redis,postgres")
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]
     header = out[: out.index("collected")]
@@ -72,7 +72,9 @@ def test_without_rabbitmq_on_5672_the_run_starts_a_private_node_and_stops_it() -
         pytest.skip("not installed: rabbitmq-server")
     machine_node_before = services._port_open(5672)
     epmds_before = len(_processes_naming("epmd"))
-    run = _pytest("tests/test_queue_modes.py::test_warm_shutdown_finishes_and_releases", LOCKGUARD_TEST_EMBEDDED="1")
+    run = _pytest(
+        "tests/test_queue_modes.py::test_warm_shutdown_finishes_and_releases", LOCKGUARD_TEST_EMBEDDED="redis,rabbitmq"
+    )
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]
     header = out[: out.index("collected")]
