@@ -210,6 +210,7 @@ class EmbeddedRabbitMQ:
         self.url = f"amqp://guest:guest@127.0.0.1:{self.port}//"
         self.nodename = f"lockguard-test-{os.getpid()}@localhost"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.watchdog: subprocess.Popen[bytes] | None = None
 
     def _env(self) -> dict[str, str]:
         d = self.dir
@@ -243,6 +244,7 @@ class EmbeddedRabbitMQ:
                 [str(self.script)], cwd=self.dir, env=self._env(), stdout=out, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
+        self._watch()
         end = time.monotonic() + self.deadline
         while not _amqp_answers(self.url):
             if self.proc.poll() is not None or time.monotonic() > end:
@@ -257,8 +259,27 @@ class EmbeddedRabbitMQ:
             time.sleep(0.25)
         return self
 
+    def _watch(self) -> None:
+        """A watchdog in its own session that stops the node if this process dies without stopping it (SIGKILL,
+        SIGTERM, a crash): pytest's cleanup runs on Ctrl-C but not then, and the node would outlive the run."""
+        assert self.proc is not None
+        script = (
+            'while kill -0 "$1" 2>/dev/null; do sleep 1; done; kill -TERM -"$2" 2>/dev/null; i=0;'
+            ' while kill -0 -"$2" 2>/dev/null && [ $i -lt 150 ]; do sleep 0.2; i=$((i+1)); done;'
+            ' kill -KILL -"$2" 2>/dev/null; [ -n "$5" ] && ERL_EPMD_PORT="$3" "$5" -kill >/dev/null 2>&1; rm -rf "$4"'
+        )
+        args = [str(os.getpid()), str(self.proc.pid), str(self.epmd_port), str(self.dir), shutil.which("epmd") or ""]
+        self.watchdog = subprocess.Popen(
+            ["sh", "-c", script, "lockguard-rabbitmq-watchdog", *args],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+
     def stop(self) -> None:
         """SIGTERM to the node's session (a clean shutdown), SIGKILL after 30 s; then its epmd; then the dir."""
+        if self.watchdog is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.watchdog.kill()
+                self.watchdog.wait(timeout=10)
         if self.proc is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)

@@ -12,6 +12,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,7 @@ def test_without_services_the_run_starts_its_own_postgres_and_says_so() -> None:
 
 
 def _processes_naming(word: str) -> list[str]:
+    """Command lines holding ``word``. A node's name is not on its command line; its directory is (-home)."""
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
@@ -87,10 +90,47 @@ def test_without_rabbitmq_on_5672_the_run_starts_a_private_node_and_stops_it() -
     summary = out.strip().splitlines()[-1]
     assert re.search(r"2 passed", summary) and "skipped" not in summary, summary  # [redis] and [amqp]
     # stopped with the run: no process of that node (nor its epmd), its directory gone, its port free
-    assert not _processes_naming(node.split("@")[0]), _processes_naming(node.split("@")[0])
+    assert not _processes_naming(str(node_dir)), _processes_naming(str(node_dir))
     assert not node_dir.exists() and not services._port_open(port)
     assert len(_processes_naming("epmd")) <= epmds_before  # its private epmd was stopped too
     assert services._port_open(5672) == machine_node_before
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_run_does_not_leave_its_rabbitmq_node_running() -> None:
+    """SIGKILL (or a SIGTERM from a timeout) skips pytest's cleanup; the node's watchdog stops it instead."""
+    if services.rabbitmq_server() is None:
+        pytest.skip("not installed: rabbitmq-server")
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("LOCKGUARD_TEST_", "LOCKGUARD_REQUIRE"))}
+    env = {**base, "LOCKGUARD_TEST_EMBEDDED": "redis,rabbitmq", "LOCKGUARD_WAIT_TO_BE_KILLED": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-s", "--timeout=0"]
+    cmd.append("tests/test_services.py::test_waits_to_be_killed_on_purpose")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    header = ""
+    try:
+        for line in proc.stdout:  # up to the test's own line: the node is up and the test is running
+            header += line
+            if "waiting to be killed" in line:
+                break
+        found = re.search(r"rabbitmq .* as (\S+)@localhost in (\S+)", header)
+        assert found, header
+        node_dir = Path(found[2])
+        assert [p for p in _processes_naming(str(node_dir)) if "beam" in p], header  # running when pytest dies
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    deadline = time.monotonic() + 90
+    while (_processes_naming(str(node_dir)) or node_dir.exists()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _processes_naming(str(node_dir)) and not node_dir.exists(), _processes_naming(str(node_dir))
+
+
+def test_waits_to_be_killed_on_purpose() -> None:
+    if not os.environ.get("LOCKGUARD_WAIT_TO_BE_KILLED"):
+        return  # only the run above waits here
+    print("waiting to be killed", flush=True)
+    threading.Event().wait()
 
 
 def test_a_skip_for_something_missing_is_reported_when_it_happens(tmp_path: Path) -> None:
