@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install provision test lint typecheck unit docs demo bench bench-quick chaos chaos-quick chaos-limits chaos-workflows \
+.PHONY: install test lint typecheck unit docs demo bench bench-quick chaos chaos-quick chaos-limits chaos-workflows \
 	chaos-debounce chaos-debounce-quick compat compat-quick clean dashboard dashboard-pictures
 
 # Installs quietly: pip's output goes to $(VENV)/install.log and is printed only if pip fails, so the first
@@ -46,6 +46,7 @@ docs: $(STAMP)
 
 # Chromium/chromedriver and promtool (Debian packages) for the page and alert-rule tests: installed when missing
 # and this is root with apt-get, else it says at once which tests will be reported as skipped and why.
+.PHONY: provision
 provision:
 	@tools/provision.sh
 
