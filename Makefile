@@ -44,8 +44,15 @@ unit: $(STAMP)
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict --site-dir build/site
 
-# The README's test command: lint, types, the whole suite (real Redis, PostgreSQL, workers), docs.
-test: lint typecheck unit docs
+# Chromium/chromedriver and promtool (Debian packages) for the page and alert-rule tests: installed when missing
+# and this is root with apt-get, else it says at once which tests will be reported as skipped and why.
+.PHONY: provision
+provision:
+	@tools/provision.sh
+
+# The README's test command: the binaries above, lint, types, the whole suite (real Redis, PostgreSQL, RabbitMQ,
+# workers: tests/services.py starts embedded ones when nothing answers on the usual ports), docs.
+test: provision lint typecheck unit docs
 
 # The example: embedded Valkey unless LOCKGUARD_REDIS_URL is set.
 demo: $(STAMP)

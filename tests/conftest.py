@@ -34,7 +34,12 @@ from .workerapp import create_app
 pytest_plugins = ["celery_lockguard.pytest_plugin"]
 
 REQUIRE = env_flag("LOCKGUARD_REQUIRE_SERVICES")
-AMQP_URL = os.environ.get("LOCKGUARD_TEST_AMQP_URL", services.LOCAL_AMQP)
+
+
+def amqp_url() -> str:
+    """Read when a test asks, not at import: tests/services.py may start a private node after this module loads."""
+    return os.environ.get("LOCKGUARD_TEST_AMQP_URL", services.LOCAL_AMQP)
+
 
 #: Modules that run whole in one pytest-xdist worker under ``make unit`` (``-n N --dist loadgroup``): their
 #: tests share a module fixture that is expensive (a private Cluster, a fleet per pool, a migrated Django
@@ -224,7 +229,9 @@ class Fleet:
 
 
 @pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
+def fleet(tmp_path: Path, prefix: str) -> Iterator[Fleet]:
+    """Needs ``prefix`` so that it is set up after it and torn down before it: the workers stop (and flush
+    their metrics under the prefix) before the prefix's keys are deleted, whatever order a test names them."""
     f = Fleet(tmp_path)
     yield f
     f.close()
@@ -234,7 +241,7 @@ def amqp_available() -> bool:
     from kombu import Connection
 
     try:
-        with Connection(AMQP_URL, connect_timeout=2) as conn:
+        with Connection(amqp_url(), connect_timeout=2) as conn:
             conn.ensure_connection(max_retries=1)
         return True
     except Exception:  # noqa: BLE001 - any failure means "not reachable"
@@ -248,9 +255,9 @@ def broker_cfg(request: pytest.FixtureRequest, redis_url: str, prefix: str) -> d
         return make_cfg(prefix, redis_url)
     if not amqp_available():
         if REQUIRE:
-            pytest.fail(f"LOCKGUARD_REQUIRE_SERVICES=1 but RabbitMQ is not reachable at {AMQP_URL}")
-        pytest.skip(f"missing service: RabbitMQ is not reachable at {AMQP_URL}")
-    return make_cfg(prefix, redis_url, broker=AMQP_URL, backend=redis_url)
+            pytest.fail(f"LOCKGUARD_REQUIRE_SERVICES=1 but RabbitMQ is not reachable at {amqp_url()}")
+        pytest.skip(f"missing service: RabbitMQ is not reachable at {amqp_url()} (the run's header says why)")
+    return make_cfg(prefix, redis_url, broker=amqp_url(), backend=redis_url)
 
 
 @pytest.fixture(scope="session")
