@@ -1,0 +1,70 @@
+"""Tasks of the fresh-context crossing review (tests/test_review_crossings.py), registered on ``tests.workerapp``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_lockguard import LockedTask
+from celery_lockguard import _headers as headers
+
+
+def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> None:
+    gates = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
+
+    def until_open(gate: str) -> None:
+        deadline = time.monotonic() + 60
+        while gate and not gates.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rv.ud_raise_retry", lock_key="rv:{key}",
+        lock_mode="until_done", on_locked="raise", lock_ttl=5, max_retries=2,
+    )  # fmt: skip
+    def ud_raise_retry(self: Any, key: str, delay: float = 1.0) -> dict[str, Any]:
+        record(ev="start", key=key, tag="ud", retries=self.request.retries, task_id=self.request.id)
+        if self.request.retries < 2:
+            raise self.retry(countdown=delay)
+        record(ev="end", key=key, tag="ud", task_id=self.request.id)
+        return {"retries": self.request.retries}
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="rv.other", lock_key="rv:{key}", lock_ttl=5)
+    def other(self: Any, key: str, seconds: float = 3.0, tag: str = "other") -> dict[str, Any]:
+        """Different work on ``rv:{key}`` (the single lease): holds it ``seconds``."""
+        record(ev="start", key=key, tag=tag, task_id=self.request.id)
+        time.sleep(seconds)
+        record(ev="end", key=key, tag=tag, task_id=self.request.id)
+        return {"tag": tag}
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rv.deb_retry", lock_key="rv:{key}", lock_ttl=30,
+        lock_debounce=0.5, max_retries=3,
+    )  # fmt: skip
+    def deb_retry(self: Any, key: str, tag: str = "", retries: int = 1, gate: str = "") -> dict[str, Any]:
+        woken = bool(headers.read(self.request, headers.WOKEN))
+        record(ev="start", key=key, tag=tag, retries=self.request.retries, task_id=self.request.id, woken=woken)
+        until_open(gate)
+        if self.request.retries < retries:
+            raise self.retry(countdown=0.5)
+        record(ev="end", key=key, tag=tag, task_id=self.request.id)
+        return {"tag": tag, "retries": self.request.retries}
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rv.idem_a", idempotency_key="ref:{ref}",
+        idempotency_namespace=cfg.get("ns_a") or None,
+    )  # fmt: skip
+    def idem_a(self: Any, ref: str) -> dict[str, Any]:
+        record(ev="start", key=ref, tag="a", task_id=self.request.id)
+        return {"by": "a"}
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rv.idem_b", idempotency_key="ref:{ref}",
+        idempotency_namespace=cfg.get("ns_b") or None,
+    )  # fmt: skip
+    def idem_b(self: Any, ref: str) -> dict[str, Any]:
+        record(ev="start", key=ref, tag="b", task_id=self.request.id)
+        return {"by": "b"}

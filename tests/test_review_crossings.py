@@ -1,0 +1,120 @@
+"""Fresh-context review of issue 29's crossings: two features at a time, real prefork workers, real Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+
+from celery_lockguard.testing import wait_for
+
+from .conftest import Fleet, make_cfg
+from .harness import ROOT
+from .test_wake_workers import BOUND, CLI_APP, hold, parked, started
+from .test_workers import records
+
+pytestmark = pytest.mark.integration
+
+
+def test_until_done_raise_accepted_behind_other_work_waits_then_retries_to_success(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """Crossing 3: until_done + on_locked='raise' x retry(): published while different work holds the
+    entity (accepted: its claim queues behind it), delivered while it still runs: it waits, runs, and its
+    retry copies (the claim handed over) run too; nothing fails LockContended."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=2)
+    key = uuid.uuid4().hex[:8]
+    other = app.tasks["rv.other"].delay(key, 3.0)
+    wait_for(lambda: any(x["tag"] == "other" for x in records(r, prefix, key)), 30, what="other work to start")
+    res = app.tasks["rv.ud_raise_retry"].delay(key, 1.0)
+    assert res.get(timeout=60) == {"retries": 2}
+    assert other.get(timeout=30) == {"tag": "other"}
+    starts = [x for x in records(r, prefix, key) if x["ev"] == "start"]
+    assert [x["tag"] for x in starts] == ["other", "ud", "ud", "ud"], starts
+
+
+def test_revoked_parked_waiter_is_skipped_by_the_cli_forced_release_wake(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    """Crossing 7: two waiters parked; the oldest is revoked; the forced release must get the next one
+    running within BOUND, not after its 30 s safety copy."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg)
+    key = uuid.uuid4().hex[:8]
+    hold(r, prefix, key)
+    first = app.tasks["wake_task"].delay(key, "", "first")
+    parked(r, prefix, f"wake:{key}", 1)
+    second = app.tasks["wake_task"].delay(key, "", "second")
+    parked(r, prefix, f"wake:{key}", 2)
+    app.control.revoke(first.id)
+    time.sleep(1.0)  # let the worker learn the revoke (a broadcast; no ack to wait for)
+    (tmp_path / "opsapp.py").write_text(textwrap.dedent(CLI_APP))
+    env = {**os.environ, "LG_CONFIG": json.dumps(cfg), "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    out = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "opsapp", "lockguard", "release", f"wake:{key}", "-y"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    released_at = time.time()
+    assert out.returncode == 0, out.stderr
+    assert started(r, prefix, second.id, BOUND + 3) - released_at < BOUND + 3, out.stdout
+    assert second.get(timeout=30)["tag"] == "second"
+    assert not [x for x in records(r, prefix) if x.get("task_id") == first.id], "the revoked waiter ran"
+
+
+def test_a_woken_debounced_run_that_retries_keeps_its_burst_and_runs(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """Crossing 4: a debounced run parks behind a foreign holder, is woken by the release, retries once:
+    the retry runs (not superseded, not re-debounced), and a later publish still runs after it."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg)
+    key = uuid.uuid4().hex[:8]
+    gate = f"{prefix}:gate:{key}"
+    task = app.tasks["rv.deb_retry"]
+    v1 = task.delay(key, "v1", 0, gate)  # holds the entity until the gate opens
+    wait_for(lambda: any(x["tag"] == "v1" for x in records(r, prefix, key)), 30, what="v1 to start")
+    a = task.delay(key, "A", 1)  # the next burst's run: parks behind v1, woken by v1's release
+    wait_for(lambda: r.llen(f"{prefix}:v1:{{rv:{key}}}:wait") >= 1, 30, what="A to park")
+    r.set(gate, 1)
+    assert v1.get(timeout=30)["tag"] == "v1"
+    out = a.get(timeout=30)
+    assert out == {"tag": "A", "retries": 1}, out
+    starts = [(x["tag"], x["retries"]) for x in records(r, prefix, key) if x["ev"] == "start"]
+    assert starts == [("v1", 0), ("A", 0), ("A", 1)], starts
+    b = task.delay(key, "B", 0)
+    assert b.get(timeout=30)["tag"] == "B"
+
+
+def test_a_debounced_retry_while_a_new_burst_is_pending(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """Crossing 4b: run A retries (countdown 0.5 s); B is published during A's body: B's burst is due
+    0.5 s later. The entity must not end on A's arguments: B's run is the last start."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=2)
+    key = uuid.uuid4().hex[:8]
+    gate = f"{prefix}:gate:{key}"
+    task = app.tasks["rv.deb_retry"]
+    a = task.delay(key, "A", 1, gate)
+    wait_for(lambda: any(x["tag"] == "A" for x in records(r, prefix, key)), 30, what="A to start")
+    b = task.delay(key, "B", 0)
+    r.set(gate, 1)
+    out_b = b.get(timeout=30)
+    out_a = a.get(timeout=30)
+    rows = records(r, prefix, key)
+    ends = [x["tag"] for x in rows if x["ev"] == "end"]
+    assert ends and ends[-1] == "B", (ends, out_a, out_b)
+    assert out_b["tag"] == "B"
