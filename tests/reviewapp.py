@@ -68,3 +68,25 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
     def idem_b(self: Any, ref: str) -> dict[str, Any]:
         record(ev="start", key=ref, tag="b", task_id=self.request.id)
         return {"by": "b"}
+
+    def effect(tag: str, ref: str) -> dict[str, Any]:
+        record(ev="effect", key=ref, tag=tag)
+        return {"effect_by": tag}
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rv.cp_a", idempotency_key="ref:{ref}",
+        idempotency_namespace=cfg.get("ns_a") or None,
+    )  # fmt: skip
+    def cp_a(self: Any, ref: str, fail: bool = False) -> dict[str, Any]:
+        out = self.checkpoint("step", effect, "a", ref)
+        if fail:
+            raise ValueError("after the checkpoint")
+        return {"by": "a", **out}
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rv.cp_b", idempotency_key="ref:{ref}",
+        idempotency_namespace=cfg.get("ns_b") or None,
+    )  # fmt: skip
+    def cp_b(self: Any, ref: str, fail: bool = False) -> dict[str, Any]:
+        out = self.checkpoint("step", effect, "b", ref)
+        return {"by": "b", **out}

@@ -118,3 +118,40 @@ def test_a_debounced_retry_while_a_new_burst_is_pending(
     ends = [x["tag"] for x in rows if x["ev"] == "end"]
     assert ends and ends[-1] == "B", (ends, out_a, out_b)
     assert out_b["tag"] == "B"
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_ns", "no_ns"])
+def test_namespace_records_and_checkpoints_cross_tasks_only_when_shared(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, shared: bool
+) -> None:
+    """Crossing 6: a shared idempotency_namespace answers the other task's record and replays its
+    checkpoint; without it, never -- plain calls and workflow members alike."""
+    from celery import chain
+
+    from celery_lockguard import workflow
+
+    ns = {"ns_a": "billing", "ns_b": "billing"} if shared else {}
+    cfg = make_cfg(prefix, redis_url, **ns)
+    app = fleet.app(cfg)
+    fleet.worker(cfg)
+    # completion records, plain calls
+    ref = uuid.uuid4().hex[:8]
+    assert app.tasks["rv.idem_a"].delay(ref).get(timeout=30) == {"by": "a"}
+    got = app.tasks["rv.idem_b"].delay(ref).get(timeout=30)
+    assert got == ({"by": "a"} if shared else {"by": "b"}), got
+    # checkpoints: a dies after its checkpoint (no record), b's checkpoint of the same name
+    ref2 = uuid.uuid4().hex[:8]
+    with pytest.raises(ValueError):
+        app.tasks["rv.cp_a"].delay(ref2, True).get(timeout=30)
+    got = app.tasks["rv.cp_b"].delay(ref2).get(timeout=30)
+    assert got == {"by": "b", "effect_by": "a" if shared else "b"}, got
+    effects = [x["tag"] for x in records(r, prefix, ref2) if x["ev"] == "effect"]
+    assert effects == (["a"] if shared else ["a", "b"]), effects
+    # workflow members
+    ref3 = uuid.uuid4().hex[:8]
+    sig = chain(app.tasks["rv.idem_a"].si(ref3), app.tasks["rv.idem_b"].si(ref3))
+    res = workflow(sig, lock_key="rvwf:{ref}", ref=ref3, app=app).apply_async()
+    got = res.get(timeout=60)
+    assert got == ({"by": "a"} if shared else {"by": "b"}), got
+    ran = [x["tag"] for x in records(r, prefix, ref3) if x["ev"] == "start"]
+    assert ran == (["a"] if shared else ["a", "b"]), ran
