@@ -90,3 +90,34 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
     def cp_b(self: Any, ref: str, fail: bool = False) -> dict[str, Any]:
         out = self.checkpoint("step", effect, "b", ref)
         return {"by": "b", **out}
+
+    def timed(self: Any, key: str, gate: str, tag: str, seconds: float) -> dict[str, Any]:
+        def now_ms() -> int:
+            sec, usec = gates.time()
+            return int(sec) * 1000 + int(usec) // 1000
+
+        lease = self.lock
+        slot = lease.slot if lease else None
+        woken = bool(headers.read(self.request, headers.WOKEN))
+        record(ev="start", key=key, tag=tag, task_id=self.request.id, slot=slot, at=now_ms(), woken=woken)
+        until_open(gate)
+        time.sleep(seconds)
+        record(ev="end", key=key, tag=tag, task_id=self.request.id, slot=slot, at=now_ms())
+        return {"tag": tag, "slot": slot}
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rv.exp", lock_key="rvp:{p}", lock_limit=2, lock_ttl=20,
+        on_locked="retry", max_retries=0,
+    )  # fmt: skip
+    def exp(self: Any, p: str, gate: str = "", tag: str = "", seconds: float = 0.3) -> dict[str, Any]:
+        return timed(self, p, gate, tag, seconds)
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="rv.del", lock_key="rvp:{p}", lock_ttl=20,
+              on_locked="retry")  # fmt: skip
+    def delete(self: Any, p: str, gate: str = "", tag: str = "", seconds: float = 0.3) -> dict[str, Any]:
+        return timed(self, p, gate, tag, seconds)
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="rv.after")
+    def after(self: Any, p: str, tag: str = "after") -> dict[str, Any]:
+        record(ev="start", key=p, tag=tag, task_id=self.request.id)
+        return {"tag": tag}

@@ -155,3 +155,65 @@ def test_namespace_records_and_checkpoints_cross_tasks_only_when_shared(
     assert got == ({"by": "a"} if shared else {"by": "b"}), got
     ran = [x["tag"] for x in records(r, prefix, ref3) if x["ev"] == "start"]
     assert ran == (["a"] if shared else ["a", "b"]), ran
+
+
+def _spans(r: redis.Redis, prefix: str, p: str) -> dict[str, tuple[int, int]]:
+    rows = [x for x in records(r, prefix, p) if "at" in x]
+    starts = {x["task_id"]: (x["tag"], x["at"]) for x in rows if x["ev"] == "start"}
+    return {starts[x["task_id"]][0]: (starts[x["task_id"]][1], x["at"]) for x in rows if x["ev"] == "end"}
+
+
+@pytest.mark.parametrize("how", ["gates", "cli"])
+def test_workflow_member_exclusive_and_a_shared_waiter_parked_behind_two_slots(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, tmp_path: Path, how: str
+) -> None:
+    """Crossing 2 + 5: a workflow member taking the single lease of rvp:{p} and a lock_limit=2 export
+    both park behind two export slots (exclusive head, shared behind). The slots end (their bodies end,
+    or the operator force-releases both): the member runs alone, then the export; the workflow finishes,
+    all within a bound far below the 20 s safety countdowns."""
+    from celery import chain
+
+    from celery_lockguard import workflow
+
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=4)
+    p = uuid.uuid4().hex[:8]
+    gates = [f"{prefix}:gate:{i}" for i in range(2)]
+    exp = app.tasks["rv.exp"]
+    holders = [exp.delay(p, g, f"h{i}") for i, g in enumerate(gates)]
+    wait_for(lambda: len([x for x in records(r, prefix, p) if x["ev"] == "start"]) == 2, 30, what="both slots")
+    sig = chain(app.tasks["rv.del"].si(p, "", "d"), app.tasks["rv.after"].si(p))
+    wf = workflow(sig, lock_key="rvwf:{p}", p=p, app=app).apply_async()
+    wait_for(lambda: r.llen(f"{prefix}:v1:{{rvp:{p}}}:wait") >= 1, 30, what="the member to park")
+    e = exp.delay(p, "", "e")
+    wait_for(lambda: r.llen(f"{prefix}:v1:{{rvp:{p}}}:wait") >= 2, 30, what="the export to park")
+    if how == "gates":
+        for g in gates:
+            r.set(g, 1)
+    else:
+        (tmp_path / "opsapp.py").write_text(textwrap.dedent(CLI_APP))
+        env = {**os.environ, "LG_CONFIG": json.dumps(cfg), "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+        for slot in (0, 1):
+            out = subprocess.run(
+                [sys.executable, "-m", "celery", "-A", "opsapp", "lockguard", "release", f"rvp:{p}",
+                 "--slot", str(slot), "-y"],
+                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90,
+            )  # fmt: skip
+            assert out.returncode == 0, (out.stdout, out.stderr)
+    freed = time.time()
+    assert wf.get(timeout=60) == {"tag": "after"}
+    assert e.get(timeout=60)["tag"] == "e"
+    rows = records(r, prefix, p)
+    t_d = next(x["t"] for x in rows if x["ev"] == "start" and x["tag"] == "d")
+    t_e = next(x["t"] for x in rows if x["ev"] == "start" and x["tag"] == "e")
+    assert t_d - freed < BOUND and t_e - freed < BOUND + 2, (t_d - freed, t_e - freed, rows)
+    if how == "gates":
+        spans = _spans(r, prefix, p)
+        for x in ("h0", "h1", "e"):
+            assert spans[x][1] <= spans["d"][0] or spans["d"][1] <= spans[x][0], (x, spans)
+    else:
+        for g in gates:
+            r.set(g, 1)
+        for h in holders:
+            h.get(timeout=30)
