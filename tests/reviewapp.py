@@ -121,3 +121,8 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
     def after(self: Any, p: str, tag: str = "after") -> dict[str, Any]:
         record(ev="start", key=p, tag=tag, task_id=self.request.id)
         return {"tag": tag}
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="rv.wfgate")
+    def wfgate(self: Any, p: str, gate: str = "", tag: str = "", seconds: float = 0.3) -> dict[str, Any]:
+        """A workflow member with no lock of its own: holds the workflow's entity until ``gate`` opens."""
+        return timed(self, p, gate, tag, seconds)

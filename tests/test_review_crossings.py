@@ -217,3 +217,82 @@ def test_workflow_member_exclusive_and_a_shared_waiter_parked_behind_two_slots(
             r.set(g, 1)
         for h in holders:
             h.get(timeout=30)
+
+
+def test_revoked_shared_waiter_is_skipped_by_a_forced_slot_release(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    """Crossing 7 on slots: two lock_limit waiters parked behind two slots; the oldest is revoked; the
+    operator force-releases one slot: the other waiter runs in it within the bound."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    key = uuid.uuid4().hex[:8]
+    task = app.tasks["wake_limited"]
+    gates = [f"{prefix}:gate:{i}" for i in range(2)]
+    holders = [task.delay(key, g, f"h{i}") for i, g in enumerate(gates)]
+    wait_for(lambda: len([x for x in records(r, prefix) if x["ev"] == "start"]) == 2, 30, what="both slots taken")
+    from celery_lockguard._headers import WAITS
+
+    first = task.apply_async((key, "", "first"), headers={WAITS: 6})
+    parked(r, prefix, f"wake:{key}", 1)
+    second = task.apply_async((key, "", "second"), headers={WAITS: 6})
+    parked(r, prefix, f"wake:{key}", 2)
+    app.control.revoke(first.id)
+    time.sleep(1.0)  # the revoke is a broadcast with no ack
+    (tmp_path / "opsapp.py").write_text(textwrap.dedent(CLI_APP))
+    env = {**os.environ, "LG_CONFIG": json.dumps(cfg), "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    out = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "opsapp", "lockguard", "release", f"wake:{key}", "--slot", "1", "-y"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    released_at = time.time()
+    assert out.returncode == 0, out.stderr
+    assert started(r, prefix, second.id, BOUND + 3) - released_at < BOUND + 3, out.stdout
+    assert second.get(timeout=30)["tag"] == "second"
+    assert not [x for x in records(r, prefix) if x.get("task_id") == first.id], "the revoked waiter ran"
+    for g in gates:
+        r.set(g, 1)
+    for h in holders:
+        h.get(timeout=30)
+
+
+def test_a_workflow_on_a_limited_entity_excludes_slots_and_its_end_wakes_the_shared_waiter(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """Workflow lease x lock_limit slots on one entity: the workflow waits for both slots, runs alone
+    (through its gap), and its end wakes the export parked behind it within the bound."""
+    from celery import chain
+
+    from celery_lockguard import workflow
+
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=4)
+    p = uuid.uuid4().hex[:8]
+    gates = [f"{prefix}:gate:{i}" for i in range(3)]
+    exp = app.tasks["rv.exp"]
+    holders = [exp.delay(p, g, f"h{i}") for i, g in enumerate(gates[:2])]
+    wait_for(lambda: len([x for x in records(r, prefix, p) if x["ev"] == "start"]) == 2, 30, what="both slots")
+    m = app.tasks["rv.wfgate"]
+    sig = chain(m.si(p, "", "m1"), m.si(p, gates[2], "m2"))
+    wf = workflow(sig, lock_key="rvp:{p}", p=p, app=app, gap_ttl=60).apply_async()
+    time.sleep(1.0)
+    for g in gates[:2]:
+        r.set(g, 1)
+    wait_for(lambda: any(x["tag"] == "m2" for x in records(r, prefix, p)), 30, what="m2 to start")
+    e = exp.delay(p, "", "e")
+    wait_for(lambda: r.llen(f"{prefix}:v1:{{rvp:{p}}}:wait") >= 1, 30, what="the export to park")
+    r.set(gates[2], 1)
+    wf.get(timeout=60)
+    ended = time.time()
+    assert e.get(timeout=60)["tag"] == "e"
+    rows = records(r, prefix, p)
+    t_e = next(x["t"] for x in rows if x["ev"] == "start" and x["tag"] == "e")
+    assert t_e - ended < BOUND, (t_e - ended, rows)
+    spans = _spans(r, prefix, p)
+    for x in ("h0", "h1", "e"):
+        for mm in ("m1", "m2"):
+            assert spans[x][1] <= spans[mm][0] or spans[mm][1] <= spans[x][0], (x, mm, spans)
+    for h in holders:
+        h.get(timeout=30)
