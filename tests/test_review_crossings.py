@@ -296,3 +296,76 @@ def test_a_workflow_on_a_limited_entity_excludes_slots_and_its_end_wakes_the_sha
             assert spans[x][1] <= spans[mm][0] or spans[mm][1] <= spans[x][0], (x, mm, spans)
     for h in holders:
         h.get(timeout=30)
+
+
+def test_a_failing_chord_page_ends_the_workflow_and_the_end_wakes_the_parked_plain_task(
+    fleet: Fleet, redis_url: str, prefix: str
+) -> None:
+    """Chord page failure x every lease end wakes: the plain task parked behind the workflow (gap_ttl 300:
+    its safety copy is a minute away) starts within the bound after the last page leaves the entity."""
+    from celery import chain, chord, group
+
+    from celery_lockguard import workflow
+
+    from .test_workflow_workers import lease_of, rows, start_worker
+    from .test_workflow_workers import started as wf_started
+    from .workflowapp import PIPELINE, create_app
+
+    cfg = make_cfg(prefix, redis_url)
+    start_worker(fleet, cfg, concurrency=3)
+    app = create_app(cfg)
+    r = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
+    tenant = f"t-{uuid.uuid4().hex[:6]}"
+    page, step = app.tasks["wf.page"], app.tasks["wf.step"]
+    header = group(page.s(tenant=tenant, tag=f"p{i:02d}", fail=i == 1, seconds=2) for i in range(3))
+    sig = chain(
+        step.s(tenant=tenant, tag="fetch", seconds=0),
+        chord(header, app.tasks["wf.collect"].s(tenant=tenant, tag="collect")),
+    )
+    res = workflow(sig, lock_key=PIPELINE, tenant=tenant, gap_ttl=300).apply_async()
+    wait_for(lambda: wf_started(r, cfg, tenant, "p01"), 60, what="the failing page to run")
+    plain = app.tasks["wf.plain"].delay(tenant=tenant, tag="plain")
+    parked(r, prefix, f"tenant:{tenant}:pipeline")
+    with pytest.raises(Exception):  # noqa: B017 - ChordError or the page's error
+        res.get(timeout=90)
+    wait_for(lambda: not lease_of(r, cfg, tenant) or lease_of(r, cfg, tenant).get("task_name") == "wf.plain", 60,
+             what="the workflow to end")  # fmt: skip
+    ended = time.time()
+    assert plain.get(timeout=90)["tags"] == ["plain"]
+    t_plain = next(x["t"] for x in rows(r, cfg, tenant) if x["tag"] == "plain" and x["ev"] == "start")
+    pages_end = max(x["t"] for x in rows(r, cfg, tenant) if x["tag"].startswith("p0"))
+    assert t_plain >= pages_end
+    assert t_plain - ended < BOUND, f"woken {t_plain - ended:.1f} s after the workflow ended"
+
+
+def test_the_deadlock_loser_releasing_wakes_the_winner_member_parked_on_its_entity(
+    fleet: Fleet, redis_url: str, prefix: str
+) -> None:
+    """WorkflowDeadlock x wake: W1's member parks on the invoice W2 holds; W2's member finds the cycle and
+    W2 releases the invoice: W1's member must start within the bound (its own safety copy is later)."""
+    from celery import chain
+
+    from celery_lockguard import workflow
+
+    from .test_workflow_workers import rows, start_worker
+    from .workflowapp import PIPELINE, create_app
+
+    cfg = make_cfg(prefix, redis_url)
+    start_worker(fleet, cfg, concurrency=3)
+    app = create_app(cfg)
+    r = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
+    tenant, inv = f"t-{uuid.uuid4().hex[:6]}", int(uuid.uuid4().int % 10**9)
+    step = app.tasks["wf.step"]
+    w1 = chain(
+        step.s(tenant=tenant, tag="w1", seconds=1), app.tasks["wf.invoice"].s(tenant=tenant, tag="inv", invoice=inv)
+    )
+    w2 = chain(step.s(tenant=tenant, tag="w2", seconds=3), app.tasks["wf.same_entity"].s(tenant=tenant, tag="ten"))
+    first = workflow(w1, lock_key=PIPELINE, tenant=tenant, lock_ttl=30, gap_ttl=60).apply_async()
+    second = workflow(w2, lock_key="invoice:{invoice}", invoice=inv, lock_ttl=30, gap_ttl=60).apply_async()
+    with pytest.raises(Exception) as err:  # noqa: B017
+        second.get(timeout=90)
+    assert type(err.value).__name__ == "WorkflowDeadlock", repr(err.value)
+    failed_at = time.time()
+    assert first.get(timeout=90)["tags"] == ["w1", "inv"]
+    t_inv = next(x["t"] for x in rows(r, cfg, tenant) if x["tag"] == "inv" and x["ev"] == "start")
+    assert t_inv - failed_at < BOUND, f"W1's member started {t_inv - failed_at:.1f} s after W2 failed"
