@@ -126,3 +126,23 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
     def wfgate(self: Any, p: str, gate: str = "", tag: str = "", seconds: float = 0.3) -> dict[str, Any]:
         """A workflow member with no lock of its own: holds the workflow's entity until ``gate`` opens."""
         return timed(self, p, gate, tag, seconds)
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rv.rated", lock_key="rvr:{p}", lock_limit=2,
+        lock_rate="2/3s", lock_ttl=20, on_locked="retry", max_retries=0,
+    )  # fmt: skip
+    def rated(self: Any, p: str, gate: str = "", tag: str = "", seconds: float = 0.1) -> dict[str, Any]:
+        return timed(self, p, gate, tag, seconds)
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rv.us_raise_retry", lock_key="rvu:{key}",
+        lock_mode="until_started", on_locked="raise", lock_ttl=5, max_retries=2,
+    )  # fmt: skip
+    def us_raise_retry(self: Any, key: str, tag: str = "", retries: int = 1, delay: float = 2.0,
+                       seconds: float = 0.1) -> dict[str, Any]:  # fmt: skip
+        record(ev="start", key=key, tag=tag, retries=self.request.retries, task_id=self.request.id)
+        time.sleep(seconds)
+        if self.request.retries < retries:
+            raise self.retry(countdown=delay)
+        record(ev="end", key=key, tag=tag, task_id=self.request.id)
+        return {"tag": tag, "retries": self.request.retries}

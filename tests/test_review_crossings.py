@@ -369,3 +369,115 @@ def test_the_deadlock_loser_releasing_wakes_the_winner_member_parked_on_its_enti
     assert first.get(timeout=90)["tags"] == ["w1", "inv"]
     t_inv = next(x["t"] for x in rows(r, cfg, tenant) if x["tag"] == "inv" and x["ev"] == "start")
     assert t_inv - failed_at < BOUND, f"W1's member started {t_inv - failed_at:.1f} s after W2 failed"
+
+
+def test_woken_waiters_on_a_rated_limited_entity_keep_the_rate_and_all_run(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """lock_rate x slots: two waiters behind both slots (a rated task backs off, never parks: docs/model.md)
+    must keep the window once the slots free (never a third start inside 3 s), and both run."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=4)
+    p = uuid.uuid4().hex[:8]
+    task = app.tasks["rv.rated"]
+    gates = [f"{prefix}:gate:{i}" for i in range(2)]
+    holders = [task.delay(p, g, f"h{i}") for i, g in enumerate(gates)]
+    wait_for(lambda: len([x for x in records(r, prefix, p) if x["ev"] == "start"]) == 2, 30, what="both slots")
+    waiters = [task.delay(p, "", f"w{i}") for i in range(2)]  # a rated task never parks: it backs off
+    wait_for(lambda: len([x for x in records(r, prefix) if x.get("ev") == "start"]) == 2, 30, what="both slots")
+    for g in gates:
+        r.set(g, 1)
+    freed = time.time()
+    for w in waiters:
+        assert w.get(timeout=60)["tag"].startswith("w")
+    for h in holders:
+        h.get(timeout=30)
+    starts = sorted(x["at"] for x in records(r, prefix, p) if x["ev"] == "start")
+    assert len(starts) == 4, starts
+    for a, b in zip(starts, starts[2:]):
+        assert b - a >= 3000 - 50, f"three starts inside one 3 s window: {starts}"
+
+
+def test_until_started_raise_retry_meets_an_identical_copy_running_and_is_not_lost(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """until_started + on_locked='raise' x retry(): A runs and retries (countdown 1 s); B, identical work,
+    is published meanwhile (accepted) and runs 3 s: A's retry copy arrives while B runs. Neither fails:
+    A's retry runs after B (it is A's own copy, accepted long ago) or is answered as B's duplicate."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    key = uuid.uuid4().hex[:8]
+    task = app.tasks["rv.us_raise_retry"]
+    a = task.delay(key, "x", 1, 1.0, 0.1)
+    wait_for(lambda: any(x["ev"] == "start" for x in records(r, prefix, key)), 30, what="A to start")
+    time.sleep(0.3)  # A is in its retry countdown
+    b = task.delay(key, "x", 0, 1.0, 3.0)
+    out_a = a.get(timeout=60, propagate=False)
+    out_b = b.get(timeout=60, propagate=False)
+    assert a.state == "SUCCESS" and b.state == "SUCCESS", (a.state, out_a, b.state, out_b)
+
+
+def test_the_end_of_an_exclusive_lease_admits_every_parked_shared_waiter_a_slot_is_free_for(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    """Single lease x lock_limit x wake: two lock_limit=2 waiters park behind the exclusive single lease of
+    their entity. Its end frees the whole entity (two slots): both should start within the bound, as a
+    read/write lock admits every waiting reader when the writer leaves. w0 holds its slot (gate) so that
+    w1 cannot be woken by w0's release instead."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    key = uuid.uuid4().hex[:8]
+    hold(r, prefix, key)  # the exclusive single lease of wake:{key}, 30 s
+    task = app.tasks["wake_limited"]
+    gate = f"{prefix}:gate:w0"
+    w0 = task.delay(key, gate, "w0")
+    parked(r, prefix, f"wake:{key}", 1)
+    w1 = task.delay(key, "", "w1")
+    parked(r, prefix, f"wake:{key}", 2)
+    (tmp_path / "opsapp.py").write_text(textwrap.dedent(CLI_APP))
+    env = {**os.environ, "LG_CONFIG": json.dumps(cfg), "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    out = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "opsapp", "lockguard", "release", f"wake:{key}", "-y"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    released_at = time.time()
+    assert out.returncode == 0, out.stderr
+    try:
+        assert started(r, prefix, w0.id, BOUND) - released_at < BOUND
+        t1 = started(r, prefix, w1.id, 40)
+        assert t1 - released_at < BOUND, f"w1 started {t1 - released_at:.1f} s after the entity was wholly free"
+    finally:
+        r.set(gate, 1)
+    assert w0.get(timeout=30)["tag"] == "w0" and w1.get(timeout=30)["tag"] == "w1"
+
+
+def test_a_single_lease_task_release_admits_both_parked_limit_waiters(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """The same through a plain RELEASE: wake_task (single lease) holds wake:{key}; two wake_limited
+    (lock_limit=2) calls park behind it; its body ends: both slots are free, both waiters should start."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    key = uuid.uuid4().hex[:8]
+    hgate, gate = f"{prefix}:gate:holder", f"{prefix}:gate:w0"
+    holder = app.tasks["wake_task"].delay(key, hgate, "holder")
+    wait_for(lambda: records(r, prefix), 30, what="the holder to start")
+    task = app.tasks["wake_limited"]
+    w0 = task.delay(key, gate, "w0")
+    parked(r, prefix, f"wake:{key}", 1)
+    w1 = task.delay(key, "", "w1")
+    parked(r, prefix, f"wake:{key}", 2)
+    r.set(hgate, 1)
+    holder.get(timeout=30)
+    ended = next(x["t"] for x in records(r, prefix) if x["tag"] == "holder" and x["ev"] == "end")
+    try:
+        assert started(r, prefix, w0.id, BOUND) - ended < BOUND
+        t1 = started(r, prefix, w1.id, 40)
+        assert t1 - ended < BOUND, f"w1 started {t1 - ended:.1f} s after the single lease ended (both slots free)"
+    finally:
+        r.set(gate, 1)
+    assert w1.get(timeout=30)["tag"] == "w1"
