@@ -146,3 +146,11 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
             raise self.retry(countdown=delay)
         record(ev="end", key=key, tag=tag, task_id=self.request.id)
         return {"tag": tag, "retries": self.request.retries}
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="rv.spawn")
+    def spawn(self: Any, p: str, tag: str = "spawn") -> dict[str, Any]:
+        """A workflow member that publishes new work on the workflow's own entity (not a member)."""
+        record(ev="start", key=p, tag=tag, task_id=self.request.id)
+        child = app.tasks["rv.del"].delay(p, "", "child", 0.5)
+        gates.set(f"{cfg['prefix']}:child:{p}", child.id)
+        return {"child": child.id}

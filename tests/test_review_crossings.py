@@ -481,3 +481,25 @@ def test_a_single_lease_task_release_admits_both_parked_limit_waiters(
     finally:
         r.set(gate, 1)
     assert w1.get(timeout=30)["tag"] == "w1"
+
+
+def test_new_work_published_from_a_workflow_member_on_the_workflow_entity_waits_for_the_workflow(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """Workflow x self-republish marker / workflow context: a member's body publishes *new* work (not a
+    member) on the workflow's entity. It is other work: it must not run inside the workflow beside m2."""
+    from celery import chain
+
+    from celery_lockguard import workflow
+
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    p = uuid.uuid4().hex[:8]
+    sig = chain(app.tasks["rv.spawn"].si(p), app.tasks["rv.wfgate"].si(p, "", "m2", 2.0))
+    wf = workflow(sig, lock_key="rvp:{p}", p=p, app=app).apply_async()
+    wf.get(timeout=60)
+    child_id = wait_for(lambda: r.get(f"{prefix}:child:{p}"), 30, what="the child id")
+    app.AsyncResult(child_id).get(timeout=60)
+    spans = _spans(r, prefix, p)
+    assert spans["child"][0] >= spans["m2"][1] or spans["child"][1] <= spans["m2"][0], spans
