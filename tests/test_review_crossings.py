@@ -503,3 +503,35 @@ def test_new_work_published_from_a_workflow_member_on_the_workflow_entity_waits_
     app.AsyncResult(child_id).get(timeout=60)
     spans = _spans(r, prefix, p)
     assert spans["child"][0] >= spans["m2"][1] or spans["child"][1] <= spans["m2"][0], spans
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_slot_holder_terminated_from_the_main_process_wakes_the_parked_waiter(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, victim: int
+) -> None:
+    """SHORTEN + WAKE timer x lock_limit: the holder of slot 0 or 1 is SIGKILLed by a terminate-revoke:
+    the main process cuts *its slot* to the grace and the grace's end wakes the parked waiter into it."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    key = uuid.uuid4().hex[:8]
+    task = app.tasks["wake_limited"]
+    gates = [f"{prefix}:gate:{i}" for i in range(2)]
+    holders = [task.delay(key, g, f"h{i}") for i, g in enumerate(gates)]
+    wait_for(lambda: len([x for x in records(r, prefix) if x["ev"] == "start"]) == 2, 30, what="both slots taken")
+    slots = {x["tag"]: x for x in records(r, prefix) if x["ev"] == "start"}
+    lease_slot = {h.id: int(r.hget(f"{prefix}:v1:{{wake:{key}}}:lock" + (f":{s}" if s else ""), "slot") or s)
+                  for s in (0, 1) for h in holders
+                  if r.hget(f"{prefix}:v1:{{wake:{key}}}:lock" + (f":{s}" if s else ""), "task_id") == h.id}  # fmt: skip
+    target = next(h for h in holders if lease_slot.get(h.id) == victim)
+    waiter = task.delay(key, "", "waiter")
+    parked(r, prefix, f"wake:{key}", 1)
+    app.control.revoke(target.id, terminate=True, signal="SIGKILL")
+    revoked_at = time.time()
+    try:
+        t = started(r, prefix, waiter.id, BOUND + 30)
+        assert t - revoked_at < BOUND + 2, f"waiter started {t - revoked_at:.1f} s after slot {victim}'s holder died"
+    finally:
+        for g in gates:
+            r.set(g, 1)
+    assert waiter.get(timeout=30)["slot"] == victim, slots
