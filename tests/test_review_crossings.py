@@ -535,3 +535,39 @@ def test_a_slot_holder_terminated_from_the_main_process_wakes_the_parked_waiter(
         for g in gates:
             r.set(g, 1)
     assert waiter.get(timeout=30)["slot"] == victim, slots
+
+
+def test_a_forced_release_wakes_a_parked_debounced_run_at_once_and_it_stays_the_bursts_run(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    """Debounce x park x CLI forced release: the operator's app (no such task registered) wakes the parked
+    debounced run: it starts within the bound (not a debounce later, not re-debounced), its caller gets its
+    result, and a later publish still runs once after it."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    key = uuid.uuid4().hex[:8]
+    gate = f"{prefix}:gate:{key}"
+    task = app.tasks["rv.deb_retry"]
+    v1 = task.delay(key, "v1", 0, gate)
+    wait_for(lambda: any(x["tag"] == "v1" for x in records(r, prefix, key)), 30, what="v1 to start")
+    a = task.delay(key, "A", 0)
+    wait_for(lambda: r.llen(f"{prefix}:v1:{{rv:{key}}}:wait") >= 1, 30, what="A to park")
+    (tmp_path / "opsapp.py").write_text(textwrap.dedent(CLI_APP))
+    env = {**os.environ, "LG_CONFIG": json.dumps(cfg), "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    out = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "opsapp", "lockguard", "release", f"rv:{key}", "-y"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    released_at = time.time()
+    assert out.returncode == 0, out.stderr
+    try:
+        assert started(r, prefix, a.id, BOUND) - released_at < BOUND, out.stdout
+    finally:
+        r.set(gate, 1)
+    assert a.get(timeout=30) == {"tag": "A", "retries": 0}
+    v1.get(timeout=30)
+    b = task.delay(key, "B", 0)
+    assert b.get(timeout=30)["tag"] == "B"
+    tags = [x["tag"] for x in records(r, prefix, key) if x["ev"] == "start"]
+    assert tags == ["v1", "A", "B"], tags
