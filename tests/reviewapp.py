@@ -154,3 +154,13 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
         child = app.tasks["rv.del"].delay(p, "", "child", 0.5)
         gates.set(f"{cfg['prefix']}:child:{p}", child.id)
         return {"child": child.id}
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="rv.routed", lock_key="rq:{key}", lock_ttl=30)
+    def routed(self: Any, key: str, gate: str = "", tag: str = "") -> dict[str, Any]:
+        """Records which queue delivered it and which worker ran it (a woken copy must keep its routing)."""
+        info = self.request.delivery_info or {}
+        record(ev="start", key=key, tag=tag, task_id=self.request.id, hostname=self.request.hostname,
+               routing_key=info.get("routing_key"), woken=bool(headers.read(self.request, headers.WOKEN)))  # fmt: skip
+        until_open(gate)
+        record(ev="end", key=key, tag=tag, task_id=self.request.id)
+        return {"tag": tag, "hostname": self.request.hostname}

@@ -571,3 +571,29 @@ def test_a_forced_release_wakes_a_parked_debounced_run_at_once_and_it_stays_the_
     assert b.get(timeout=30)["tag"] == "B"
     tags = [x["tag"] for x in records(r, prefix, key) if x["ev"] == "start"]
     assert tags == ["v1", "A", "B"], tags
+
+
+def test_a_woken_copy_keeps_the_queue_its_waiter_was_published_to(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """Park/wake x routing: the holder runs on worker A (queue q1), the waiter was sent to q2 (worker B
+    only). The releaser on A publishes the woken copy: it must go to q2 and run on B, within the bound."""
+    cfg_a = make_cfg(prefix, redis_url)
+    cfg_b = make_cfg(prefix, redis_url, queue=f"{prefix}-q2")
+    app = fleet.app(cfg_a)
+    wa = fleet.worker(cfg_a)
+    wb = fleet.worker(cfg_b)
+    key = uuid.uuid4().hex[:8]
+    gate = f"{prefix}:gate:{key}"
+    task = app.tasks["rv.routed"]
+    holder = task.delay(key, gate, "holder")
+    wait_for(lambda: records(r, prefix, key), 30, what="the holder to start")
+    waiter = task.apply_async((key, "", "waiter"), queue=cfg_b["queue"])
+    parked(r, prefix, f"rq:{key}")
+    r.set(gate, 1)
+    assert holder.get(timeout=30)["hostname"] == wa.nodename
+    ended = next(x["t"] for x in records(r, prefix, key) if x["tag"] == "holder" and x["ev"] == "end")
+    t = started(r, prefix, waiter.id, 40)
+    out = waiter.get(timeout=30)
+    assert t - ended < BOUND, f"woken after {t - ended:.1f} s"
+    assert out["hostname"] == wb.nodename, (out, wa.nodename, wb.nodename)
