@@ -597,3 +597,33 @@ def test_a_woken_copy_keeps_the_queue_its_waiter_was_published_to(
     out = waiter.get(timeout=30)
     assert t - ended < BOUND, f"woken after {t - ended:.1f} s"
     assert out["hostname"] == wb.nodename, (out, wa.nodename, wb.nodename)
+
+
+def test_a_revoked_exclusive_head_waiter_hands_on_to_the_shared_waiter_behind_it(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """Revoke x exclusive/shared waiter kinds: the delete (exclusive) parks first behind two export slots,
+    an export (shared) behind it; the delete is revoked. When the slots end, the revoked delete's woken
+    copy is discarded and must hand on: the export starts within the bound of the last slot's end."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=4)
+    p = uuid.uuid4().hex[:8]
+    gates = [f"{prefix}:gate:{i}" for i in range(2)]
+    exp = app.tasks["rv.exp"]
+    holders = [exp.delay(p, g, f"h{i}") for i, g in enumerate(gates)]
+    wait_for(lambda: len([x for x in records(r, prefix, p) if x["ev"] == "start"]) == 2, 30, what="both slots")
+    d = app.tasks["rv.del"].delay(p, "", "d")
+    wait_for(lambda: r.llen(f"{prefix}:v1:{{rvp:{p}}}:wait") >= 1, 30, what="the delete to park")
+    e = exp.delay(p, "", "e")
+    wait_for(lambda: r.llen(f"{prefix}:v1:{{rvp:{p}}}:wait") >= 2, 30, what="the export to park")
+    app.control.revoke(d.id)
+    time.sleep(1.0)  # the revoke is a broadcast with no ack
+    for g in gates:
+        r.set(g, 1)
+    for h in holders:
+        h.get(timeout=30)
+    last_end = max(x["t"] for x in records(r, prefix, p) if x["ev"] == "end" and x["tag"] in ("h0", "h1"))
+    t = started(r, prefix, e.id, 40)
+    assert t - last_end < BOUND, f"the export started {t - last_end:.1f} s after the last slot ended"
+    assert not any(x["tag"] == "d" for x in records(r, prefix, p)), "the revoked delete ran"
