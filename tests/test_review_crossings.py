@@ -627,3 +627,23 @@ def test_a_revoked_exclusive_head_waiter_hands_on_to_the_shared_waiter_behind_it
     t = started(r, prefix, e.id, 40)
     assert t - last_end < BOUND, f"the export started {t - last_end:.1f} s after the last slot ended"
     assert not any(x["tag"] == "d" for x in records(r, prefix, p)), "the revoked delete ran"
+
+
+def test_two_different_until_done_raise_calls_both_retrying_on_one_entity_both_finish(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """until_done + raise x retry() x different work queued behind: A runs and retries twice (its claim
+    handed over each time); B (other arguments) was accepted behind A and retries twice too. Both
+    finish; their runs never interleave (until_done holds the entity across a call's retries)."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    key = uuid.uuid4().hex[:8]
+    task = app.tasks["rv.ud_raise_retry"]
+    a = task.delay(key, 1.0)
+    wait_for(lambda: records(r, prefix, key), 30, what="A to start")
+    b = task.delay(key, 0.5)
+    assert a.get(timeout=90) == {"retries": 2}
+    assert b.get(timeout=90) == {"retries": 2}
+    ids = [x["task_id"] for x in records(r, prefix, key) if x["ev"] == "start"]
+    assert ids == [a.id] * 3 + [b.id] * 3, ids
