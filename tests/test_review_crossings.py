@@ -647,3 +647,37 @@ def test_two_different_until_done_raise_calls_both_retrying_on_one_entity_both_f
     assert b.get(timeout=90) == {"retries": 2}
     ids = [x["task_id"] for x in records(r, prefix, key) if x["ev"] == "start"]
     assert ids == [a.id] * 3 + [b.id] * 3, ids
+
+
+def test_the_end_of_a_workflow_admits_both_parked_export_waiters(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """The same defect through a workflow's end: two lock_limit=2 exports park behind the workflow on
+    their entity; when it ends both slots are free, yet (observed) only the oldest is woken."""
+    from celery import chain
+
+    from celery_lockguard import workflow
+
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=4)
+    p = uuid.uuid4().hex[:8]
+    mgate, egate = f"{prefix}:gate:m", f"{prefix}:gate:e0"
+    m = app.tasks["rv.wfgate"]
+    wf = workflow(chain(m.si(p, mgate, "m1")), lock_key="rvp:{p}", p=p, app=app).apply_async()
+    wait_for(lambda: any(x["tag"] == "m1" for x in records(r, prefix, p)), 30, what="the member to start")
+    exp = app.tasks["rv.exp"]
+    e0 = exp.delay(p, egate, "e0")
+    wait_for(lambda: r.llen(f"{prefix}:v1:{{rvp:{p}}}:wait") >= 1, 30, what="e0 to park")
+    e1 = exp.delay(p, "", "e1")
+    wait_for(lambda: r.llen(f"{prefix}:v1:{{rvp:{p}}}:wait") >= 2, 30, what="e1 to park")
+    r.set(mgate, 1)
+    wf.get(timeout=30)
+    ended = next(x["t"] for x in records(r, prefix, p) if x["tag"] == "m1" and x["ev"] == "end")
+    try:
+        assert started(r, prefix, e0.id, BOUND) - ended < BOUND
+        t1 = started(r, prefix, e1.id, 40)
+        assert t1 - ended < BOUND, f"e1 started {t1 - ended:.1f} s after the workflow ended (both slots free)"
+    finally:
+        r.set(egate, 1)
+    assert e1.get(timeout=30)["tag"] == "e1"
