@@ -362,7 +362,7 @@ def test_the_deadlock_loser_releasing_wakes_the_winner_member_parked_on_its_enti
     w2 = chain(step.s(tenant=tenant, tag="w2", seconds=3), app.tasks["wf.same_entity"].s(tenant=tenant, tag="ten"))
     first = workflow(w1, lock_key=PIPELINE, tenant=tenant, lock_ttl=30, gap_ttl=60).apply_async()
     second = workflow(w2, lock_key="invoice:{invoice}", invoice=inv, lock_ttl=30, gap_ttl=60).apply_async()
-    with pytest.raises(Exception) as err:  # noqa: B017
+    with pytest.raises(Exception) as err:
         second.get(timeout=90)
     assert type(err.value).__name__ == "WorkflowDeadlock", repr(err.value)
     failed_at = time.time()
@@ -388,14 +388,13 @@ def test_woken_waiters_on_a_rated_limited_entity_keep_the_rate_and_all_run(
     wait_for(lambda: len([x for x in records(r, prefix) if x.get("ev") == "start"]) == 2, 30, what="both slots")
     for g in gates:
         r.set(g, 1)
-    freed = time.time()
     for w in waiters:
         assert w.get(timeout=60)["tag"].startswith("w")
     for h in holders:
         h.get(timeout=30)
     starts = sorted(x["at"] for x in records(r, prefix, p) if x["ev"] == "start")
     assert len(starts) == 4, starts
-    for a, b in zip(starts, starts[2:]):
+    for a, b in zip(starts, starts[2:], strict=False):
         assert b - a >= 3000 - 50, f"three starts inside one 3 s window: {starts}"
 
 
@@ -520,9 +519,8 @@ def test_a_slot_holder_terminated_from_the_main_process_wakes_the_parked_waiter(
     holders = [task.delay(key, g, f"h{i}") for i, g in enumerate(gates)]
     wait_for(lambda: len([x for x in records(r, prefix) if x["ev"] == "start"]) == 2, 30, what="both slots taken")
     slots = {x["tag"]: x for x in records(r, prefix) if x["ev"] == "start"}
-    lease_slot = {h.id: int(r.hget(f"{prefix}:v1:{{wake:{key}}}:lock" + (f":{s}" if s else ""), "slot") or s)
-                  for s in (0, 1) for h in holders
-                  if r.hget(f"{prefix}:v1:{{wake:{key}}}:lock" + (f":{s}" if s else ""), "task_id") == h.id}  # fmt: skip
+    base = f"{prefix}:v1:{{wake:{key}}}:lock"
+    lease_slot = {h.id: s for s in (0, 1) for h in holders if r.hget(base + (f":{s}" if s else ""), "task_id") == h.id}
     target = next(h for h in holders if lease_slot.get(h.id) == victim)
     waiter = task.delay(key, "", "waiter")
     parked(r, prefix, f"wake:{key}", 1)
@@ -681,3 +679,30 @@ def test_the_end_of_a_workflow_admits_both_parked_export_waiters(
     finally:
         r.set(egate, 1)
     assert e1.get(timeout=30)["tag"] == "e1"
+
+
+def test_a_revoked_until_done_claim_wakes_the_waiter_parked_behind_it(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """until_done claim x park/wake x revoke: an until_done call published with a countdown holds the
+    entity as a queued claim; different work parks behind it; the call is revoked and its claim freed
+    (RELEASE_CLAIM from the worker's main process). That is a lease end: the waiter should start within
+    the bound, not at its safety copy."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=2)
+    key = uuid.uuid4().hex[:8]
+    lock = f"{prefix}:v1:{{rv:{key}}}:lock"
+    ud = app.tasks["rv.ud_raise_retry"].apply_async((key, 1.0), countdown=4)
+    wait_for(lambda: r.hget(lock, "task_id") == ud.id, 30, what="the until_done claim")
+    other = app.tasks["rv.other"].delay(key, 0.2)
+    holder = r.hgetall(lock)
+    wait_for(lambda: r.llen(f"{prefix}:v1:{{rv:{key}}}:wait") >= 1 or records(r, prefix, key), 30,
+             what="the other work to park (or run)")  # fmt: skip
+    assert not records(r, prefix, key), f"other work ran beside the until_done claim {holder}"
+    app.control.revoke(ud.id)
+    wait_for(lambda: r.hget(lock, "task_id") != ud.id, 30, what="the revoked call's claim to be freed")
+    freed = time.time()
+    t = started(r, prefix, other.id, 40)
+    assert t - freed < BOUND, f"the waiter started {t - freed:.1f} s after the claim was freed ({holder})"
+    assert other.get(timeout=30) == {"tag": "other"}
