@@ -706,3 +706,23 @@ def test_a_revoked_until_done_claim_wakes_the_waiter_parked_behind_it(
     t = started(r, prefix, other.id, 40)
     assert t - freed < BOUND, f"the waiter started {t - freed:.1f} s after the claim was freed ({holder})"
     assert other.get(timeout=30) == {"tag": "other"}
+
+
+def test_an_expired_until_done_claim_wakes_the_waiter_parked_behind_it(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """As above, through expiry: the until_done message expires before it is due; the worker discards it
+    and frees its claim: the waiter parked behind the claim should start within the bound."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=2)
+    key = uuid.uuid4().hex[:8]
+    lock = f"{prefix}:v1:{{rv:{key}}}:lock"
+    ud = app.tasks["rv.ud_raise_retry"].apply_async((key, 1.0), countdown=4, expires=2)
+    wait_for(lambda: r.hget(lock, "task_id") == ud.id, 30, what="the until_done claim")
+    other = app.tasks["rv.other"].delay(key, 0.2)
+    wait_for(lambda: r.llen(f"{prefix}:v1:{{rv:{key}}}:wait") >= 1, 30, what="the other work to park")
+    wait_for(lambda: r.hget(lock, "task_id") != ud.id, 30, what="the expired call's claim to be freed")
+    freed = time.time()
+    t = started(r, prefix, other.id, 40)
+    assert t - freed < BOUND, f"the waiter started {t - freed:.1f} s after the claim was freed"
