@@ -456,6 +456,10 @@ def create_app(cfg: dict[str, Any]) -> Celery:
 
     register_wake_tasks(app, cfg, record)
 
+    from .reviewapp import register as register_review_tasks
+
+    register_review_tasks(app, cfg, record)
+
     if cfg.get("beat_every"):
         app.conf.beat_schedule = {
             "reindex": {"task": "reindex_catalog", "schedule": float(cfg["beat_every"]), "args": (2.5,)}
