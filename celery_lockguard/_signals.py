@@ -240,6 +240,10 @@ def free_claim_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason
         return False
     if freed:
         emit("lock.released", task.name, lock_key=key, task_id=task_id, reason=f"claim freed: {reason}")
+        if opts.mode == "until_done":  # the claim was the entity's lease hash: its end wakes the oldest waiter
+            from . import _handoff as handoff
+
+            handoff.wake_if_free(task.app, s, key, task.name, task_id, limit=opts.limit)
     return freed
 
 

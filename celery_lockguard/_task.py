@@ -476,6 +476,10 @@ class LockGuard(Task):
                     )
                 if not watch_copy:  # a watch copy's wait is its original's run, not contention
                     metrics.observe_wait(self.name, time.time() * 1000 - first_ms)
+                if reserved and opts.limit > 1:
+                    # A parked shared waiter got its slot: pass the wake on, so that when an exclusive holder
+                    # ends, every free slot goes to a parked waiter, not only the one its release handed out.
+                    handoff.wake_if_free(self.app, s, call.key, self.name, str(req.id), limit=opts.limit)
                 return self._run_locked(s, opts, call, client, got, args, kwargs)
             if action is Action.ADOPT:
                 assert holder is not None
@@ -1003,6 +1007,8 @@ class LockGuard(Task):
             return
         if freed:
             emit("lock.released", self.name, **fields, reason="claim freed")
+            if opts.mode == "until_done":  # the claim was the entity's lease hash: a lease end, so it wakes
+                handoff.wake_if_free(self.app, s, call.key, self.name, task_id, limit=opts.limit)
 
     def _fail_open(
         self,
