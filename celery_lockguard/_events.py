@@ -66,6 +66,7 @@ _LEVELS: dict[str, int] = {
     "workflow.taken_over": logging.WARNING,
     "workflow.released_on_error": logging.WARNING,
     "workflow.lost": logging.WARNING,
+    "workflow.deadlock": logging.WARNING,
     "lock.skipped_duplicate": logging.INFO,
     "completion.skipped": logging.INFO,
     "completion.result_dropped": logging.INFO,
