@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -705,6 +705,17 @@ def _postgres_store(s: Settings) -> Any:
     return postgres_store(s.completion_backend, s.completion_table, namespace=s.key_prefix)
 
 
+def _in_postgres(s: Settings, use: Callable[[Any], Any], failures: Any = Exception) -> Any:
+    """``use`` the PostgreSQL completion store; one of ``failures`` is an EX_UNAVAILABLE naming the store, redacted."""
+    try:
+        return use(_postgres_store(s))
+    except failures as exc:
+        raise CeleryCommandException(
+            f"the completion database {redact(s.completion_backend)} failed: {redact_text(exc, s.completion_backend)}",
+            EX_UNAVAILABLE,
+        ) from None
+
+
 @completions.command(name="show", cls=CeleryCommand)
 @click.argument("scope")
 @_scope_options
@@ -722,14 +733,7 @@ def completions_show(
     else:
         import psycopg
 
-        try:
-            found = readers.show_postgres(_postgres_store(s), scope)
-        except psycopg.Error as exc:
-            raise CeleryCommandException(
-                f"the completion database {redact(s.completion_backend)} failed: "
-                f"{redact_text(exc, s.completion_backend)}",
-                EX_UNAVAILABLE,
-            ) from None
+        found = _in_postgres(s, lambda store: readers.show_postgres(store, scope), psycopg.Error)
     if found is None:
         if as_json:
             _echo_json(None)
@@ -760,14 +764,7 @@ def completions_forget(
         with _redis(s) as client:
             deleted = int(client.delete(done_name(s.key_prefix, scope), checkpoint_name(s.key_prefix, scope)))
     else:
-        try:
-            deleted = _postgres_store(s).forget(scope)
-        except Exception as exc:  # noqa: BLE001 - any failure of the store is reported, redacted
-            raise CeleryCommandException(
-                f"the completion database {redact(s.completion_backend)} failed: "
-                f"{redact_text(exc, s.completion_backend)}",
-                EX_UNAVAILABLE,
-            ) from None
+        deleted = _in_postgres(s, lambda store: store.forget(scope))  # any failure of the store, redacted
     if not deleted:
         raise CeleryCommandException(f"nothing recorded for scope {scope!r}", EX_FAILURE)
     with _log_to_stderr():
@@ -799,14 +796,7 @@ def completions_carry_over(ctx: click.Context, yes: bool, **_: Any) -> None:
         with _redis(s) as client:
             copied = carry_over_redis(client, s.key_prefix, owners)
     else:
-        try:
-            copied = _postgres_store(s).carry_over(owners)
-        except Exception as exc:  # noqa: BLE001 - any failure of the store is reported, redacted
-            raise CeleryCommandException(
-                f"the completion database {redact(s.completion_backend)} failed: "
-                f"{redact_text(exc, s.completion_backend)}",
-                EX_UNAVAILABLE,
-            ) from None
+        copied = _in_postgres(s, lambda store: store.carry_over(owners))
     click.echo(f"carried over {copied} record(s)")
 
 

@@ -191,22 +191,7 @@ def read_leases(client: Any, prefix: str, match: str = "*") -> list[HeldLease]:
     # ``:lock*`` also finds the slot leases ``{K}:lock:<i>`` of lock_limit tasks; nothing else ends that way.
     found = client.scan_iter(match=lock_name(prefix, match) + "*", count=1000)
     names = sorted(n for n in found if parse_slot_lock_name(prefix, n) is not None)
-    now_ms = server_ms(client)
-    out: list[HeldLease] = []
-    for i in range(0, len(names), BATCH):
-        chunk = names[i : i + BATCH]
-        pipe = client.pipeline(transaction=False)
-        for name in chunk:
-            pipe.hgetall(name)
-            pipe.pttl(name)
-        replies = pipe.execute(raise_on_error=False)
-        for name, fields, pttl in zip(chunk, replies[0::2], replies[1::2], strict=True):
-            if isinstance(fields, Exception):
-                reason = str(fields).split(" ", 1)[0] or fields.__class__.__name__
-                out.append(HeldLease.unreadable(prefix, name, reason))
-            elif fields:
-                out.append(HeldLease.from_hash(prefix, name, fields, pttl, now_ms))
-    return out
+    return _read_named(client, prefix, names)
 
 
 @dataclass(frozen=True)
