@@ -22,6 +22,10 @@ import pytest
 from . import services
 from .conftest import make_cfg
 
+#: Each test runs the suite's own pytest (with xdist) in a subprocess, and some start workers or servers:
+#: integration tests, which the compatibility cells (no xdist there) leave out.
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
