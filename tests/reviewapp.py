@@ -42,7 +42,7 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
 
     @app.task(
         base=LockedTask, bind=True, shared=False, name="rv.deb_retry", lock_key="rv:{key}", lock_ttl=30,
-        lock_debounce=0.5, max_retries=3,
+        lock_debounce=0.5, max_retries=3, acks_late=True, reject_on_worker_lost=True,
     )  # fmt: skip
     def deb_retry(self: Any, key: str, tag: str = "", retries: int = 1, gate: str = "") -> dict[str, Any]:
         woken = bool(headers.read(self.request, headers.WOKEN))
