@@ -77,22 +77,24 @@ def test_workers_die_with_the_test_run(
         "REAP_PIDS": str(pids_file),
         "PYTHONPATH": str(ROOT),  # this tree's celery_lockguard, not whichever one the venv has installed
     }
+    # Its output goes to a file, never to a pipe nobody reads while we wait (a full pipe would block it).
+    output = (tmp_path / "inner.log").open("wb")
     run = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "test_inner.py"],
         cwd=tmp_path,
         env=env,
-        stdout=subprocess.PIPE,
+        stdout=output,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # our own signals stay ours
     )
     pids: list[int] = []
     try:
         wait_for(lambda: pids_file.exists() or run.poll() is not None, 120, what="the inner run's worker to start")
-        assert run.poll() is None, run.communicate()[0].decode(errors="replace")[-3000:]
+        assert run.poll() is None, (tmp_path / "inner.log").read_text(errors="replace")[-3000:]
         pids = json.loads(pids_file.read_text())
         assert pids and all(_alive(p) for p in pids), pids
         os.kill(run.pid, sig)  # a Ctrl-C reaches pytest, never the worker's own session
-        run.wait(60)
+        run.wait(120)
         wait_for(
             lambda: not [p for p in pids if _alive(p)],
             20,
@@ -105,5 +107,4 @@ def test_workers_die_with_the_test_run(
         for p in pids:  # leave nothing behind even when the assertion failed
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(p, signal.SIGKILL)
-        if run.stdout is not None:
-            run.stdout.close()
+        output.close()
