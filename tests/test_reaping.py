@@ -57,6 +57,10 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     ("sig", "pool"),
@@ -86,6 +90,9 @@ def test_workers_die_with_the_test_run(
         stdout=output,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # our own signals stay ours
+        # As from a shell: SIGINT at its default, so Python turns it into KeyboardInterrupt. A parent that
+        # ignores it (a pytest-xdist worker does) would pass SIG_IGN on across exec, and Ctrl-C would do nothing.
+        preexec_fn=_default_sigint,
     )
     pids: list[int] = []
     try:
