@@ -429,13 +429,10 @@ def top_leases(client: Any, prefix: str, match: str = "*", limit: int = 50, budg
     budget = SAMPLE_LEASES if budget is None else budget
     if _is_cluster(client):
         every = read_leases(client, prefix, match)
-        waiting = read_waiting(client, prefix, sorted({lease.key for lease in every}))
-        every.sort(key=lambda lease: display_order(lease, waiting))
-        rows = every[:limit]
-        shown = {lease.key for lease in rows}
+        rows, waiting = _first_rows(client, prefix, every, limit)
         return LeaseSample(
             leases=rows,
-            waiting={k: n for k, n in waiting.items() if k in shown},
+            waiting=waiting,
             seen=len(every),
             total=len(every),
             complete=True,
@@ -473,20 +470,26 @@ def top_leases(client: Any, prefix: str, match: str = "*", limit: int = 50, budg
         entity = wait_key[len(f"{prefix}:v1:{{") : -len("}:wait")]
         if lock_name(prefix, entity) not in names:
             names.append(lock_name(prefix, entity))
-    rows = _read_named(client, prefix, names)
-    waiting = read_waiting(client, prefix, sorted({lease.key for lease in rows}))
-    rows.sort(key=lambda lease: display_order(lease, waiting))
-    rows = rows[:limit]
-    shown = {lease.key for lease in rows}
+    rows, waiting = _first_rows(client, prefix, _read_named(client, prefix, names), limit)
     return LeaseSample(
         leases=rows,
-        waiting={k: n for k, n in waiting.items() if k in shown},
+        waiting=waiting,
         seen=seen,
         total=total,
         complete=complete,
         rate_keys=sorted({k for k in (parse_rate_name(prefix, n) for n in rates) if k is not None}),
         debounce_names=sorted(debounces),
     )
+
+
+def _first_rows(
+    client: Any, prefix: str, leases: list[HeldLease], limit: int
+) -> tuple[list[HeldLease], dict[str, int]]:
+    """The ``limit`` rows ``locks`` shows first (:func:`display_order`), with the waiter counts of those rows."""
+    waiting = read_waiting(client, prefix, sorted({lease.key for lease in leases}))
+    rows = sorted(leases, key=lambda lease: display_order(lease, waiting))[:limit]
+    shown = {lease.key for lease in rows}
+    return rows, {k: n for k, n in waiting.items() if k in shown}
 
 
 def _read_named(client: Any, prefix: str, names: list[str]) -> list[HeldLease]:
