@@ -26,7 +26,6 @@ from typing import Any
 
 from celery import Task, states, uuid
 from celery._state import _task_stack
-from celery.app import trace as _trace
 from celery.exceptions import Ignore, Reject, Retry
 
 from . import _calls as calls
@@ -43,6 +42,7 @@ from . import _lease as lease_ops
 from . import _metrics as metrics
 from . import _republish as republish
 from . import _signals as signals
+from . import _taskclass as taskclass
 from . import _tracing as tracing
 from . import _wire as wire
 from . import _workflow as workflow
@@ -148,6 +148,9 @@ class LockGuard(Task):
     #: Starts per entity per sliding window, fleet-wide: ``"100/m"``, ``"5/s"``, ``"N/h"`` (docs/limits.md);
     #: default ``lockguard_lock_rate`` (none).
     lock_rate: str | None = None
+
+    # Marks this class (in its own dict only) for the modules that must not import it (_taskclass.GUARD_MARKER).
+    _lockguard_guard = True
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -368,7 +371,7 @@ class LockGuard(Task):
         push a copy of that request first: a second ``Context`` per call. Any other ``__call__``
         (Django's task class, a user's base, a wrapper patched onto ``Task.__call__``) is kept.
         """
-        if _runs_plainly(type(self)):
+        if taskclass.runs_plainly(type(self)):
             req = self.request
             req._protected = 1
             _task_stack.push(self)
@@ -1491,12 +1494,12 @@ class LockedTask(LockGuard):
     under Celery's Django fixup, with its ``delay_on_commit``; a project's base
     class; ``app.Task = MyBase``). The class Celery builds for a function gets
     ``app.Task`` appended to its bases when that is safe
-    (:func:`adoptable_task_class`: no name of ours shadowed, no ``apply_async``
+    (:func:`._taskclass.adoptable_task_class`: no name of ours shadowed, no ``apply_async``
     of its own that would run after the claim is computed), giving
     ``<task> -> LockedTask -> LockGuard -> app.Task -> DjangoTask -> Task``. A
     task class written by hand keeps the bases it names: compose with
     ``LockGuard`` there. A worker start warns about a task that misses the app's
-    class (:func:`missing_task_class`).
+    class (:func:`._taskclass.missing_task_class`).
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -1505,122 +1508,13 @@ class LockedTask(LockGuard):
         app = own.get("app")
         if not own.get("_decorated") or app is None:
             return
-        configured = adoptable_task_class(app)
+        configured = taskclass.adoptable_task_class(app, LockGuard)
         if configured is None or any(issubclass(b, configured) for b in cls.__bases__):
             return
         try:
             cls.__bases__ = (*cls.__bases__, app.Task)
         except TypeError:  # a layout or metaclass conflict: keep Celery's class; the worker start warns
             return
-
-
-def configured_task_class(app: Any) -> type | None:
-    """The app's default task class when it is one of its own: not Celery's ``Task``, not already a ``LockGuard``.
-
-    Read from ``app.Task``, not ``app.task_cls``: ``app.Task = MyBase`` is
-    Celery's documented way to change the default base and leaves ``task_cls``
-    alone. Celery's own ``app.Task`` is an app-bound subclass of ``task_cls``
-    (``subclass_with_self``, the app in its class dict as ``_app``); the class
-    the user chose is the first base past those.
-    """
-    try:
-        configured = app.Task
-    except Exception:  # noqa: BLE001 - an unimportable task_cls fails Celery itself, louder than we could
-        return None
-    while isinstance(configured, type) and vars(configured).get("_app") is app and configured.__bases__:
-        configured = configured.__bases__[0]
-    if not isinstance(configured, type) or not issubclass(configured, Task):
-        return None
-    if configured is Task or issubclass(configured, LockGuard):
-        return None
-    return configured
-
-
-def shadowed_names(configured: type) -> list[str]:
-    """Names ``configured`` defines that ``LockGuard`` defines too (and Celery's ``Task`` does not).
-
-    Ours come first in the MRO and would shadow them silently: a project base
-    class with its own ``lock`` or ``checkpoint`` would read lockguard's. Hooks
-    both override (``__call__``, ``retry``, ...) are not clashes: they chain
-    through ``super()`` (``apply_async`` is a case of its own:
-    :func:`publishes_itself`).
-    """
-    ours = {name for name in vars(LockGuard) if not name.startswith("__")} - set(dir(Task))
-    theirs: set[str] = set()
-    for cls in configured.__mro__:
-        if not issubclass(cls, Task) or cls is Task:
-            continue
-        theirs.update(vars(cls))
-    return sorted(ours & theirs)
-
-
-def publishes_itself(configured: type) -> type | None:
-    """The class below Celery's ``Task`` in ``configured``'s MRO that overrides ``apply_async``, or ``None``.
-
-    With ``LockGuard`` first, the claim is rendered from the arguments *we*
-    were given, before that ``apply_async`` runs: one that adds or rewrites
-    arguments (a tenant id from a context variable) would make different work
-    share one claim key, and the second publish would be answered with the
-    first's job and never sent. ``LockedTask`` cannot know what it does, so it
-    does not adopt such a class; the user composes in the order that fits.
-    ``DjangoTask`` only adds ``*_on_commit`` methods and stays adoptable.
-    """
-    for cls in configured.__mro__:
-        if cls is Task:
-            return None
-        if "apply_async" in vars(cls):
-            return cls
-    return None
-
-
-def _refusal(configured: type) -> str | None:
-    """Why ``LockedTask`` does not adopt ``configured``, or ``None`` if it may."""
-    shadowed = shadowed_names(configured)
-    if shadowed:
-        return f"it defines {', '.join(shadowed)}, which LockGuard defines too"
-    publisher = publishes_itself(configured)
-    if publisher is not None:
-        where = "its" if publisher is configured else f"{publisher.__qualname__}'s"
-        return (
-            f"{where} apply_async runs after lockguard computes the claim, so arguments it adds or rewrites "
-            "would not be part of the claim key"
-        )
-    return None
-
-
-def adoptable_task_class(app: Any) -> type | None:
-    """The app's default task class if ``LockedTask`` may put it under a function's task, else ``None``."""
-    configured = configured_task_class(app)
-    if configured is None or _refusal(configured) is not None:
-        return None
-    return configured
-
-
-def missing_task_class(task: Any) -> str | None:
-    """Why ``task`` (a ``LockGuard``) lacks the app's non-default task class, or ``None`` if it does not.
-
-    Said at worker start (logged, never fatal): the task still locks, but the
-    app's class (``DjangoTask.delay_on_commit``, a project's ``__call__``) is
-    not part of it, which a user of ``base=LockedTask`` rarely means.
-    """
-    configured = configured_task_class(task.app)
-    if configured is None or isinstance(task, configured):
-        return None
-    where = f"{configured.__module__}.{configured.__qualname__}"
-    refusal = _refusal(configured)
-    why = f" (LockedTask does not adopt it: {refusal})" if refusal else ""
-    name = configured.__name__
-    how = f"class Locked{name}(LockGuard, {name}) and base= that class"
-    if publishes_itself(configured) is not None and not shadowed_names(configured):
-        how = (
-            f"class Locked{name}(LockGuard, {name}) claims before its apply_async, "
-            f"class Locked{name}({name}, LockGuard) claims on the final message (its __call__ must end in "
-            "super().__call__()); base= the one that fits"
-        )
-    return (
-        f"task {task.name!r} does not derive from the app's task_cls {where}{why}; "
-        f"compose the lease with it explicitly: {how} (docs/django.md)"
-    )
 
 
 class _ReleaseReport:
@@ -1703,9 +1597,6 @@ class _ReleaseReport:
         handoff.wake(self.app, self.settings, woken, self.task_name, self.lease.task_id)
 
 
-_CELERY_CALL = Task.__dict__["__call__"]
-
-
 #: Decision reasons of an outage: their exits follow ``on_unavailable``; every other wait or give-up, ``on_locked``.
 _OUTAGE_REASONS = frozenset({"backend_unavailable", "acquire_slower_than_ttl"})
 
@@ -1713,28 +1604,6 @@ _OUTAGE_REASONS = frozenset({"backend_unavailable", "acquire_slower_than_ttl"})
 def _policy(opts: TaskOptions, reason: str) -> str:
     """The policy an exit's event names: the one that decided it."""
     return opts.on_unavailable if reason in _OUTAGE_REASONS else opts.on_locked
-
-
-def _runs_plainly(cls: type) -> bool:
-    """Whether the ``__call__`` after ``LockGuard``'s in ``cls``'s MRO is Celery's own ``Task.__call__``.
-
-    The MRO part is kept in the class's own ``__dict__`` (never inherited: a subclass may add a
-    ``__call__``); whether ``Task.__call__`` is still Celery's -- or the worker's stack protection
-    around it, whose fast path this is -- is asked every time (a wrapper may be patched on later).
-    """
-    known = cls.__dict__.get("_lockguard_plain_call")
-    if known is None:
-        mro = cls.__mro__
-        after = mro[mro.index(LockGuard) + 1 :]
-        known = next((k for k in after if "__call__" in k.__dict__), None) is Task
-        type.__setattr__(cls, "_lockguard_plain_call", known)
-    if not known:
-        return False
-    current = Task.__dict__["__call__"]
-    if current is _CELERY_CALL:
-        return True
-    protected = getattr(Task, "_stackprotected", False) and getattr(current, "__name__", "") == "__protected_call__"
-    return bool(protected and _trace._patched.get("BaseTask.__call__") is _CELERY_CALL)
 
 
 def _describe(exc: BaseException | None) -> str:
