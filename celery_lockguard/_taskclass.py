@@ -20,7 +20,7 @@ GUARD_MARKER = "_lockguard_guard"
 _CELERY_CALL = Task.__dict__["__call__"]
 
 
-def guard_of(cls: type) -> type | None:
+def guard_of(cls: type) -> type[Any] | None:
     """``LockGuard`` as found in ``cls``'s MRO, or ``None`` when ``cls`` is not one of ours."""
     return next((k for k in cls.__mro__ if k.__dict__.get(GUARD_MARKER)), None)
 
