@@ -17,6 +17,7 @@ name per token. Releases and records live in :mod:`._release` and :mod:`._record
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from celery import states
@@ -63,7 +64,7 @@ def run_body(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     (``celery.app.trace``'s stack protection): ``run`` under the request the tracer pushed (the
     lease, names and checkpoints are already on it), which is marked ``_protected`` so that a
     direct call inside the body pushes a request of its own (and runs unlocked, see
-    :meth:`LockGuard.push_request <celery_lockguard.LockGuard.push_request>`). Outside a worker (``apply()``, eager mode) ``Task.__call__`` would
+    :meth:`LockGuard.push_request`). Outside a worker (``apply()``, eager mode) ``Task.__call__`` would
     push a copy of that request first: a second ``Context`` per call. Any other ``__call__``
     (Django's task class, a user's base, a wrapper patched onto ``Task.__call__``) is kept.
     """
@@ -80,16 +81,83 @@ def run_body(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return super(guard, task).__call__(*args, **kwargs)
 
 
+@dataclass
+class DeliveryState:
+    """What one delivery holds and owes across its attempts at ACQUIRE: a name per token.
+
+    Read once from the message (:meth:`of`); ACQUIRE, PARK and the exits update it. A token is
+    ``""`` when there is none.
+    """
+
+    #: The rendered names of this call (entity key, completion scope, record).
+    call: CallNames
+    #: The Redis client the lease scripts run on.
+    client: Any
+    #: The completion store; ``None`` without completion records.
+    store: Store | None
+    #: When the lock wait began (ms): the message's first delivery, carried by its waits, else now.
+    first_ms: int
+    #: A delayed watch copy of a running original (same task id): its wait is the original's run, not contention.
+    watch_copy: bool
+    #: The queue claim the message carries (``until_started``/``until_done``): freed or handed on at every exit.
+    claim_token: str
+    #: The token ACQUIRE replaces, i.e. adopts: our own ``until_done`` claim, a parked copy's reservation, a
+    #: holder of our own id that the decision says to adopt.
+    replace_token: str
+    #: The claim ACQUIRE frees on start (``until_started``; ``until_done`` too when it queued behind other work).
+    start_claim: str
+    #: A parked copy's waiter entry, settled before the first ACQUIRE (``""`` once settled).
+    park_token: str
+    #: A reservation RELEASE may have made for this copy (its park token): abandoned on every exit that does not run.
+    reserved: str
+    #: Whether a contended attempt may park behind the holder (else it backs off with a countdown).
+    can_park: bool
+    #: ACQUIREs repeated because PARK found the lease already gone.
+    free_retries: int = 0
+
+    @classmethod
+    def of(
+        cls, task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> DeliveryState:
+        """The state a delivery starts with, from its request's headers."""
+        req = task.request
+        # The lock wait counts from the message's first delivery (carried by its waits), else from now.
+        first_ms = headers.read_ms(req, headers.FIRST_DELIVERED) or int(time.time() * 1000)
+        call = calls.render(opts, req.id, args, kwargs)
+        client = connection.client(s)
+        store = records.store_for(task, s) if opts.completion else None
+        watch_copy = headers.read(req, headers.WATCH) is not None
+        claim_token = headers.read_str(req, headers.CLAIM)
+        # A copy of a parked delivery (safety or woken) settles with its waiter entry before ACQUIRE, and
+        # adopts the reservation RELEASE made for it (token = park token), if it is still there.
+        park_token = headers.read_str(req, headers.PARK) if opts.mode == "while_running" and not watch_copy else ""
+        # A lock_limit waiter parks behind its N slots (a slot's release wakes it into that slot); a lock_rate
+        # waiter backs off with a countdown instead (docs/limits.md): its start window is freed by time, not
+        # by a release.
+        can_park = opts.mode == "while_running" and not claim_token and not watch_copy and not req.is_eager
+        return cls(
+            call=call,
+            client=client,
+            store=store,
+            first_ms=first_ms,
+            watch_copy=watch_copy,
+            claim_token=claim_token,
+            # until_done: adopt our own queue claim (fresh token, state running); a parked copy: its reservation.
+            replace_token=park_token or (claim_token if opts.mode == "until_done" else ""),
+            # until_started: free it on start; until_done: free it too when it queued in {K}:claim behind other work.
+            start_claim=claim_token,
+            park_token=park_token,
+            reserved=park_token,
+            can_park=can_park and opts.rate is None,
+        )
+
+
 def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Acquire, decide, carry out; loop only to adopt a claim or to wait in-process."""
     req = task.request
-    # The lock wait counts from the message's first delivery (carried by its waits), else from now.
-    first_ms = headers.read_ms(req, headers.FIRST_DELIVERED) or int(time.time() * 1000)
-    call = calls.render(opts, req.id, args, kwargs)
-    client = connection.client(s)
-    store = records.store_for(task, s) if opts.completion else None
-    watch_copy = headers.read(req, headers.WATCH) is not None
-    if watch_copy and store is not None and not store.in_scripts:
+    state = DeliveryState.of(task, s, opts, args, kwargs)
+    call, store = state.call, state.store
+    if state.watch_copy and store is not None and not store.in_scripts:
         # A watch copy checks the record first: acquiring to read it would make copies arriving
         # meanwhile see "my own id, alive" and leave watches of their own. A store error: ACQUIRE decides.
         record = records.lookup(task, store, call)
@@ -99,33 +167,16 @@ def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kw
             # The original died before storing a state, its job done by other work: answer for it,
             # or its task id stays PENDING for good.
             return records.completed(task, call, record)
-    claim_token = headers.read_str(req, headers.CLAIM)
-    # until_done: adopt our own queue claim (fresh token, state running); until_started: free it on start.
-    replace_token = claim_token if opts.mode == "until_done" else ""
-    # until_started: free it on start; until_done: free it too when it queued in {K}:claim behind other work.
-    start_claim = claim_token
-    # A copy of a parked delivery (safety or woken) settles with its waiter entry before ACQUIRE, and
-    # adopts the reservation RELEASE made for it (token = park token), if it is still there.
-    park_token = headers.read_str(req, headers.PARK) if opts.mode == "while_running" and not watch_copy else ""
-    reserved = park_token  # a reservation RELEASE may have made for us: freed on every exit that does not run
-    if park_token:
-        replace_token = park_token
-    # A lock_limit waiter parks behind its N slots (a slot's release wakes it into that slot); a lock_rate
-    # waiter backs off with a countdown instead (docs/limits.md): its start window is freed by time, not
-    # by a release.
-    can_park = opts.mode == "while_running" and not claim_token and not watch_copy and not req.is_eager
-    can_park = can_park and opts.rate is None
-    free_retries = 0
     while True:
         token = lease_ops.new_token()
         got: Lease | Holder | Done | Throttled | None = None
         failure: BaseException | None = None
         outcome: Outcome
         try:
-            if park_token:
-                waits.settle_parked(task, s, call, client, park_token)
-                park_token = ""
-            got = _acquire(task, s, opts, call, client, token, replace_token, store, start_claim)
+            if state.park_token:
+                waits.settle_parked(task, s, call, state.client, state.park_token)
+                state.park_token = ""
+            got = _acquire(task, s, opts, call, state.client, token, state.replace_token, store, state.start_claim)
         except Ignore:
             raise
         except Exception as exc:
@@ -134,7 +185,7 @@ def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kw
                 raise
             outcome, failure = kind, exc
         else:
-            outcome, got, failure = _outcome(task, s, opts, call, store, got, watch_copy)
+            outcome, got, failure = _outcome(task, s, opts, call, store, got, state.watch_copy)
         holder = got if isinstance(got, Holder) else None
         throttled = got if isinstance(got, Throttled) else None
         # "acquired" is decided by its outcome alone (decide_delivery's first rule): no facts to gather.
@@ -149,10 +200,10 @@ def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kw
                     outcome=outcome,
                     holder=_facts(task, call, holder) if holder is not None else None,
                     # A watch copy answers from the record when its original never stored a state.
-                    watch_copy=watch_copy and not (outcome == "record" and not original_settled(task)),
+                    watch_copy=state.watch_copy and not (outcome == "record" and not original_settled(task)),
                     waits=headers.read_int(req, headers.WAITS),
                     max_waits=opts.max_waits,
-                    can_park=can_park,
+                    can_park=state.can_park,
                     debounced=opts.debounce is not None,
                 )
             )
@@ -168,13 +219,13 @@ def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kw
                     policy=opts.on_unavailable,
                     reason=f"completion store: {errors.describe(failure)}",
                 )
-            if not watch_copy:  # a watch copy's wait is its original's run, not contention
-                metrics.observe_wait(task.name, time.time() * 1000 - first_ms)
-            if reserved and opts.limit > 1:
+            if not state.watch_copy:  # a watch copy's wait is its original's run, not contention
+                metrics.observe_wait(task.name, time.time() * 1000 - state.first_ms)
+            if state.reserved and opts.limit > 1:
                 # A parked shared waiter got its slot: pass the wake on, so that when an exclusive holder
                 # ends, every free slot goes to a parked waiter, not only the one its release handed out.
                 handoff.wake_if_free(task.app, s, call.key, task.name, str(req.id), limit=opts.limit)
-            return _run_locked(task, s, opts, call, client, got, args, kwargs)
+            return _run_locked(task, s, opts, call, state.client, got, args, kwargs)
         if action is Action.ADOPT:
             assert holder is not None
             emit(
@@ -185,48 +236,50 @@ def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kw
                 policy=opts.on_locked,
                 reason=decision.reason,
             )
-            replace_token = holder.token
+            state.replace_token = holder.token
             continue
         handed: str | None = None  # the claim token a wait carries on, when the lease consumed the claim
         if isinstance(got, Lease):  # held only to read the record, or it came too late, or the store is down
-            if action is Action.WAIT and claim_token:
+            if action is Action.WAIT and state.claim_token:
                 handed = release_ops.hand_back(task, s, opts, call, got)
             else:
                 release_ops.give_back(task, s, opts, got)
         _met(task, opts, call, decision, holder, failure, throttled)
         if action is Action.PARK:
             assert holder is not None
-            parked = waits.park(task, s, opts, call, client, decision, holder, free_retries, first_ms)
+            parked = waits.park(task, s, opts, call, state.client, decision, holder, state.free_retries, state.first_ms)
             if parked == "acquire_again":
-                free_retries += 1
+                state.free_retries += 1
                 continue
             if isinstance(parked, str) and parked.startswith("adopt:"):
-                replace_token = parked[len("adopt:") :]  # our publish failed, yet a releaser woke us
+                state.replace_token = parked[len("adopt:") :]  # our publish failed, yet a releaser woke us
                 continue
             if parked is not None:
                 raise Retry(exc=waits.contention_error(task, call, holder, None), when=waits.when(parked), sig=parked)
             decision = Decision(Action.WAIT, decision.reason)  # could not park: back off as before
             action = decision.action
         if action in FREES_CLAIM and not (action is Action.FAIL_OPEN and opts.mode == "until_done"):
-            release_ops.free_claim(task, s, opts, call, claim_token)
-        if reserved and action in FREES_CLAIM:
+            release_ops.free_claim(task, s, opts, call, state.claim_token)
+        if state.reserved and action in FREES_CLAIM:
             # answered from the record, skipped, gave up...: the reservation must not hold up the next waiter
-            handoff.abandon(task.app, s, call.key, reserved, task.name, req.id, limit=opts.limit)
+            handoff.abandon(task.app, s, call.key, state.reserved, task.name, req.id, limit=opts.limit)
         if action is Action.WAIT:
             attempt = token if outcome == "unavailable" and got is None else None
-            sig = waits.wait(task, s, opts, call, decision, holder, attempt, handed, first_ms, throttled=throttled)
+            sig = waits.wait(
+                task, s, opts, call, decision, holder, attempt, handed, state.first_ms, throttled=throttled
+            )
             if sig is None:
                 continue  # waited in this process: eager, or the publish failed
-            if watch_copy:
+            if state.watch_copy:
                 # A watch copy shares its original's task id: RETRY stored now would overwrite the
                 # original's SUCCESS for good if the wait then finds the record and drops itself.
                 raise Ignore()
             raise Retry(
                 exc=waits.contention_error(task, call, holder, failure, throttled), when=waits.when(sig), sig=sig
             )
-        if watch_copy and action in (Action.RAISE, Action.GIVE_UP) and original_settled(task):
+        if state.watch_copy and action in (Action.RAISE, Action.GIVE_UP) and original_settled(task):
             raise Ignore()  # the original ended; a failure stored now would overwrite its state
-        return _finish(task, s, opts, call, decision, got, holder, failure, claim_token, args, kwargs)
+        return _finish(task, s, opts, call, decision, got, holder, failure, state.claim_token, args, kwargs)
 
 
 def _finish(
