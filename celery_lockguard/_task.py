@@ -3,8 +3,12 @@
 What a delivery or a publish does is decided in :mod:`celery_lockguard._decision`
 (pure, table-tested); rendering lives in :mod:`calls`, message headers in
 :mod:`headers`, self-republishes in :mod:`republish`, claims in :mod:`claims`,
-lease scripts in :mod:`lease`. This class gathers the facts, asks, and carries
-the answer out, freeing or handing over what the delivery holds on every exit.
+lease scripts in :mod:`lease`. The delivery itself -- acquire, ask, carry the answer
+out -- is :mod:`._delivery` (its waits in :mod:`._waits`, its releases and claims in
+:mod:`._release`, its completion records in :mod:`._records`); what lockguard asks of
+task classes is :mod:`._taskclass`. This class holds the options and the hooks Celery
+calls (``__call__``, ``apply_async``, ``retry``, ``on_replace``, ``push_request``) and
+hands each to those modules, freeing or handing over what the delivery holds on every exit.
 
 The lease is taken and released inside ``__call__`` because Celery does not
 call ``after_return`` on Retry, Ignore or Reject, runs it in the *main*
@@ -49,23 +53,12 @@ from . import _workflow as workflow
 from ._calls import CallNames
 from ._completion import PostgresStore, StoreGuard
 from ._config import Settings, TaskOptions, resolve_task_options, settings
-from ._decision import (
-    Action,
-    Delivery,
-    Publish,
-    PublishAction,
-    decide_delivery,
-    decide_publish,
-)
+from ._decision import Action, Delivery, Publish, PublishAction, decide_delivery, decide_publish
 from ._events import emit
 from ._lease import Lease
 from ._renewer import renewer
 from ._request import CALL, CHECKPOINTS, ENTERED, LEASE, event_fields
-from .exceptions import (
-    AlreadyQueued,
-    BackendUnavailable,
-    ConfigurationError,
-)
+from .exceptions import AlreadyQueued, BackendUnavailable, ConfigurationError
 
 #: Tries to record a checkpoint whose step has run, before the store error is final.
 CHECKPOINT_WRITE_ATTEMPTS = 4
