@@ -359,6 +359,7 @@ def _acquire(
     store: Store | None,
     claim_token: str = "",
 ) -> Lease | Holder | Done | Throttled:
+    """ACQUIRE for this call: a lease, the holder it met, its record, or a full start window (``lock_rate``)."""
     req = task.request
     return lease_ops.acquire(
         client,
@@ -479,6 +480,7 @@ def original_settled(task: Any) -> bool:
 
 
 def _facts(task: Any, call: CallNames, holder: Holder) -> HolderFacts:
+    """What the decision needs to know about the holder ACQUIRE met (ours? alive? a duplicate? an orphan?)."""
     req = task.request
     own = holder.task_id == keys.meta(req.id)  # holder metadata is bounded (keys.MAX_META)
     here = holder.host == lease_ops.HOST
@@ -525,6 +527,7 @@ def _run_locked(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
+    """Run the body under ``lease`` (renewed, on the request as ``self.lock``); release it, recording, on every exit."""
     req = task.request
     emit("lock.acquired", task.name, lock_key=call.key, task_id=req.id, fence=lease.fence)
     if opts.slotted:

@@ -23,6 +23,7 @@ from .exceptions import IdempotencyKeyReused
 
 
 def store_for(task: Any, s: Settings) -> Store:
+    """The completion store of ``task`` under settings ``s``: Redis (the lease scripts' server) or PostgreSQL."""
     if s.completion_backend == "redis":
         client = connection.client(s)
         # Made once per client and prefix (twice per task otherwise); a new client (after fork, or other
@@ -35,11 +36,13 @@ def store_for(task: Any, s: Settings) -> Store:
 
 
 def ttl_ms_for(task: Any, call: CallNames) -> int:
+    """How long ``call``'s record is kept (ms): a task-id scope and a named scope have their own TTLs."""
     opts = task.lockguard_options
     return int((opts.completion_ttl_task if call.scope_is_task else opts.completion_ttl_scope) * 1000)
 
 
 def record_for(task: Any, call: CallNames, task_id: str, result: Any) -> tuple[str, int]:
+    """The record of a successful run and its TTL; a result that cannot be stored is dropped, and said so."""
     record, dropped = completion.encode_record(keys.meta(task_id), result, keys.meta(task.name), call.digest)
     if dropped:
         emit("completion.result_dropped", task.name, task_id=task_id, scope=call.scope, reason=dropped)

@@ -287,6 +287,7 @@ def watch(task: Any, s: Settings, opts: TaskOptions, call: CallNames) -> None:
 def contention_error(
     task: Any, call: CallNames, holder: Holder | None, failure: BaseException | None, throttled: Throttled | None = None
 ) -> LockContended | BackendUnavailable:
+    """The error a wait's ``Retry`` carries, or a give-up raises: what the delivery met, in the caller's terms."""
     if throttled is not None:
         rate = task.lockguard_options.rate
         return LockThrottled(call.key, throttled.wait_ms, rate.text if rate is not None else None)
