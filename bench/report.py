@@ -909,6 +909,33 @@ def _scaling(res: Results, add: Callable[[str], None]) -> None:
         "LockedTask / redis-py Lock CPU",
     ]
     add(_table(header, rows) + "\n")
+    cells = {(r.lock_server, r.workers, r.entities, r.variant): r for r in res.scaling}
+    hot = [(w, cells[(s, w, e, v)]) for (s, w, e, v) in cells if s == "Redis" and e == 1 and v == scaling_mod.LOCKED]
+    if hot:
+        w, lg = max(hot, key=lambda x: x[0])
+        rp = cells[("Redis", w, 1, scaling_mod.REDIS_PY)]
+        add(
+            f"**What limits it.** On one hot entity with {w} workers LockedTask drains {lg.rate.fmt('.0f')} tasks/s "
+            f"against redis-py's `Lock` {rp.rate.fmt('.0f')}: every task is different work on the same entity, so "
+            "all but the holder *park* (one safety copy published each) and each release hands the entity to the "
+            "oldest waiter, whose copy is published again (section 3, *Contended hand-off*: 2 re-publishes per "
+            "waiting task): each task passes through the broker and the worker's main process two more times, in "
+            "FIFO order, with no child held. redis-py's `Lock` holds a child for the whole wait, polling the lock "
+            "server every 2 ms (its CPU per 1,000 tasks above), in no order."
+        )
+        many = [(w, cells[(s, w, e, v)]) for (s, w, e, v) in cells if s == "Redis" and e == 1000 and v == "LockedTask"]
+        if many:
+            w, lg = max(many, key=lambda x: x[0])
+            rp = cells[("Redis", w, 1000, scaling_mod.REDIS_PY)]
+            add(
+                f" On 1,000 entities with {w} workers LockedTask drains {lg.rate.fmt('.0f')} tasks/s and redis-py's "
+                f"`Lock` {rp.rate.fmt('.0f')}; LockedTask's lock server CPU per 1,000 tasks is "
+                f"{lg.cpu_vs_redis_py.fmt('.2f') if lg.cpu_vs_redis_py else 'n/a'}x redis-py's `Lock`'s, because "
+                "its scripts do more per task (the section above: completion check, fence, holder record, "
+                "completion record, waiter queue).\n"
+            )
+        else:
+            add("\n")
 
 
 def _pg_dsn() -> str:
