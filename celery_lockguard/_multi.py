@@ -40,6 +40,7 @@ from . import _cluster as cluster
 from . import _scripts as scripts
 from . import _wire
 from ._calls import CallNames
+from ._headers import PARK_ENTITY
 from ._keys import claim_name, done_name, fence_name, lock_name, meta, wait_name, waiters_name
 from ._lease import HOST, Done, Holder, MultiLease, Woken, held_reply, new_token
 
@@ -57,6 +58,11 @@ def parked_on(call: CallNames, entity: str) -> CallNames:
     if call.keys and entity and entity != call.key and entity in call.keys:
         return call._replace(key=entity)
     return call
+
+
+def park_headers(call: CallNames) -> dict[str, str]:
+    """The header naming the entity a multi-entity delivery parks on (``call`` as :func:`parked_on` gave it)."""
+    return {PARK_ENTITY: call.key} if call.keys else {}
 
 
 def blocked_fields(call: CallNames, holder: Holder | None) -> dict[str, Any]:

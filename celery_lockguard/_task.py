@@ -1215,6 +1215,7 @@ class LockGuard(Task):
             **republish.wait_headers(req, None, first_delivered_ms=first_ms),
             headers.PARK: park_token,
             headers.PARKED_AT: first or int(time.time() * 1000),
+            **multi.park_headers(call),
         }
         hdrs.pop(headers.WOKEN, None)
         args, kwargs = req.args or (), req.kwargs or {}
