@@ -301,6 +301,18 @@ def release(
     return released, max(recorded, 0), first
 
 
+def release_others(client: Any, lease: MultiLease, wake: Callable[[Woken], Any] | None) -> None:
+    """Free every entity but the anchor (an ``until_done`` retry keeps its claim there), waking their waiters."""
+    from . import _handoff as handoff  # imports _lease, which imports this module lazily
+
+    reserve_ms = handoff.reserve_ms() if wake is not None else 0
+    for key in lease.keys[1:]:
+        names = [lock_name(lease.prefix, key), wait_name(lease.prefix, key), waiters_name(lease.prefix, key)]
+        woken = _woken((key,), scripts.release_multi(client, names, [lease.token, "", 0, reserve_ms, 1])[2])
+        if woken is not None and wake is not None:
+            wake(woken)
+
+
 def release_later(
     client: Any,
     lease: MultiLease,

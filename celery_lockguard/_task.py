@@ -1490,7 +1490,11 @@ class LockGuard(Task):
                 renewer().untrack(lease)
                 try:
                     if lease_ops.handover(
-                        connection.client(s), lease, token, claims.claim_ttl_ms(opts.queue_lock_ttl, delay)
+                        connection.client(s),
+                        lease,
+                        token,
+                        claims.claim_ttl_ms(opts.queue_lock_ttl, delay),
+                        wake=lambda woken: handoff.wake(self.app, s, woken, self.name, req.id),
                     ):
                         options["headers"][headers.CLAIM] = token
                         handed = token

@@ -326,3 +326,36 @@ def test_a_lock_limit_slot_held_on_an_entity_blocks_the_set(r: redis.Redis, pref
     blocked = take(r, prefix, ("a", "b"))
     assert isinstance(blocked, L.Holder) and blocked.entity == "b" and blocked.slot == 1
     assert not r.exists(lock_name(prefix, "a"))
+
+
+@pytest.mark.parametrize("mode", ["until_started", "until_done"])
+def test_queue_modes_claim_on_the_anchor_and_retries_free_every_other_entity(
+    app: Celery, r: redis.Redis, prefix: str, mode: str
+) -> None:
+    seen: list[dict[str, Any]] = []
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name=f"bank.{mode}", lock_key=ACC, lock_mode=mode, max_retries=2
+    )
+    def t(self: Any, src: int, dst: int) -> int:
+        seen.append(self.lock.fences)
+        if len(seen) == 1:
+            raise self.retry(countdown=0)
+        return len(seen)
+
+    assert t.apply(args=(1, 2)).get() == 2
+    assert seen[1]["acc:1"] > seen[0]["acc:1"] and seen[1]["acc:2"] > seen[0]["acc:2"]
+    assert not any(r.exists(lock_name(prefix, k)) for k in ("acc:1", "acc:2"))
+    assert not r.exists(claim_name(prefix, "acc:1"))
+
+
+def test_an_until_done_handover_keeps_the_claim_on_the_anchor_and_frees_the_rest(r: redis.Redis, prefix: str) -> None:
+    lease = take(r, prefix, ("a", "b"))
+    assert isinstance(lease, L.MultiLease)
+    assert L.handover(r, lease, "claim-token", 5000)
+    assert (
+        r.hget(lock_name(prefix, "a"), "token") == "claim-token" and r.hget(lock_name(prefix, "a"), "state") == "queued"
+    )
+    assert not r.exists(lock_name(prefix, "b"))
+    again = take(r, prefix, ("a", "b"), replace_token="claim-token")  # the retry adopts its claim
+    assert isinstance(again, L.MultiLease) and again.fences["a"] > lease.fences["a"]
