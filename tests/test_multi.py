@@ -359,3 +359,22 @@ def test_an_until_done_handover_keeps_the_claim_on_the_anchor_and_frees_the_rest
     assert not r.exists(lock_name(prefix, "b"))
     again = take(r, prefix, ("a", "b"), replace_token="claim-token")  # the retry adopts its claim
     assert isinstance(again, L.MultiLease) and again.fences["a"] > lease.fences["a"]
+
+
+def test_a_workflow_lock_key_sequence_naming_one_entity_is_that_entity_and_several_are_refused() -> None:
+    from celery import chain
+
+    from celery_lockguard import workflow
+
+    app = Celery("wf-multi", broker="memory://", set_as_current=False)
+
+    @app.task(base=LockedTask, shared=False, name="wf.step")
+    def step(a: int) -> int:
+        return a
+
+    w = workflow(chain(step.s(1)), lock_key=("acc:{src}", "acc:{dst}"), src=5, dst=5)
+    assert w.spec().key == "acc:5"
+    with pytest.raises(ConfigurationError) as err:
+        workflow(chain(step.s(1)), lock_key=("acc:{src}", "acc:{dst}"), src=5, dst=6)
+    text = str(err.value)
+    assert "lock_key=('acc:{src}', 'acc:{dst}')" in text and "several entities" in text
