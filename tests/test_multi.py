@@ -378,3 +378,17 @@ def test_a_workflow_lock_key_sequence_naming_one_entity_is_that_entity_and_sever
         workflow(chain(step.s(1)), lock_key=("acc:{src}", "acc:{dst}"), src=5, dst=6)
     text = str(err.value)
     assert "lock_key=('acc:{src}', 'acc:{dst}')" in text and "several entities" in text
+
+
+def test_the_plugin_holds_and_names_every_entity_of_a_multi_entity_task(
+    app: Celery, r: redis.Redis, lockguard: Any
+) -> None:
+    @app.task(base=LockedTask, shared=False, name="bank.held", lock_key=ACC, on_locked="raise")
+    def t(src: int, dst: int) -> None: ...
+
+    with lockguard.hold(t, 2, 1) as lease:
+        assert isinstance(lease, L.MultiLease) and set(lease.fences) == {"acc:1", "acc:2"}
+        with pytest.raises(LockContended):
+            t.apply(args=(1, 2), throw=True)
+    assert lockguard.lock_name(t, 2, 1).endswith("{acc:1}:lock")
+    t.apply(args=(1, 2), throw=True)
