@@ -738,7 +738,7 @@ class LockGuard(Task):
             reason = _describe(failure) if failure is not None else decision.reason
             emit("lock.backend_unavailable", self.name, **fields, policy=opts.on_unavailable, reason=reason)
         elif holder.task_id != keys.meta(self.request.id):
-            fields.update(multi.blocked_fields(call, holder))
+            fields.update(multi.contended_fields(call, holder))
             emit("lock.contended", self.name, **fields, holder_task_id=holder.task_id, policy=opts.on_locked)
 
     def _original_settled(self) -> bool:

@@ -170,7 +170,7 @@ def test_a_held_entity_means_none_is_taken_and_the_error_names_it(app: Celery, r
     assert ran == [] and not r.exists(lock_name(prefix, "acc:1"))  # acc:1 free: nothing was taken
     contended = [e for e in logs if e["event"] == "lock.contended"]
     assert contended and contended[0]["lock_key"] == "acc:2" and contended[0]["holder_task_id"] == "blocker-id"
-    assert contended[0]["lock_keys"] == ["acc:1", "acc:2"]
+    assert contended[0]["lock_keys"] == ["acc:1", "acc:2"] and contended[0]["holder_task_name"] == "x"
     L.release(r, blocker, prefix)
     t.apply(args=(1, 2), throw=True)
     assert ran == [1]
