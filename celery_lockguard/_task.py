@@ -966,7 +966,7 @@ class LockGuard(Task):
         Returns the new claim token ("" when none could be handed on; the wait goes on without).
         """
         client, token = connection.client(s), lease_ops.new_token()
-        ttl_ms = claims.claim_ttl_ms(opts.queue_lock_ttl)
+        ttl_ms = claims.wait_claim_ttl_ms(opts.queue_lock_ttl, republish.max_countdown(s))
         try:
             if opts.mode == "until_done":
                 return token if lease_ops.handover(client, lease, token, ttl_ms) else ""
@@ -1449,7 +1449,7 @@ class LockGuard(Task):
                 renewer().untrack(lease)
                 try:
                     if lease_ops.handover(
-                        connection.client(s), lease, token, claims.claim_ttl_ms(opts.queue_lock_ttl, delay)
+                        connection.client(s), lease, token, claims.retry_claim_ttl_ms(opts.queue_lock_ttl, delay)
                     ):
                         options["headers"][headers.CLAIM] = token
                         handed = token

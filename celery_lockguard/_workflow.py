@@ -936,7 +936,7 @@ def hand_on(
     fields = {"lock_key": spec.key, "task_id": req.id, "workflow_id": spec.id, "workflow": spec.name}
     renewer().untrack(lease)
     name = [keys.lock_name(s.key_prefix, spec.key)]
-    gap = max(spec.gap_ms, gap_ms)
+    gap = gap_ms_for(spec.gap_ms, gap_ms)
     try:
         if spec.parallel:  # one of a chord's header: leave the slot; the last one out hands it on
             flags = ["1" if final else "", "1" if failed else "", spec.width, "1" if left else ""]
@@ -965,6 +965,12 @@ def hand_on(
     else:
         emit("workflow.lost", task.name, **fields, reason="lease_gone_at_hand_over")
     return handed
+
+
+def gap_ms_for(gap_ttl_ms: int, covering: int) -> int:
+    """The gap WORKFLOW_PASS / WORKFLOW_LEAVE give the next copy: the workflow's ``gap_ttl``, or longer to cover
+    a delayed copy (``covering``: :func:`covering_ms` of its countdown)."""
+    return max(gap_ttl_ms, covering)
 
 
 def covering_ms(countdown: float | None) -> int:
