@@ -168,9 +168,13 @@ def debounce_cell(run: Run, opts: Options, entity: int, task_name: str, cell: st
             run.bursts.setdefault(cell, []).extend([first, second])
 
 
-def workflow_cell(run: Run, opts: Options, n: int, tenant: str, cell: str, wrapped: bool = True) -> None:
-    """One workflow on ``tenant``: even ``n`` a chain whose members take their own lock and retry, odd ``n`` a
-    chain with a chord whose middle page fails; a plain task on the entity published while it runs."""
+def workflow_cell(
+    run: Run, opts: Options, n: int, tenant: str, cell: str, wrapped: bool = True, delay: float = 0.0
+) -> None:
+    """One workflow on ``tenant``, ``delay`` seconds in: even ``n`` a chain whose members take their own lock and
+    retry, odd ``n`` a chain with a chord whose middle page fails; a plain task on the entity published while it
+    runs."""
+    time.sleep(delay)
     app, wf = run.app, f"{cell}-w{n:03d}"
     step, kw = app.tasks["cx.step"], {"cell": cell, "tenant": tenant, "wf": wf}
     page_ids: list[str] = []
@@ -232,7 +236,7 @@ def limit_cell(run: Run, opts: Options, seconds: float, partners: list[int], con
             ctl = unlocked.delay(control, f"cpurge{n}", 0.6)
             run.expect("limit-control", ctl.id, f"control purge cpurge{n}")
         n += 1
-        time.sleep(rng.uniform(0.1, 0.25))
+        time.sleep(rng.uniform(0.15, 0.4))  # below the fleet's pace: a purge waits for every slot to be free
 
 
 # -- faults --------------------------------------------------------------------------------------------------
@@ -304,6 +308,7 @@ def run_soak(opts: Options) -> int:
             "pg": opts.pg,
             "prefix": prefix,
             "queue": f"{prefix}.q",
+            "wf_queue": f"{prefix}.wf",
             "debounce": 0.4,
             "retry_delay": 6,
             "visibility_timeout": 30,
@@ -319,12 +324,12 @@ def run_soak(opts: Options) -> int:
                 control=app,
                 concurrency=opts.concurrency,
                 name=f"cx{i}-{uuid.uuid4().hex[:4]}",
-                queues=[cfg["queue"]],
+                queues=[queue],
                 env={"CHAOS_CX_CONFIG": json.dumps(cfg), "PYTHONPATH": str(ROOT)},
                 cwd=ROOT,
                 log_path=log_dir / f"worker{i}.log",
             )
-            for i in range(opts.workers)
+            for i, queue in enumerate([cfg["queue"]] * opts.workers + [cfg["wf_queue"]])
         ]
         stack.callback(stop_all, workers)
         start_all(workers, 120)
@@ -338,8 +343,8 @@ def run_soak(opts: Options) -> int:
         drivers.append((debounce_cell, (run, opts, 900, "cx.undebounced", "debounce-control", 1)))
         tenants = max(2, opts.workflows // 2)
         for n in range(opts.workflows):
-            drivers.append((workflow_cell, (run, opts, n, f"t{n % tenants}-{prefix}", "workflow")))
-        drivers.append((workflow_cell, (run, opts, 0, f"ctl-{prefix}", "workflow-control", False)))
+            drivers.append((workflow_cell, (run, opts, n, f"t{n % tenants}-{prefix}", "workflow", True, n * 1.5)))
+        drivers.append((workflow_cell, (run, opts, 0, f"ctl-{prefix}", "workflow-control", False, 0.0)))
         drivers.append((limit_cell, (run, opts, opts.limit_seconds, [1, 2], 99)))
         threads = [threading.Thread(target=fn, args=args, daemon=True) for fn, args in drivers]
         # a tenant's workflows run one after the other (each waits for the one before): start them in order
@@ -350,13 +355,14 @@ def run_soak(opts: Options) -> int:
             t.join(timeout=600)
         stop.set()
         fault.join(timeout=30)
+        ids = {tid for pubs in run.publishes.values() for tid, _, _ in pubs}
+        settle = time.monotonic() + (120 if opts.quick else 300)
+        while time.monotonic() < settle and not all(app.AsyncResult(t).ready() for t in ids):
+            time.sleep(0.5)
         states: dict[str, tuple[str, Any]] = {}
-        for pubs in run.publishes.values():
-            for tid, _, _ in pubs:
-                res = app.AsyncResult(tid)
-                with contextlib.suppress(CeleryTimeout):
-                    res.get(timeout=60, propagate=False)
-                states[tid] = (res.state, res.result if res.state == "SUCCESS" else None)
+        for tid in ids:
+            res = app.AsyncResult(tid)
+            states[tid] = (res.state, res.result if res.state == "SUCCESS" else None)
         deadline = time.monotonic() + LONGEST_TTL + 5
         pattern = f"{prefix}:v1:*"
 
@@ -389,11 +395,9 @@ def report(
     log_dir: Path,
 ) -> int:
     spans, unended = cc.executions(rows, kills)
-    parks = sum(
-        line.count("lock.retry_scheduled task_name=cx.debounced") and line.count("policy=park")
-        for log in log_dir.glob("*.log")
-        for line in log.read_text(errors="replace").splitlines()
-    )
+    lines = [line for log in log_dir.glob("*.log") for line in log.read_text(errors="replace").splitlines()]
+    parks = sum(1 for x in lines if "lock.waiting task_name=cx.debounced" in x and "policy=park" in x)
+    woken = sum(1 for x in lines if "task_name=cx.debounced" in x and "reason=woken_copy_runs" in x)
     cells = ("debounce", "workflow", "limit")
     found = {c: cc.CellFindings() for c in (*cells, "debounce-control", "workflow-control", "limit-control")}
     for where, problem in (x.split(": ", 1) for x in run.errors):
@@ -450,7 +454,8 @@ def report(
         extra = f", {killed} killed mid-body"
         if cell == "debounce":
             n = len(run.bursts.get(cell, []))
-            extra += f", {n} bursts ({found[cell].covered} covered by a later run after a kill), {parks} parked"
+            extra += f", {n} bursts ({found[cell].covered} covered by a later run after a kill)"
+            extra += f", {parks} runs parked, {woken} woken by a release (their safety copy dropped)"
         print(f"  {cell:9s} publishes {len(pubs):4d}, bodies {bodies:4d}, effects "
               f"{sum(1 for x in effects if x[0] == cell):4d}{extra}: {summary}")  # fmt: skip
         for ex in found[cell].examples:
