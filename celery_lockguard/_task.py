@@ -41,6 +41,7 @@ from . import _headers as headers
 from . import _keys as keys
 from . import _lease as lease_ops
 from . import _metrics as metrics
+from . import _multi as multi
 from . import _republish as republish
 from . import _signals as signals
 from . import _tracing as tracing
@@ -165,12 +166,17 @@ class LockGuard(Task):
             self.__dict__["_lockguard_options"] = opts
         return opts
 
-    def lock_key_for(self, *args: Any, **kwargs: Any) -> str | None:
-        """The rendered entity key K for a call (no prefix), or ``None`` if the task is unlocked."""
+    def lock_key_for(self, *args: Any, **kwargs: Any) -> str | tuple[str, ...] | None:
+        """The rendered entity key K for a call (no prefix), or ``None`` if the task is unlocked.
+
+        Several entities (``lock_key`` as a sequence): the tuple of entity keys, sorted and deduplicated
+        (a call naming one entity twice gets its one key, a str).
+        """
         opts = self.lockguard_options
         if not opts.locked:
             return None
-        return calls.render(opts, "<task-id>", args, kwargs).key
+        call = calls.render(opts, "<task-id>", args, kwargs)
+        return call.keys or call.key
 
     def _names(self, opts: TaskOptions, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallNames:
         return calls.render(opts, task_id, args, kwargs)
@@ -414,6 +420,7 @@ class LockGuard(Task):
         # adopts the reservation RELEASE made for it (token = park token), if it is still there.
         park_token = headers.read_str(req, headers.PARK) if opts.mode == "while_running" and not watch_copy else ""
         reserved = park_token  # a reservation RELEASE may have made for us: freed on every exit that does not run
+        parked = multi.parked_on(call, headers.read_str(req, headers.PARK_ENTITY))  # several entities: where it parked
         if park_token:
             replace_token = park_token
         # A lock_limit waiter parks behind its N slots (a slot's release wakes it into that slot); a lock_rate
@@ -429,7 +436,7 @@ class LockGuard(Task):
             outcome: Outcome
             try:
                 if park_token:
-                    self._settle_parked(s, call, client, park_token)
+                    self._settle_parked(s, parked, client, park_token)
                     park_token = ""
                 got = self._acquire(s, opts, call, client, token, replace_token, store, start_claim)
             except Ignore:
@@ -500,24 +507,31 @@ class LockGuard(Task):
                 else:
                     self._give_back(s, opts, got)
             self._met(opts, call, decision, holder, failure, throttled)
+            if reserved and call.keys and action is not Action.RUN:
+                # Several entities, one of them reserved for us, another held: give the reservation back (its
+                # entity's next waiter is woken) before waiting; a delivery never waits holding part of its set.
+                handoff.abandon(self.app, s, parked.key, reserved, self.name, req.id)
+                reserved = ""
             if action is Action.PARK:
                 assert holder is not None
-                parked = self._park(s, opts, call, client, decision, holder, free_retries, first_ms)
-                if parked == "acquire_again":
+                at = multi.parked_on(call, holder.entity or "")  # park on the entity that blocked us
+                sig = self._park(s, opts, at, client, decision, holder, free_retries, first_ms)
+                if sig == "acquire_again":
                     free_retries += 1
                     continue
-                if isinstance(parked, str) and parked.startswith("adopt:"):
-                    replace_token = parked[len("adopt:") :]  # our publish failed, yet a releaser woke us
+                if isinstance(sig, str) and sig.startswith("adopt:"):
+                    replace_token = sig[len("adopt:") :]  # our publish failed, yet a releaser woke us
+                    parked = at
                     continue
-                if parked is not None:
-                    raise Retry(exc=self._contention_error(call, holder, None), when=_when(parked), sig=parked)
+                if sig is not None:
+                    raise Retry(exc=self._contention_error(call, holder, None), when=_when(sig), sig=sig)
                 decision = Decision(Action.WAIT, decision.reason)  # could not park: back off as before
                 action = decision.action
             if action in FREES_CLAIM and not (action is Action.FAIL_OPEN and opts.mode == "until_done"):
                 self._free_claim(s, opts, call, claim_token)
             if reserved and action in FREES_CLAIM:
                 # answered from the record, skipped, gave up...: the reservation must not hold up the next waiter
-                handoff.abandon(self.app, s, call.key, reserved, self.name, req.id, limit=opts.limit)
+                handoff.abandon(self.app, s, parked.key, reserved, self.name, req.id, limit=opts.limit)
             if action is Action.WAIT:
                 attempt = token if outcome == "unavailable" and got is None else None
                 sig = self._wait(s, opts, call, decision, holder, attempt, handed, first_ms, throttled=throttled)
@@ -609,6 +623,24 @@ class LockGuard(Task):
         claim_token: str = "",
     ) -> Lease | Holder | Done | Throttled:
         req = self.request
+        if call.keys:  # several entities: all or nothing (_multi)
+            return multi.acquire(
+                client,
+                s.key_prefix,
+                call.keys,
+                ttl_ms=opts.ttl_ms,
+                task_id=req.id,
+                task_name=self.name,
+                digest=call.digest,
+                worker=req.hostname or "",
+                fence_ttl_ms=int(s.fence_ttl * 1000),
+                scope=call.record if store is not None and store.in_scripts else None,
+                token=token,
+                replace_token=replace_token,
+                claim_token=claim_token,
+                wake=lambda woken: handoff.wake(self.app, s, woken, self.name, req.id, client),
+                reserve_ms=handoff.reserve_ms(),
+            )
         return lease_ops.acquire(
             client,
             s.key_prefix,
@@ -706,6 +738,7 @@ class LockGuard(Task):
             reason = _describe(failure) if failure is not None else decision.reason
             emit("lock.backend_unavailable", self.name, **fields, policy=opts.on_unavailable, reason=reason)
         elif holder.task_id != keys.meta(self.request.id):
+            fields.update(multi.blocked_fields(call, holder))
             emit("lock.contended", self.name, **fields, holder_task_id=holder.task_id, policy=opts.on_locked)
 
     def _original_settled(self) -> bool:
@@ -768,7 +801,7 @@ class LockGuard(Task):
             rate = self.lockguard_options.rate
             return LockThrottled(call.key, throttled.wait_ms, rate.text if rate is not None else None)
         if holder is not None:
-            return LockContended(call.key, holder.task_id, holder.pttl_ms)
+            return LockContended(holder.entity or call.key, holder.task_id, holder.pttl_ms)
         reason = _describe(failure) if failure is not None else "acquire_slower_than_ttl"
         return BackendUnavailable(f"task {self.name!r}: lock store unavailable for {call.key!r}: {reason}")
 
@@ -783,7 +816,14 @@ class LockGuard(Task):
         kwargs: dict[str, Any],
     ) -> Any:
         req = self.request
-        emit("lock.acquired", self.name, lock_key=call.key, task_id=req.id, fence=lease.fence)
+        emit(
+            "lock.acquired",
+            self.name,
+            lock_key=call.key,
+            task_id=req.id,
+            fence=lease.fence_field,
+            **multi.set_fields(call),
+        )
         if opts.slotted:
             rate = opts.rate.text if opts.rate is not None else None
             emit(
@@ -894,7 +934,7 @@ class LockGuard(Task):
                 # metrics only): say on the span that the release went out. report.span is the span current
                 # here (captured just above, or None when none records): no fields built for no span.
                 if report.span is not None:
-                    fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence}
+                    fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence_field}
                     fields["hold_ms"] = round(report.hold_ms)
                     tracing.span_event("lock.release_sent", self.name, fields, report.span)
                 return
@@ -1138,7 +1178,7 @@ class LockGuard(Task):
         emit(
             "lock.waiting",
             self.name,
-            **self._fields(call),
+            **{**self._fields(call), **multi.blocked_fields(call, holder)},
             reason=decision.reason,
             holder_task_id=holder.task_id if holder is not None else None,
             holder_task_name=holder.task_name if holder is not None else None,
@@ -1669,7 +1709,7 @@ class _ReleaseReport:
 
     def __call__(self, reply: tuple[int, int, lease_ops.Woken | None] | BaseException) -> None:
         lease, hold_ms = self.lease, round(self.hold_ms)
-        fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence}
+        fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence_field}
         if isinstance(reply, BaseException):
             self._emit("lock.backend_unavailable", **fields, reason=f"release: {_describe(reply)}")
             if self.scope is not None:
