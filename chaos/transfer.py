@@ -174,15 +174,25 @@ def _drive(
             time.sleep(0.05)
         blocked.extend((k, time.monotonic() - killed_at) for k in pending)
 
-    def killer() -> None:
-        while not stop.wait(rng.expovariate(1 / args.kill_every)):
-            if not killing.is_set():
-                continue
+    def running_bodies() -> list[Any]:
+        """Pids of live pool children inside a transfer body, polled up to a second (bodies are short)."""
+        deadline = time.monotonic() + 1.0
+        while killing.is_set() and time.monotonic() < deadline:
             live = {pid for w in workers for pid in w.children()}
             running = kill_db.execute(
                 f"SELECT pid FROM {tables.executions} WHERE t_end IS NULL AND NOT control AND pid = ANY(%s)",
                 (sorted(live),),
             ).fetchall()
+            if running:
+                return running
+            time.sleep(0.02)
+        return []
+
+    def killer() -> None:
+        while not stop.wait(rng.expovariate(1 / args.kill_every)):
+            if not killing.is_set():
+                continue
+            running = running_bodies()
             if not running:
                 continue
             pid = rng.choice(running)[0]
@@ -370,8 +380,17 @@ def main(argv: list[str] | None = None) -> int:
         f"children killed: {o.kills}, longest an entity stayed with a killed child: {o.longest_blocked:.2f} s "
         f"(TTL {args.ttl} s), {o.seconds:.0f} s"
     )
-    print(f"control (locking off, {o.control_transfers} transfers): caught {len(f.control_caught)} time(s)")
-    for line in f.control_caught[:3]:
+    pairs = sum(1 for line in f.control_caught if line.startswith("account "))
+    money = [line for line in f.control_caught if not line.startswith("account ")]
+    print(
+        f"control (locking off, {o.control_transfers} transfers): "
+        + (
+            f"caught: {pairs} overlapping pairs of bodies; money: {'; '.join(money) or 'intact'}"
+            if f.control_caught
+            else "NOT caught"
+        )
+    )
+    for line in f.control_caught[:2]:
         print(f"  control: {line}")
     for v in f.violations[:20]:
         print(f"VIOLATION {v}")

@@ -136,7 +136,8 @@ def create_app(cfg: dict[str, Any]) -> Celery:
             time.sleep(work_ms / 2000 * random.uniform(0.5, 1.5))  # a kill lands before or inside the transaction
             with conn.transaction():
                 if lease is not None:
-                    advance_fence(conn, lease, table=tables.fences)  # every account's fence; StaleFence: retried
+                    for key in sorted(lease.fences):  # each account's fence, in one order; StaleFence: retried
+                        advance_fence(conn, lease, table=tables.fences, entity=key)
                 rows = conn.execute(
                     f"SELECT id, balance FROM {tables.accounts} WHERE id = ANY(%s)", (accounts,)
                 ).fetchall()
