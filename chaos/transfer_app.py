@@ -37,8 +37,12 @@ from celery_lockguard.fencing import fence_table_sql
 
 from .app import connect
 
+# Lock events at INFO and above with ``--loglevel INFO`` (the driver's option): a stall is then readable.
 structlog.configure(
-    wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING), cache_logger_on_first_use=True
+    wrapper_class=structlog.make_filtering_bound_logger(
+        getattr(logging, json.loads(os.environ.get("CHAOS_TRANSFER", "{}")).get("loglevel", "WARNING"))
+    ),
+    cache_logger_on_first_use=True,
 )
 
 #: The two entities of a transfer: held together or not at all.
