@@ -186,6 +186,7 @@ class MultiLease(Lease):
         self._fences = dict(fences)
         super().__init__(keys[0], prefix, token, fences[keys[0]], ttl_ms, sent_at, task_id, task_name)
         self.redis_keys = [lock_name(prefix, k) for k in keys]
+        self.prefix = prefix
 
     @property
     def fence(self) -> int:
@@ -749,8 +750,18 @@ def confirm_claim(
     return confirmed
 
 
-def handover(client: Any, lease: Lease, new_token: str, ttl_ms: int) -> bool:
-    """Turn ``lease`` into a queued claim carrying ``new_token`` (until_done retries)."""
+def handover(
+    client: Any, lease: Lease, new_token: str, ttl_ms: int, wake: Callable[[Woken], Any] | None = None
+) -> bool:
+    """Turn ``lease`` into a queued claim carrying ``new_token`` (until_done retries).
+
+    A multi-entity lease keeps the claim on its anchor (the entity the claim lives on) and frees the
+    others first (token-checked); ``wake`` publishes the copy of a waiter one of them was handed to.
+    """
+    if isinstance(lease, MultiLease):
+        from . import _multi
+
+        _multi.release_others(client, lease, wake)
     handed = bool(scripts.handover(client, [lease.redis_key], [lease.token, new_token, ttl_ms]))
     lease.released = True
     return handed

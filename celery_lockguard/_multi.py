@@ -40,6 +40,7 @@ from . import _cluster as cluster
 from . import _scripts as scripts
 from . import _wire
 from ._calls import CallNames
+from ._headers import PARK_ENTITY
 from ._keys import claim_name, done_name, fence_name, lock_name, meta, wait_name, waiters_name
 from ._lease import HOST, Done, Holder, MultiLease, Woken, held_reply, new_token
 
@@ -57,6 +58,11 @@ def parked_on(call: CallNames, entity: str) -> CallNames:
     if call.keys and entity and entity != call.key and entity in call.keys:
         return call._replace(key=entity)
     return call
+
+
+def park_headers(call: CallNames) -> dict[str, str]:
+    """The header naming the entity a multi-entity delivery parks on (``call`` as :func:`parked_on` gave it)."""
+    return {PARK_ENTITY: call.key} if call.keys else {}
 
 
 def blocked_fields(call: CallNames, holder: Holder | None) -> dict[str, Any]:
@@ -293,6 +299,18 @@ def release(
     released = -1 if -1 in codes else (1 if all(c == 1 for c in codes) else 0)
     first = Woken(woken[0].key, woken[0].park_token, woken[0].message, tuple(woken[1:])) if woken else None
     return released, max(recorded, 0), first
+
+
+def release_others(client: Any, lease: MultiLease, wake: Callable[[Woken], Any] | None) -> None:
+    """Free every entity but the anchor (an ``until_done`` retry keeps its claim there), waking their waiters."""
+    from . import _handoff as handoff  # imports _lease, which imports this module lazily
+
+    reserve_ms = handoff.reserve_ms() if wake is not None else 0
+    for key in lease.keys[1:]:
+        names = [lock_name(lease.prefix, key), wait_name(lease.prefix, key), waiters_name(lease.prefix, key)]
+        woken = _woken((key,), scripts.release_multi(client, names, [lease.token, "", 0, reserve_ms, 1])[2])
+        if woken is not None and wake is not None:
+            wake(woken)
 
 
 def release_later(

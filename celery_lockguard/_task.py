@@ -1215,6 +1215,7 @@ class LockGuard(Task):
             **republish.wait_headers(req, None, first_delivered_ms=first_ms),
             headers.PARK: park_token,
             headers.PARKED_AT: first or int(time.time() * 1000),
+            **multi.park_headers(call),
         }
         hdrs.pop(headers.WOKEN, None)
         args, kwargs = req.args or (), req.kwargs or {}
@@ -1489,7 +1490,11 @@ class LockGuard(Task):
                 renewer().untrack(lease)
                 try:
                     if lease_ops.handover(
-                        connection.client(s), lease, token, claims.claim_ttl_ms(opts.queue_lock_ttl, delay)
+                        connection.client(s),
+                        lease,
+                        token,
+                        claims.claim_ttl_ms(opts.queue_lock_ttl, delay),
+                        wake=lambda woken: handoff.wake(self.app, s, woken, self.name, req.id),
                     ):
                         options["headers"][headers.CLAIM] = token
                         handed = token

@@ -326,3 +326,69 @@ def test_a_lock_limit_slot_held_on_an_entity_blocks_the_set(r: redis.Redis, pref
     blocked = take(r, prefix, ("a", "b"))
     assert isinstance(blocked, L.Holder) and blocked.entity == "b" and blocked.slot == 1
     assert not r.exists(lock_name(prefix, "a"))
+
+
+@pytest.mark.parametrize("mode", ["until_started", "until_done"])
+def test_queue_modes_claim_on_the_anchor_and_retries_free_every_other_entity(
+    app: Celery, r: redis.Redis, prefix: str, mode: str
+) -> None:
+    seen: list[dict[str, Any]] = []
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name=f"bank.{mode}", lock_key=ACC, lock_mode=mode, max_retries=2
+    )
+    def t(self: Any, src: int, dst: int) -> int:
+        seen.append(self.lock.fences)
+        if len(seen) == 1:
+            raise self.retry(countdown=0)
+        return len(seen)
+
+    assert t.apply(args=(1, 2)).get() == 2
+    assert seen[1]["acc:1"] > seen[0]["acc:1"] and seen[1]["acc:2"] > seen[0]["acc:2"]
+    assert not any(r.exists(lock_name(prefix, k)) for k in ("acc:1", "acc:2"))
+    assert not r.exists(claim_name(prefix, "acc:1"))
+
+
+def test_an_until_done_handover_keeps_the_claim_on_the_anchor_and_frees_the_rest(r: redis.Redis, prefix: str) -> None:
+    lease = take(r, prefix, ("a", "b"))
+    assert isinstance(lease, L.MultiLease)
+    assert L.handover(r, lease, "claim-token", 5000)
+    assert (
+        r.hget(lock_name(prefix, "a"), "token") == "claim-token" and r.hget(lock_name(prefix, "a"), "state") == "queued"
+    )
+    assert not r.exists(lock_name(prefix, "b"))
+    again = take(r, prefix, ("a", "b"), replace_token="claim-token")  # the retry adopts its claim
+    assert isinstance(again, L.MultiLease) and again.fences["a"] > lease.fences["a"]
+
+
+def test_a_workflow_lock_key_sequence_naming_one_entity_is_that_entity_and_several_are_refused() -> None:
+    from celery import chain
+
+    from celery_lockguard import workflow
+
+    app = Celery("wf-multi", broker="memory://", set_as_current=False)
+
+    @app.task(base=LockedTask, shared=False, name="wf.step")
+    def step(a: int) -> int:
+        return a
+
+    w = workflow(chain(step.s(1)), lock_key=("acc:{src}", "acc:{dst}"), src=5, dst=5)
+    assert w.spec().key == "acc:5"
+    with pytest.raises(ConfigurationError) as err:
+        workflow(chain(step.s(1)), lock_key=("acc:{src}", "acc:{dst}"), src=5, dst=6)
+    text = str(err.value)
+    assert "lock_key=('acc:{src}', 'acc:{dst}')" in text and "several entities" in text
+
+
+def test_the_plugin_holds_and_names_every_entity_of_a_multi_entity_task(
+    app: Celery, r: redis.Redis, lockguard: Any
+) -> None:
+    @app.task(base=LockedTask, shared=False, name="bank.held", lock_key=ACC, on_locked="raise")
+    def t(src: int, dst: int) -> None: ...
+
+    with lockguard.hold(t, 2, 1) as lease:
+        assert isinstance(lease, L.MultiLease) and set(lease.fences) == {"acc:1", "acc:2"}
+        with pytest.raises(LockContended):
+            t.apply(args=(1, 2), throw=True)
+    assert lockguard.lock_name(t, 2, 1).endswith("{acc:1}:lock")
+    t.apply(args=(1, 2), throw=True)
