@@ -72,6 +72,12 @@ def blocked_fields(call: CallNames, holder: Holder | None) -> dict[str, Any]:
     return {"lock_key": holder.entity, "lock_keys": list(call.keys)}
 
 
+def contended_fields(call: CallNames, holder: Holder) -> dict[str, Any]:
+    """:func:`blocked_fields` plus the blocking holder's task name (``lock.contended`` names entity, task and id)."""
+    fields = blocked_fields(call, holder)
+    return {**fields, "holder_task_name": holder.task_name} if fields else fields
+
+
 def set_fields(call: CallNames) -> dict[str, Any]:
     """``lock_keys`` (every entity of the set) for a multi-entity call's events; nothing for one entity."""
     return {"lock_keys": list(call.keys)} if call.keys else {}

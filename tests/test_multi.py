@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -168,7 +170,7 @@ def test_a_held_entity_means_none_is_taken_and_the_error_names_it(app: Celery, r
     assert ran == [] and not r.exists(lock_name(prefix, "acc:1"))  # acc:1 free: nothing was taken
     contended = [e for e in logs if e["event"] == "lock.contended"]
     assert contended and contended[0]["lock_key"] == "acc:2" and contended[0]["holder_task_id"] == "blocker-id"
-    assert contended[0]["lock_keys"] == ["acc:1", "acc:2"]
+    assert contended[0]["lock_keys"] == ["acc:1", "acc:2"] and contended[0]["holder_task_name"] == "x"
     L.release(r, blocker, prefix)
     t.apply(args=(1, 2), throw=True)
     assert ran == [1]
@@ -392,3 +394,41 @@ def test_the_plugin_holds_and_names_every_entity_of_a_multi_entity_task(
             t.apply(args=(1, 2), throw=True)
     assert lockguard.lock_name(t, 2, 1).endswith("{acc:1}:lock")
     t.apply(args=(1, 2), throw=True)
+
+
+def test_a_two_entity_task_costs_two_round_trips_as_a_one_entity_task_does(own_redis: RedisServer) -> None:
+    app = Celery("multirt", broker="memory://", set_as_current=False)
+    app.conf.lockguard_redis_url = own_redis.url
+    app.conf.lockguard_key_prefix = "rt"
+    c = own_redis.client()
+
+    @app.task(base=LockedTask, shared=False, name="bank.rt2", lock_key=ACC, lock_renew=False)
+    def two(src: int, dst: int) -> None: ...
+
+    @app.task(base=LockedTask, shared=False, name="bank.rt1", lock_key="acc:{src}", lock_renew=False)
+    def one(src: int) -> None: ...
+
+    def calls(run: Any) -> list[str]:
+        """The commands clients sent (MONITOR, leaving out what scripts call) while ``run`` ran, warmed up."""
+        run()  # warm up: scripts loaded, connection open
+        marker = f"multirt-{uuid.uuid4().hex}"
+        seen: list[str] = []
+        with c.monitor() as m:
+
+            def read() -> None:
+                for cmd in m.listen():
+                    if marker in cmd["command"]:
+                        return
+                    verb = cmd["command"].split(" ", 1)[0].upper()
+                    if cmd.get("client_type") != "lua" and verb not in ("HELLO", "CLIENT", "AUTH", "SELECT"):
+                        seen.append(verb)
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            run()
+            c.get(marker)
+            reader.join(10)
+        return seen
+
+    assert calls(lambda: two.apply(args=(1, 2), throw=True)) == ["EVALSHA", "EVALSHA"]  # ACQUIRE_MULTI, RELEASE_MULTI
+    assert calls(lambda: one.apply(args=(1,), throw=True)) == ["EVALSHA", "EVALSHA"]  # ACQUIRE, RELEASE
