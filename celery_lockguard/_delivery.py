@@ -390,6 +390,8 @@ def _acquire(
             claim_token=claim_token,
             wake=lambda woken: handoff.wake(task.app, s, woken, task.name, req.id, client),
             reserve_ms=handoff.reserve_ms(),
+            replicas=opts.replicas,
+            replicas_timeout_ms=max(1, min(opts.replicas_timeout_ms, int(s.socket_timeout * 500))),
         )
     return lease_ops.acquire(
         client,
@@ -582,9 +584,10 @@ def _run_locked(
             task.name,
             lock_key=call.key,
             task_id=req.id,
-            fence=lease.fence,
+            fence=lease.fence_field,
             replicas=lease.replicas,
             wanted=opts.replicas,
+            **multi.set_fields(call),
         )
     request_state.hold(req, lease)
     request_state.enter(req, call)

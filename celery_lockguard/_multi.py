@@ -42,7 +42,7 @@ from . import _wire
 from ._calls import CallNames
 from ._headers import PARK_ENTITY
 from ._keys import claim_name, done_name, fence_name, lock_name, meta, wait_name, waiters_name
-from ._lease import HOST, Done, Holder, MultiLease, Woken, held_reply, new_token
+from ._lease import HOST, Done, Holder, MultiLease, Woken, _acquire_and_wait, held_reply, new_token
 
 #: Reply of :func:`release`: (released, recorded, woken) as ``_lease.release_and_wake``'s. ``released`` is
 #: 1 when every entity was still ours, -1 when any was taken by another holder, else 0 (one expired).
@@ -111,6 +111,8 @@ def acquire(
     claim_token: str = "",
     wake: Callable[[Woken], Any] | None = None,
     reserve_ms: int = 0,
+    replicas: int = 0,
+    replicas_timeout_ms: int = 0,
 ) -> MultiLease | Holder | Done:
     """Take every entity of ``keys`` (sorted, distinct, two or more) or none; check ``scope``'s record first.
 
@@ -118,6 +120,8 @@ def acquire(
     (``Holder.entity`` names it), or :class:`Done` when the completion record exists.
     ``wake``/``reserve_ms``: on Cluster, a roll-back frees entities it took for a moment; a waiter that
     parked behind one meanwhile is handed it (``reserve_ms`` > 0) and ``wake`` publishes its copy.
+    ``replicas`` > 0 sends ``WAIT`` in the same round trip as ACQUIRE_MULTI (``lock_replicas``, as
+    ``_lease.acquire`` does); the in-order Cluster path does not wait (``MultiLease.replicas`` is ``None``).
     """
     token = token or new_token()
     base = [token, ttl_ms, meta(task_id), meta(task_name), meta(digest), meta(HOST), os.getpid(), meta(worker)]
@@ -129,8 +133,16 @@ def acquire(
     if one_slot(client, names + ([done_key] if done_key else [])):
         if done_key is not None:
             names.append(done_key)
-        reply = _call(client, names, base + [len(keys)] + [siblings(keys, i) for i in range(len(keys))], keys)
-        return _answer(reply, keys, prefix, token, ttl_ms, sent_at, task_id, task_name)
+        args = base + [len(keys)] + [siblings(keys, i) for i in range(len(keys))]
+        acked: int | None = None
+        if replicas > 0:
+            reply, acked = _call_and_wait(client, names, args, keys, replicas, replicas_timeout_ms)
+        else:
+            reply = _call(client, names, args, keys)
+        got = _answer(reply, keys, prefix, token, ttl_ms, sent_at, task_id, task_name)
+        if isinstance(got, MultiLease):
+            got.replicas = acked
+        return got
     order = _InOrder(client, prefix, keys, token, wake, reserve_ms)
     return order.acquire(base, done_key, sent_at, ttl_ms, task_id, task_name)
 
@@ -144,6 +156,20 @@ def _call(client: Any, names: list[str], args: list[Any], keys: tuple[str, ...])
         text = str(exc)
         named = next((f for f in fences if f" {f} " in text), fences[0])
         corrupt = scripts.corrupt_fence(exc, named)
+        if corrupt is not None:
+            raise corrupt from exc
+        raise
+
+
+def _call_and_wait(
+    client: Any, names: list[str], args: list[Any], keys: tuple[str, ...], replicas: int, timeout_ms: int
+) -> tuple[Any, int]:
+    try:
+        return _acquire_and_wait(client, names, args, replicas, timeout_ms, scripts.acquire_multi)
+    except ResponseError as exc:
+        corrupt = scripts.corrupt_fence(
+            exc, next((f for f in names[len(keys) : 2 * len(keys)] if f" {f} " in str(exc)), None)
+        )
         if corrupt is not None:
             raise corrupt from exc
         raise

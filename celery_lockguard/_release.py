@@ -123,7 +123,8 @@ def hand_back(task: Any, s: Settings, opts: TaskOptions, call: CallNames, lease:
     ttl_ms = claims.claim_ttl_ms(opts.queue_lock_ttl)
     try:
         if opts.mode == "until_done":
-            return token if lease_ops.handover(client, lease, token, ttl_ms) else ""
+            wake = lambda woken: handoff.wake(task.app, s, woken, task.name, lease.task_id, client)  # noqa: E731
+            return token if lease_ops.handover(client, lease, token, ttl_ms, wake=wake) else ""
         release(task, s, opts, lease)
         got = lease_ops.claim(
             client,

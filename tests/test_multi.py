@@ -432,3 +432,14 @@ def test_a_two_entity_task_costs_two_round_trips_as_a_one_entity_task_does(own_r
 
     assert calls(lambda: two.apply(args=(1, 2), throw=True)) == ["EVALSHA", "EVALSHA"]  # ACQUIRE_MULTI, RELEASE_MULTI
     assert calls(lambda: one.apply(args=(1,), throw=True)) == ["EVALSHA", "EVALSHA"]  # ACQUIRE, RELEASE
+
+
+def test_lock_replicas_waits_in_the_same_round_trip_for_several_entities(app: Celery) -> None:
+    @app.task(base=LockedTask, bind=True, shared=False, name="bank.rep", lock_key=ACC, lock_replicas=1)
+    def t(self: Any, src: int, dst: int) -> Any:
+        return self.lock.replicas
+
+    with capture_logs() as logs:
+        assert t.apply(args=(1, 2), throw=True).get() == 0  # the test server has no replica
+    under = [e for e in logs if e["event"] == "lock.under_replicated"]
+    assert under and under[0]["wanted"] == 1 and under[0]["lock_keys"] == ["acc:1", "acc:2"]

@@ -102,3 +102,24 @@ def test_the_release_of_the_blocking_entity_wakes_a_multi_waiter_and_a_new_block
     ended = time.time()
     assert started(r, prefix, waiter.id, BOUND) - ended < BOUND
     assert waiter.get(timeout=30)["tag"] == "waiter"
+
+
+def test_a_terminated_multi_entity_holder_frees_every_entity_and_wakes_each_ones_waiter(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    task = app.tasks["multi_pair"]
+    x, y, z = (uuid.uuid4().hex[:8] for _ in range(3))
+    holder = task.delay(x, y, f"{prefix}:never", "holder")
+    wait_for(lambda: records(r, prefix), 30, what="the holder's body")
+    waiters = [task.delay(x, z, "", "wx"), task.delay(y, z + "b", "", "wy")]  # one parks on x, one on y
+    parked(r, prefix, f"pair:{x}")
+    parked(r, prefix, f"pair:{y}")
+    # SIGKILL: the child runs no release; the main process cuts every entity of the set to the grace (2 s).
+    app.control.revoke(holder.id, terminate=True, signal="SIGKILL")
+    revoked_at = time.time()
+    for w in waiters:
+        assert started(r, prefix, w.id, BOUND + 2) - revoked_at < BOUND
+    assert sorted(w.get(timeout=30)["tag"] for w in waiters) == ["wx", "wy"]
