@@ -15,6 +15,7 @@ from . import breakdown as breakdown_mod
 from . import cycle as cycle_mod
 from . import e2e as e2e_mod
 from . import limits as limits_mod
+from . import multi as multi_mod
 from . import scaling as scaling_mod
 from . import workerapp
 from .e2e import E2EResult
@@ -233,6 +234,8 @@ def render(res: Results, plot_name: str | None) -> str:
         "its publisher dies), and it no longer costs a write of its own.\n"
     )
     _extra_e2e(res, add)
+    if res.multi:
+        add(multi_mod.render(res.multi, res.params, _e2e_table))
     add("### Where a locked task's time goes\n")
     add(
         f"`task.apply()` in-process runs the same `LockedTask.__call__` as the worker, without broker and "

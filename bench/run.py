@@ -35,6 +35,7 @@ from . import (
     handoff,
     limits,
     memory,
+    multi,
     pg,
     renewal,
     scaling,
@@ -74,6 +75,8 @@ PARAMS: dict[str, tuple[Any, Any]] = {
     "scale_hot_n": (200, 50),
     "scale_cells": ([(1, 1000), (4, 1000), (1, 1), (4, 1)], [(1, 1000), (4, 1000), (4, 1)]),
     "scale_cluster_cells": ([(4, 1000)], [(4, 1000)]),
+    "multi_rounds": (9, 3),
+    "multi_n": (500, 150),
 }
 
 #: Scaling (issue 33): children per worker process.
@@ -113,6 +116,7 @@ class Results:
     pg_skipped: str = ""
     pg_table: str = ""
     cluster: list[E2EResult] = field(default_factory=list)
+    multi: list[E2EResult] = field(default_factory=list)
     handoff: list[handoff.HandoffResult] = field(default_factory=list)
     debounce: list[debounce.DebounceResult] = field(default_factory=list)
     limits: limits.LimitsResult | None = None
@@ -222,6 +226,20 @@ def run(quick: bool, command: str) -> Results:
         label = f"LockedTask on Redis Cluster: commands sent added per task <= {limit}"
         res.checks.append((label, sent <= limit + ROUND_TRIP_SLACK, f"{sent:.2f}"))
 
+    def do_multi(srv: RedisServer) -> None:
+        assert srv.proc is not None
+        res.multi = multi.measure(srv.url, p["multi_rounds"], p["multi_n"], server_pids=[srv.proc.pid])
+        extra = multi.added(res.multi)
+        two, one = extra[workerapp.TWO_ENTITIES], extra[multi.SINGLE]
+        limit = multi.MAX_TWO_ENTITY_ROUND_TRIPS
+        res.checks.append(
+            (
+                f"two entities: worker round trips added per task <= {limit}, as one entity's",
+                two <= limit + ROUND_TRIP_SLACK and abs(two - one) <= ROUND_TRIP_SLACK,
+                f"{two:.2f} (one entity {one:.2f}, nested {extra[workerapp.NESTED]:.2f})",
+            )
+        )
+
     def do_handoff(srv: RedisServer) -> None:
         with RedisServer() as locks:
             res.handoff = [handoff.scenario(srv.url, locks.url, p["handoff_rounds"], **HANDOFF)]
@@ -316,6 +334,7 @@ def run(quick: bool, command: str) -> Results:
         ("PostgreSQL completion", do_pg),
         ("Redis Cluster", do_cluster),
         ("scaling", do_scaling),
+        ("several entities", do_multi),
         ("breakdown", do_breakdown),
         ("contention", do_hot),
         ("hand-off", do_handoff),
