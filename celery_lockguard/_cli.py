@@ -67,7 +67,7 @@ from ._keys import (
     slot_lock_name,
 )
 from ._redact import redact, redact_text
-from ._terminal import duration, plural, printable
+from ._terminal import duration, entity, plural, printable
 from .exceptions import ConfigurationError, CorruptFence
 
 EX_CONFIG = getattr(os, "EX_CONFIG", 78)
@@ -247,7 +247,7 @@ def _debounce_table(pending: list[DebounceRow]) -> None:
 
     rows = [
         [
-            row.key,
+            entity(row.key),
             row.task_name,
             cell(row.pending_task_id),
             row.state,
@@ -292,7 +292,7 @@ def _lease_table(leases: list[HeldLease], waiting: dict[str, int], echo: bool = 
     if odd:
         click.echo(
             f"{plural(len(odd), 'lease')} with values no worker writes (shown as ?): "
-            + "; ".join(f"{printable(lease.key)}: {', '.join(lease.malformed)}" for lease in odd[:10]),
+            + "; ".join(f"{entity(lease.key)}: {', '.join(lease.malformed)}" for lease in odd[:10]),
             err=True,
         )
     return table

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._keys import MAX_KEY, lock_name, parse_lock_name, parse_rate_name, parse_slot_lock_name, rate_name, wait_name
-from ._terminal import plural
+from ._terminal import entity, plural
 
 #: A counter or a timestamp as the scripts write it: ASCII digits (at most 18, an int64's worth).
 _NUMBER = re.compile(r"[0-9]{1,18}\Z")
@@ -165,8 +165,9 @@ class HeldLease:
 
     @property
     def label(self) -> str:
-        """The entity key as the operator reads it: K, or ``K (slot i)`` for a ``lock_limit`` slot i > 0."""
-        return self.key if not self.slot else f"{self.key} (slot {self.slot})"
+        """The entity key as the operator reads it (:func:`~celery_lockguard._terminal.entity`: a non-ASCII key
+        beside its ASCII spelling): K, or ``K (slot i)`` for a ``lock_limit`` slot i > 0."""
+        return entity(self.key) + (f" (slot {self.slot})" if self.slot else "")
 
 
 def _slot(prefix: str, redis_key: str) -> int:
@@ -214,7 +215,7 @@ class EntityUse:
             )
         elif self.starts is not None:
             parts.append(f"{plural(self.starts, 'start')} recorded (no task of this app names its lock_rate)")
-        return f"{self.key}: " + ", ".join(parts)
+        return f"{entity(self.key)}: " + ", ".join(parts)
 
     def as_dict(self, prefix: str) -> dict[str, Any]:
         """The row of ``lockguard locks --json`` for a start window no slot holder carries (``state: "window"``)."""
