@@ -75,7 +75,7 @@ def _lease_row(lease: HeldLease, waiting: int) -> list[str]:
 
     where = lease.worker or f"{'?' if 'host' in bad else lease.host or '-'}:{'?' if 'pid' in bad else lease.pid or '-'}"
     return [
-        f'<span class="key">{text(lease.label)}</span>',
+        f'<span class="key">{text(lease.shown, None)}</span>',
         text(lease.state),
         cell(lease.task_name, "task_name"),
         f'<span class="id">{cell(lease.task_id, "task_id")}</span>',
