@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 import redis
 from celery import Celery
 
@@ -111,6 +112,7 @@ def test_release_names_the_siblings_it_leaves_held(app: Celery, r: redis.Redis, 
     assert r.exists(lock_name(prefix, "acct:2")) and not r.exists(lock_name(prefix, "acct:1"))
 
 
+@pytest.mark.integration  # a real exporter process, as tests/test_page.py (the compat cells leave them out)
 def test_the_page_names_each_entitys_siblings(
     redis_url: str,
     r: redis.Redis,

@@ -46,6 +46,7 @@ def test_locks_shows_look_alike_keys_apart_and_json_keeps_them_exact(app: Celery
     assert sorted(row["key"] for row in rows) == sorted(planted)
 
 
+@pytest.mark.integration  # a real exporter process, as tests/test_page.py (the compat cells leave them out)
 def test_the_page_shows_look_alike_keys_apart(
     redis_url: str,
     prefix: str,
