@@ -45,6 +45,7 @@ from . import _headers as headers
 from . import _keys as keys
 from . import _republish as republish
 from . import _scripts as scripts
+from . import _waits as waiting
 from . import _wire
 from ._config import Settings, TaskOptions
 from ._config import settings as settings_of
@@ -468,7 +469,7 @@ def _outage(
         raise error
     assert action is DebounceAction.WAIT
     emit("lock.backend_unavailable", task.name, **fields, policy=opts.on_unavailable, reason=why)
-    sig = task._wait(s, opts, call, Decision(Action.WAIT, reason), None, None)
+    sig = waiting.wait(task, s, opts, call, Decision(Action.WAIT, reason), None, None)
     if sig is not None:
         raise Retry(exc=error, when=republish.retry_when(sig), sig=sig)
     return False  # waited in this process (eager, or the wait's publish failed): ask again

@@ -28,7 +28,7 @@ over after the grace.
 ``wake_oldest`` (``_scripts._WAKE_OLDEST``), shared by RELEASE, FORCE_RELEASE
 and WAKE; the Python side is :func:`wake`, on each of their replies:
 
-* a task's release: ``LockGuard._release`` (RELEASE, reply read now or later);
+* a task's release: ``_release.release`` (RELEASE, reply read now or later);
 * a release by token outside a task body -- a workflow's end, the testing
   helper ``lockguard.hold()``, a discarded woken copy: :func:`release`;
 * an operator's forced release (``celery lockguard release``): FORCE_RELEASE, then :func:`wake`;

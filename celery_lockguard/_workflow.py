@@ -54,6 +54,7 @@ from celery import Signature, current_app, group, states
 from celery.canvas import _chain, _chord, chain, chord
 from celery.exceptions import Ignore, Reject, Retry
 
+from . import _calls as calls
 from . import _claims as claims
 from . import _connection as connection
 from . import _errors as errors
@@ -62,7 +63,9 @@ from . import _headers as headers
 from . import _keys as keys
 from . import _lease as lease_ops
 from . import _republish as republish
+from . import _request as request_state
 from . import _scripts as scripts
+from . import _taskclass as taskclass
 from ._config import Settings, TaskOptions, settings
 from ._decision import HolderFacts, Member, MemberAction, MemberDecision, OnLocked, OnUnavailable, decide_member
 from ._events import emit
@@ -339,9 +342,7 @@ def workflow(
         raise ConfigurationError(f"{where}: the chain has no members")
     for member in members:
         task = app.tasks.get(member.task)
-        from ._task import LockGuard
-
-        if not isinstance(task, LockGuard):
+        if not taskclass.is_guarded(task):
             raise ConfigurationError(
                 f"{where}: member {member.task!r} must be a LockGuard task (base=LockedTask) to run under "
                 "the workflow lease" + ("" if task is not None else " (it is not registered in this app)")
@@ -682,10 +683,12 @@ def _run_unlocked(
     own = headers.read(req, headers.WORKFLOW)
     if isinstance(own, dict):
         own["unlocked"] = True  # this member's own retry (on_retry copies the header) runs unlocked too
+    from . import _delivery as delivery  # the delivery's door (it imports this module: lock order)
+
     try:
         if opts.locked and task.lock_key_for(*args, **kwargs) != spec.key:
-            return task._deliver(s, opts, args, kwargs)
-        return task._body(args, kwargs)
+            return delivery.deliver(task, s, opts, args, kwargs)
+        return delivery.run_body(task, args, kwargs)
     finally:
         if ending and not spec.parallel:
             # A chord's other pages were published unmarked: they still join the lease (it waits in the gap for
@@ -803,23 +806,22 @@ def _run(
     delivery, inside this one); a ``lock_key`` on the workflow's own entity runs under the workflow
     lease (acquiring it again would wait on ourselves).
     """
-    from ._task import _CALL, _CHECKPOINTS, _LEASE
+    from . import _delivery as delivery  # the delivery's door (it imports this module: lock order)
 
     req = task.request
     setattr(req, WORKFLOW_LEASE, lease)
-    setattr(req, _LEASE, lease)
+    request_state.hold(req, lease)
     renewer().track(lease, client, spec.max_hold)
     nested = opts.locked and task.lock_key_for(*args, **kwargs) != spec.key
     outcome = "failed"
     try:
         if nested:
-            result = task._deliver(s, opts, args, kwargs)
+            result = delivery.deliver(task, s, opts, args, kwargs)
         else:
             # checkpoints work in every member (scoped by its own lock_key / idempotency_key, else its task id,
             # which its retries and redeliveries share)
-            setattr(req, _CALL, task._names(opts, req.id, args, kwargs))
-            setattr(req, _CHECKPOINTS, set())
-            result = task._body(args, kwargs)
+            request_state.enter(req, calls.render(opts, req.id, args, kwargs))
+            result = delivery.run_body(task, args, kwargs)
         outcome = "success"
         return result
     except Retry:
