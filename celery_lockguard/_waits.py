@@ -297,10 +297,9 @@ def contention_error(
     return BackendUnavailable(f"task {task.name!r}: lock store unavailable for {call.key!r}: {reason}")
 
 
-def when(sig: Any) -> float | None:
-    """The republished copy's countdown, for ``Retry(when=...)``: Celery logs "Retry in 2.5s", not "at None"."""
-    countdown = (getattr(sig, "options", None) or {}).get("countdown")
-    return round(float(countdown), 3) if isinstance(countdown, (int, float)) else None
+#: The republished copy's countdown, for ``Retry(when=...)`` (one rule for every self-republish: the
+#: debounce and workflow waits use it too).
+when = republish.retry_when
 
 
 def policy_of(opts: TaskOptions, reason: str) -> str:
