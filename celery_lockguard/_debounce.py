@@ -91,10 +91,11 @@ def record_ttl_ms(s: Settings, opts: TaskOptions, delay: float | None, eta: Any 
     That is the message's delay (``countdown``/``eta``), plus the transport's redelivery horizon
     (``visibility_timeout``: a worker that dies holding the message, as it holds every countdown
     message until due, gives it back that long after it took it), plus ``queue_lock_ttl`` (its time
-    in queue, before and after). Shorter, the dead worker's superseded copies would come back to no
+    in queue, before and after), and never less than the delay plus the publish grace
+    (:func:`_claims.covering_ttl_ms`). Shorter, the dead worker's superseded copies would come back to no
     record, find it ``missing`` and all run, older arguments after newer.
     """
-    return claims.claim_ttl_ms(opts.queue_lock_ttl + s.visibility_timeout, delay, eta)
+    return claims.covering_ttl_ms(opts.queue_lock_ttl + s.visibility_timeout, claims.due_in(delay, eta))
 
 
 def delay_for(opts: TaskOptions, options: dict[str, Any]) -> float:

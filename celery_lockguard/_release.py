@@ -19,6 +19,7 @@ from . import _lease as lease_ops
 from . import _metrics as metrics
 from . import _multi as multi
 from . import _records as records
+from . import _republish as republish
 from . import _tracing as tracing
 from . import _wire as wire
 from ._calls import CallNames
@@ -147,7 +148,7 @@ def hand_back(task: Any, s: Settings, opts: TaskOptions, call: CallNames, lease:
     Returns the new claim token ("" when none could be handed on; the wait goes on without).
     """
     client, token = connection.client(s), lease_ops.new_token()
-    ttl_ms = claims.claim_ttl_ms(opts.queue_lock_ttl)
+    ttl_ms = claims.wait_claim_ttl_ms(opts.queue_lock_ttl, republish.max_countdown(s))
     try:
         if opts.mode == "until_done":
             wake = lambda woken: handoff.wake(task.app, s, woken, task.name, lease.task_id, client)  # noqa: E731

@@ -517,7 +517,7 @@ class LockGuard(Task):
                         connection.client(s),
                         lease,
                         token,
-                        claims.claim_ttl_ms(opts.queue_lock_ttl, delay),
+                        claims.retry_claim_ttl_ms(opts.queue_lock_ttl, delay),
                         wake=lambda woken: handoff.wake(self.app, s, woken, self.name, req.id),
                     ):
                         options["headers"][headers.CLAIM] = token

@@ -577,6 +577,13 @@ def deliver(
         return _run_unlocked(task, s, opts, spec, args, kwargs)
     client = connection.client(s)
     take_over = False
+    # A parked copy (woken or safety) of a member with its own lock: its twin may be inside the workflow for
+    # the moment it takes to settle with the waiter entry and hand back; look again until the wake grace ends.
+    parked_until = time.monotonic() + handoff.WAKE_GRACE if headers.read_str(req, headers.PARK) else 0.0
+
+    def twin_may_hand_back() -> bool:
+        return time.monotonic() < parked_until
+
     while True:
         token = lease_ops.new_token()
         failure: BaseException | None = None
@@ -609,6 +616,9 @@ def deliver(
         if action is MemberAction.ADOPT:
             emit("workflow.taken_over", task.name, **fields, reason=decision.reason)
             take_over = True
+            continue
+        if action is MemberAction.DROP and decision.reason == "member_already_running" and twin_may_hand_back():
+            time.sleep(0.05)  # the twin is a parked copy of ours about to drop itself and hand the workflow back
             continue
         if action is MemberAction.DROP:
             emit("workflow.member_dropped", task.name, **fields, reason=decision.reason)
@@ -841,6 +851,13 @@ def _run(
     except Reject as exc:
         outcome = "retry" if exc.requeue else "failed"
         raise
+    except Ignore:
+        # A parked copy of a member with its own lock dropped itself: the member's other copy (woken or
+        # safety) runs it. Hand the workflow back to this member's slot for that copy, as for a retry;
+        # ending the workflow here would drop that copy as a stale one and leave the chain PENDING.
+        if nested and headers.read_str(req, headers.PARK):
+            outcome = "handed_back"
+        raise
     finally:
         renewer().untrack(lease)
         _finish(task, s, spec, client, lease, started_at, outcome)
@@ -851,9 +868,11 @@ def _finish(task: Any, s: Settings, spec: Spec, client: Any, lease: Lease, start
     req = task.request
     fields = {"lock_key": spec.key, "task_id": req.id, "workflow_id": spec.id, "workflow": spec.name}
     handed = getattr(lease, "handed_to", None)
-    if outcome == "retry":
+    if outcome in ("retry", "handed_back"):
         if handed is None:
-            hand_on(task, s, spec, client, lease, spec.index)
+            # handed back: the other copy is already published (no countdown), the hand-over covers its grace
+            gap = covering_ms(0.0) if outcome == "handed_back" else 0
+            hand_on(task, s, spec, client, lease, spec.index, gap_ms=gap)
         return
     if spec.parallel:
         # a chord's page leaves its slot, failed or not: its siblings keep the entity until the last one leaves
@@ -949,7 +968,7 @@ def hand_on(
     fields = {"lock_key": spec.key, "task_id": req.id, "workflow_id": spec.id, "workflow": spec.name}
     renewer().untrack(lease)
     name = [keys.lock_name(s.key_prefix, spec.key)]
-    gap = max(spec.gap_ms, gap_ms)
+    gap = gap_ms_for(spec.gap_ms, gap_ms)
     try:
         if spec.parallel:  # one of a chord's header: leave the slot; the last one out hands it on
             flags = ["1" if final else "", "1" if failed else "", spec.width, "1" if left else ""]
@@ -978,6 +997,12 @@ def hand_on(
     else:
         emit("workflow.lost", task.name, **fields, reason="lease_gone_at_hand_over")
     return handed
+
+
+def gap_ms_for(gap_ttl_ms: int, covering: int) -> int:
+    """The gap WORKFLOW_PASS / WORKFLOW_LEAVE give the next copy: the workflow's ``gap_ttl``, or longer to cover
+    a delayed copy (``covering``: :func:`covering_ms` of its countdown)."""
+    return max(gap_ttl_ms, covering)
 
 
 def covering_ms(countdown: float | None) -> int:
