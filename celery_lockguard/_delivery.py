@@ -258,17 +258,34 @@ def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kw
             # Several entities, some reserved for us, another held: keep the reservations on the entities
             # sorted before the blocker (through our wait: the global order makes that deadlock-free) and
             # give back the others, waking their waiters (_multi.keep_before). Not parking: give back all.
-            blocker = holder.entity or "" if action is Action.PARK and holder is not None else ""
-            if blocker and holder is not None:
-                countdown = handoff.safety_countdown(holder.pttl_ms, s)
+            blocker = ""
+            if action is Action.PARK and holder is not None and holder.entity:
+                blocker, countdown = holder.entity, handoff.safety_countdown(holder.pttl_ms, s)
             kept = release_ops.keep_before(task, s, call, state.client, state.reserved, blocker, countdown or 0.0)
             state.reserved = ""
         if action is Action.PARK:
             assert holder is not None
             at = multi.parked_on(call, holder.entity or "")  # park on the entity that blocked us
-            parked = waits.park(
-                task, s, opts, at, state.client, decision, holder, state.free_retries, state.first_ms, kept, countdown
-            )
+            try:
+                parked = waits.park(
+                    task,
+                    s,
+                    opts,
+                    at,
+                    state.client,
+                    decision,
+                    holder,
+                    state.free_retries,
+                    state.first_ms,
+                    kept,
+                    countdown,
+                )
+            except Ignore:
+                raise  # the woken copy of this wait is out: it adopts what we kept
+            except Exception:
+                if kept:  # e.g. a workflow member refused to wait in a lock-order cycle: keep nothing
+                    release_ops.keep_before(task, s, call, state.client, kept, "", 0.0)
+                raise
             if parked == "acquire_again":
                 state.free_retries += 1
                 if kept:  # our kept reservations: adopted by the next ACQUIRE, kept or given back if blocked again
