@@ -796,3 +796,42 @@ def test_describe_says_a_keyless_member_takes_the_workflows_key(own_redis: Redis
     out = CliRunner().invoke(lockguard, ["describe"], obj=CLIContext(app=app, no_color=True, workdir=None, quiet=True))
     row = next(line for line in out.stdout.splitlines() if "describe.member" in line)
     assert "(none: unlocked)" not in row and "a workflow's key in one" in row, row
+
+
+def test_a_redelivered_chord_page_that_already_ran_is_dropped_not_run_again(redis_url: str, prefix: str) -> None:
+    """A chord page's copy delivered again after the page ran (a lost ack, the visibility timeout) while the
+    workflow still waits for its other page or its callback: it ran its body a second time, since a page joins
+    the lease of its slot whoever left it (a chain member's copy finds the lease at the next member and is
+    dropped). The model of crossing features found it (tests/test_model_crossings.py). Real tracer and Redis."""
+    from celery import chord
+
+    from .tracer import make_app, published, redeliver_with_canvas
+
+    app = make_app("wf-page-again", redis_url, prefix)
+    ran: list[str] = []
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="wfp.step")
+    def step(self: Any, *prev: Any, tag: str) -> str:
+        ran.append(tag)
+        return tag
+
+    import redis as redis_lib
+
+    r = redis_lib.Redis.from_url(redis_url)
+    queue = f"{prefix}:kombu:{app.conf.task_default_queue}"
+    workflow(
+        chord([step.si(tag="p1"), step.si(tag="p2")], step.s(tag="cb")), lock_key="e:{e}", e=1, app=app
+    ).apply_async()
+    p1, p2 = published(r, app)
+    r.delete(queue)
+    assert redeliver_with_canvas(step, p1).state == "SUCCESS"
+    again = redeliver_with_canvas(step, p1)  # before its sibling ran
+    assert ran == ["p1"], ran
+    assert again.state == "SUCCESS" and app.AsyncResult(p1.task_id).get(timeout=5) == "p1"
+    assert redeliver_with_canvas(step, p2).state == "SUCCESS"
+    redeliver_with_canvas(step, p1)  # after both pages, the callback not yet run
+    assert ran == ["p1", "p2"], ran
+    (callback,) = published(r, app)
+    r.delete(queue)
+    assert redeliver_with_canvas(step, callback).state == "SUCCESS"
+    assert ran == ["p1", "p2", "cb"], ran
