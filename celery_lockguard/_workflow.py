@@ -563,6 +563,11 @@ def deliver(
     if spec.unlocked or spec.id in _failed_open:
         emit("lock.fail_open", task.name, **fields, policy="fail_open", reason="an earlier member ran unlocked")
         return _run_unlocked(task, s, opts, spec, args, kwargs)
+    if spec.parallel and _already_ran(task):
+        # A chord's page joins its slot's lease whoever left it, so the lease cannot tell a copy of a page that
+        # ran (a lost ack, the visibility timeout) from a sibling joining: its stored result can.
+        emit("workflow.member_dropped", task.name, **fields, reason="already_ran")
+        raise Ignore()
     client = connection.client(s)
     take_over = False
     while True:
@@ -632,6 +637,18 @@ def deliver(
         if action is MemberAction.GIVE_UP:
             emit("lock.wait_budget_exhausted", task.name, **fields, reason=decision.reason, policy=spec.on_locked)
         raise _contention_error(task, spec, holder, failure)
+
+
+def _already_ran(task: Any) -> bool:
+    """Whether this delivery is a copy of a member that ran to its end (its result is stored as ready)."""
+    from celery.backends.base import DisabledBackend
+
+    if isinstance(task.backend, DisabledBackend) or task.request.is_eager:
+        return False
+    try:
+        return bool(task.backend.get_state(task.request.id) in states.READY_STATES)
+    except Exception:  # noqa: BLE001 - an unreachable backend: enter as before (the lease decides)
+        return False
 
 
 def _never_answered(task: Any) -> bool:
