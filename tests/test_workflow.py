@@ -835,3 +835,32 @@ def test_a_redelivered_chord_page_that_already_ran_is_dropped_not_run_again(redi
     r.delete(queue)
     assert redeliver_with_canvas(step, callback).state == "SUCCESS"
     assert ran == ["p1", "p2", "cb"], ran
+
+
+def test_a_redelivered_first_member_that_ran_does_not_start_the_workflow_again_after_a_forced_release(
+    redis_url: str, prefix: str
+) -> None:
+    """The operator force-releases a workflow between its members; a copy of its first member, which ran, is
+    delivered again (a lost ack): it found the entity free and ran again, starting the workflow anew."""
+    import redis as redis_lib
+
+    from .tracer import make_app, published, redeliver_with_canvas
+
+    app = make_app("wf-first-again", redis_url, prefix)
+    ran: list[str] = []
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="wff.step")
+    def step(self: Any, *prev: Any, tag: str) -> str:
+        ran.append(tag)
+        return tag
+
+    r = redis_lib.Redis.from_url(redis_url)
+    queue = f"{prefix}:kombu:{app.conf.task_default_queue}"
+    workflow(chain(step.si(tag="m0"), step.si(tag="m1")), lock_key="e:{e}", e=1, app=app).apply_async()
+    (first,) = published(r, app)
+    r.delete(queue)
+    assert redeliver_with_canvas(step, first).state == "SUCCESS"
+    L.force_release(r, prefix, "e:1", 60_000)  # `celery lockguard release e:1 -y`
+    redeliver_with_canvas(step, first)
+    assert ran == ["m0"], ran
+    assert app.AsyncResult(first.task_id).get(timeout=5) == "m0"
