@@ -563,9 +563,10 @@ def deliver(
     if spec.unlocked or spec.id in _failed_open:
         emit("lock.fail_open", task.name, **fields, policy="fail_open", reason="an earlier member ran unlocked")
         return _run_unlocked(task, s, opts, spec, args, kwargs)
-    if spec.parallel and _already_ran(task):
-        # A chord's page joins its slot's lease whoever left it, so the lease cannot tell a copy of a page that
-        # ran (a lost ack, the visibility timeout) from a sibling joining: its stored result can.
+    if _already_ran(task):
+        # A copy of a member that ran to its end (a lost ack, the visibility timeout): a chord's page joins its
+        # slot's lease whoever left it, and a first member starts the workflow again once its lease is gone (a
+        # forced release, gap_ttl), so the lease cannot tell such a copy from new work: its stored result can.
         emit("workflow.member_dropped", task.name, **fields, reason="already_ran")
         raise Ignore()
     client = connection.client(s)
