@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: install test lint typecheck unit docs demo bench bench-quick bench-ops chaos chaos-quick chaos-limits chaos-workflows \
-	chaos-debounce chaos-debounce-quick chaos-failover chaos-failover-quick compat compat-quick clean dashboard dashboard-pictures
+	chaos-debounce chaos-debounce-quick chaos-crossings chaos-crossings-quick chaos-failover chaos-failover-quick compat compat-quick clean dashboard dashboard-pictures
 
 # Installs quietly: pip's output goes to $(VENV)/install.log and is printed only if pip fails, so the first
 # screen of `make demo` on a fresh clone is the demo. EXTRAS and PIP_ARGS exist for tests/test_package.py.
@@ -108,6 +108,15 @@ chaos-debounce: $(STAMP)
 
 chaos-debounce-quick: $(STAMP)
 	$(PY) -m chaos.debounce --quick $(CHAOS_ARGS)
+
+# The soak's crossings (docs/chaos.md#crossings): debounce x park x child kills, workflow x a member's own lock x
+# retry() x a failing chord page, lock_limit x until_done, side by side on one fleet on RabbitMQ, each beside a
+# control the check must catch. Quick: ~30 s on 2 cores (CI); default: ~2.5 minutes.
+chaos-crossings: $(STAMP)
+	$(PY) -m chaos.crossings $(CHAOS_ARGS)
+
+chaos-crossings-quick: $(STAMP)
+	$(PY) -m chaos.crossings --quick $(CHAOS_ARGS)
 
 # The Sentinel failover leg (docs/chaos.md#sentinel-failover): a private master, replica and three sentinels;
 # repeated failovers under load, most of them killing a master that holds leases never replicated, with

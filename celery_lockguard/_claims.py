@@ -73,6 +73,34 @@ def retry_due_in(default_retry_delay: float | None, countdown: float | None = No
     return due_in(countdown, eta)
 
 
+def covering_ttl_ms(base: float, delay: float) -> int:
+    """TTL of what a delivery hands to a delayed message of itself (DESIGN, "a hand-over covers its countdown").
+
+    ``base`` seconds on top of the message's ``delay``, and never less than the delay plus
+    :data:`PUBLISH_GRACE`: a short ``queue_lock_ttl`` must not let the claim or record lapse
+    before its own copy can come back for it.
+    """
+    delay = max(delay, 0.0)
+    return max(1, int((max(base, 0.0) + delay) * 1000), int((delay + PUBLISH_GRACE) * 1000))
+
+
+def retry_claim_ttl_ms(queue_lock_ttl: float, delay: float) -> int:
+    """How long an ``until_done`` lease handed back as a claim to its own ``retry()`` message lives (HANDOVER).
+
+    ``delay``: seconds until the retry is due (:func:`retry_due_in`).
+    """
+    return covering_ttl_ms(queue_lock_ttl, delay)
+
+
+def wait_claim_ttl_ms(queue_lock_ttl: float, longest_wait: float) -> int:
+    """How long a claim handed back to a delivery's own wait copy lives (``_hand_back``).
+
+    ``longest_wait``: the longest countdown a wait copy is given (``_republish.max_countdown``); the
+    claim is handed back before the wait's own countdown is drawn.
+    """
+    return covering_ttl_ms(queue_lock_ttl, longest_wait)
+
+
 def in_canvas(options: dict[str, Any], link: Any = None) -> bool:
     """Whether the message is part of a chain, group or chord (never skipped at publish)."""
     return bool(link) or any(options.get(name) is not None for name in _CANVAS_OPTIONS)

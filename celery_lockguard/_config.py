@@ -605,22 +605,25 @@ def check_option_names(task: Any) -> None:
     edits of one. Other unknown names are the user's own attributes and are
     left alone.
     """
-    from ._task import LockGuard  # _task.py imports this module
+    from ._taskclass import guard_of  # kept out of import time, like the worker-side modules
 
-    known = set(dir(LockGuard)) | _CELERY_EXTRA_OPTIONS
+    guard = guard_of(type(task))  # LockGuard itself, found without importing _task (which imports this module)
+    if guard is None:  # not one of ours: no option of ours to misspell
+        return
+    known = set(dir(guard)) | _CELERY_EXTRA_OPTIONS
     for cls in type(task).__mro__:
-        if not issubclass(cls, LockGuard):  # a task class composed with ours: its names are its options
+        if not issubclass(cls, guard):  # a task class composed with ours: its names are its options
             known.update(vars(cls))
     ours = tuple(
         sorted(
             attr
-            for attr, value in vars(LockGuard).items()
+            for attr, value in vars(guard).items()
             if not attr.startswith("_")
             and not callable(value)
             and not isinstance(value, (property, staticmethod, classmethod))
         )
     )
-    for attr in _set_option_names(task, LockGuard):
+    for attr in _set_option_names(task, guard):
         if attr in known:
             continue
         lowered = attr.lower()
@@ -646,10 +649,10 @@ def validate_tasks(app: Any) -> None:
     process: it still locks correctly, it just lacks what that class adds.
     """
     from ._events import logger  # kept out of import time: the worker-side modules load on use
-    from ._task import LockGuard, missing_task_class  # _task.py imports this module
+    from ._taskclass import is_guarded, missing_task_class
 
     check_setting_names(app)  # also in an app without locked tasks: a typo there is a typo too
-    locked = [app.tasks[n] for n in sorted(app.tasks) if isinstance(app.tasks[n], LockGuard)]
+    locked = [app.tasks[n] for n in sorted(app.tasks) if is_guarded(app.tasks[n])]
     if not locked:
         return
     had_settings = "_lockguard_settings" in app.__dict__

@@ -45,6 +45,7 @@ from . import _headers as headers
 from . import _keys as keys
 from . import _republish as republish
 from . import _scripts as scripts
+from . import _waits as waiting
 from . import _wire
 from ._config import Settings, TaskOptions
 from ._config import settings as settings_of
@@ -90,10 +91,11 @@ def record_ttl_ms(s: Settings, opts: TaskOptions, delay: float | None, eta: Any 
     That is the message's delay (``countdown``/``eta``), plus the transport's redelivery horizon
     (``visibility_timeout``: a worker that dies holding the message, as it holds every countdown
     message until due, gives it back that long after it took it), plus ``queue_lock_ttl`` (its time
-    in queue, before and after). Shorter, the dead worker's superseded copies would come back to no
+    in queue, before and after), and never less than the delay plus the publish grace
+    (:func:`_claims.covering_ttl_ms`). Shorter, the dead worker's superseded copies would come back to no
     record, find it ``missing`` and all run, older arguments after newer.
     """
-    return claims.claim_ttl_ms(opts.queue_lock_ttl + s.visibility_timeout, delay, eta)
+    return claims.covering_ttl_ms(opts.queue_lock_ttl + s.visibility_timeout, claims.due_in(delay, eta))
 
 
 def delay_for(opts: TaskOptions, options: dict[str, Any]) -> float:
@@ -468,7 +470,7 @@ def _outage(
         raise error
     assert action is DebounceAction.WAIT
     emit("lock.backend_unavailable", task.name, **fields, policy=opts.on_unavailable, reason=why)
-    sig = task._wait(s, opts, call, Decision(Action.WAIT, reason), None, None)
+    sig = waiting.wait(task, s, opts, call, Decision(Action.WAIT, reason), None, None)
     if sig is not None:
         raise Retry(exc=error, when=None, sig=sig)
     return False  # waited in this process (eager, or the wait's publish failed): ask again

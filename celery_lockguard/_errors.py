@@ -189,3 +189,8 @@ def configuration_error(exc: BaseException, task_name: str | None, operation: st
         f"{who}: {operation} was refused by the lock store ({exc.__class__.__name__}: {reply_text(exc)}); "
         f"retrying cannot help. Likely fix: {_fix(exc)}"
     )
+
+
+def describe(exc: BaseException | None) -> str:
+    """An error as an event's ``reason`` reads it: class and message ("" for none)."""
+    return f"{exc.__class__.__name__}: {exc}" if exc is not None else ""

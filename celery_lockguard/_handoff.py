@@ -28,7 +28,7 @@ over after the grace.
 ``wake_oldest`` (``_scripts._WAKE_OLDEST``), shared by RELEASE, FORCE_RELEASE
 and WAKE; the Python side is :func:`wake`, on each of their replies:
 
-* a task's release: ``LockGuard._release`` (RELEASE, reply read now or later);
+* a task's release: ``_release.release`` (RELEASE, reply read now or later);
 * a release by token outside a task body -- a workflow's end, the testing
   helper ``lockguard.hold()``, a discarded woken copy: :func:`release`;
 * an operator's forced release (``celery lockguard release``): FORCE_RELEASE, then :func:`wake`;
@@ -120,6 +120,15 @@ def message_for(task: Any, request: Any, args: Any, kwargs: Any, hdrs: dict[str,
         return None
 
 
+def entry_lifetime_ms(countdown: float) -> int:
+    """How long a parked waiter entry lives: its safety copy's countdown plus :data:`ENTRY_SLACK`.
+
+    The entry is the delivery's place in the queue, handed to its delayed safety copy: it must outlive
+    that countdown plus the publish grace, or the copy comes back to no entry (and to the queue's tail).
+    """
+    return int((max(countdown, 0.0) + ENTRY_SLACK) * 1000)
+
+
 def park(
     client: Any,
     prefix: str,
@@ -140,7 +149,7 @@ def park(
     that outlived its safety countdown): it goes back ahead of everyone who parked after it.
     ``limit``: a ``lock_limit`` entity's N slots: it parks only while every one is taken.
     """
-    lifetime_ms = int((countdown + ENTRY_SLACK) * 1000)
+    lifetime_ms = entry_lifetime_ms(countdown)
     reply = scripts.park(
         client,
         [wait_name(prefix, key), waiters_name(prefix, key), *(slot_lock_name(prefix, key, i) for i in range(limit))],

@@ -575,7 +575,7 @@ return 1
 
 
 WATCH_ARM = """
--- WATCH_ARM: keep at most one pending watch copy per running task (see LockedTask._watch).
+-- WATCH_ARM: keep at most one pending watch copy per running task (see _waits.watch).
 -- A watch copy sits unacknowledged through its countdown and may be redelivered; without this,
 -- every delivered copy would leave a watch of its own and the copies would multiply.
 -- KEYS[1] watch marker  {prefix}:v1:{K}:watch   (same slot as the lease)

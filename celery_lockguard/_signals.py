@@ -191,6 +191,7 @@ def free_reservation_from_main(task: Any, request: Any, args: Any, kwargs: Any) 
     A woken copy: the reservation RELEASE made for it goes, and the next waiter is woken. A safety
     copy: its entry leaves the queue, so no release hands the entity to a message that is gone.
     """
+    from . import _calls as calls
     from . import _handoff as handoff
     from . import _headers as headers
     from ._config import settings
@@ -205,7 +206,7 @@ def free_reservation_from_main(task: Any, request: Any, args: Any, kwargs: Any) 
     if not park_token or not s.enabled or not opts.locked or opts.mode != "while_running":
         return False
     try:
-        key = task._names(opts, request.id, tuple(args), dict(kwargs)).key
+        key = calls.render(opts, request.id, tuple(args), dict(kwargs)).key
     except Exception:  # noqa: BLE001 - a key that cannot render never parked
         return False
     if not woken:
@@ -215,6 +216,7 @@ def free_reservation_from_main(task: Any, request: Any, args: Any, kwargs: Any) 
 
 def free_claim_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason: str) -> bool:
     """Free the queue claim of a message the worker discards (revoked or expired); True if it held one."""
+    from . import _calls as calls
     from . import _claims as claims
     from . import _connection as connection
     from . import _lease as lease_ops
@@ -229,7 +231,7 @@ def free_claim_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason
     if not s.enabled or not opts.locked or opts.mode == "while_running":
         return False
     try:
-        key = task._names(opts, task_id, tuple(args), dict(kwargs)).key
+        key = calls.render(opts, task_id, tuple(args), dict(kwargs)).key
         freed = lease_ops.release_claim(connection.client(s), claims.claim_keys(s.key_prefix, key, opts.mode), task_id)
     except Exception as exc:  # BUSY, NOREPLICAS, NOPERM... arrive as ResponseError: classify, log, never fail
         kind = classify(exc)
@@ -249,6 +251,7 @@ def free_claim_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason
 
 def shorten_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason: str, pid: int | None = None) -> bool:
     """Shorten the lease ``task_id`` holds on this host (in child ``pid``, if known) to the grace; True if it did."""
+    from . import _calls as calls
     from . import _connection as connection
     from . import _lease as lease_ops
     from ._config import settings
@@ -263,7 +266,7 @@ def shorten_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason: s
     if not s.enabled or not opts.locked:
         return False
     try:
-        key = task._names(opts, task_id, tuple(args), dict(kwargs)).key
+        key = calls.render(opts, task_id, tuple(args), dict(kwargs)).key
         grace_ms = int(s.shorten_grace * 1000)
         client = connection.client(s)
         shortened = lease_ops.shorten(client, s.key_prefix, key, task_id, grace_ms, pid=pid, limit=opts.limit)

@@ -54,6 +54,7 @@ from celery import Signature, current_app, group, states
 from celery.canvas import _chain, _chord, chain, chord
 from celery.exceptions import Ignore, Reject, Retry
 
+from . import _calls as calls
 from . import _claims as claims
 from . import _connection as connection
 from . import _errors as errors
@@ -62,7 +63,9 @@ from . import _headers as headers
 from . import _keys as keys
 from . import _lease as lease_ops
 from . import _republish as republish
+from . import _request as request_state
 from . import _scripts as scripts
+from . import _taskclass as taskclass
 from ._config import Settings, TaskOptions, settings
 from ._decision import HolderFacts, Member, MemberAction, MemberDecision, OnLocked, OnUnavailable, decide_member
 from ._events import emit
@@ -339,9 +342,7 @@ def workflow(
         raise ConfigurationError(f"{where}: the chain has no members")
     for member in members:
         task = app.tasks.get(member.task)
-        from ._task import LockGuard
-
-        if not isinstance(task, LockGuard):
+        if not taskclass.is_guarded(task):
             raise ConfigurationError(
                 f"{where}: member {member.task!r} must be a LockGuard task (base=LockedTask) to run under "
                 "the workflow lease" + ("" if task is not None else " (it is not registered in this app)")
@@ -571,6 +572,13 @@ def deliver(
         raise Ignore()
     client = connection.client(s)
     take_over = False
+    # A parked copy (woken or safety) of a member with its own lock: its twin may be inside the workflow for
+    # the moment it takes to settle with the waiter entry and hand back; look again until the wake grace ends.
+    parked_until = time.monotonic() + handoff.WAKE_GRACE if headers.read_str(req, headers.PARK) else 0.0
+
+    def twin_may_hand_back() -> bool:
+        return time.monotonic() < parked_until
+
     while True:
         token = lease_ops.new_token()
         failure: BaseException | None = None
@@ -603,6 +611,9 @@ def deliver(
         if action is MemberAction.ADOPT:
             emit("workflow.taken_over", task.name, **fields, reason=decision.reason)
             take_over = True
+            continue
+        if action is MemberAction.DROP and decision.reason == "member_already_running" and twin_may_hand_back():
+            time.sleep(0.05)  # the twin is a parked copy of ours about to drop itself and hand the workflow back
             continue
         if action is MemberAction.DROP:
             emit("workflow.member_dropped", task.name, **fields, reason=decision.reason)
@@ -700,10 +711,12 @@ def _run_unlocked(
     own = headers.read(req, headers.WORKFLOW)
     if isinstance(own, dict):
         own["unlocked"] = True  # this member's own retry (on_retry copies the header) runs unlocked too
+    from . import _delivery as delivery  # the delivery's door (it imports this module: lock order)
+
     try:
         if opts.locked and task.lock_key_for(*args, **kwargs) != spec.key:
-            return task._deliver(s, opts, args, kwargs)
-        return task._body(args, kwargs)
+            return delivery.deliver(task, s, opts, args, kwargs)
+        return delivery.run_body(task, args, kwargs)
     finally:
         if ending and not spec.parallel:
             # A chord's other pages were published unmarked: they still join the lease (it waits in the gap for
@@ -821,23 +834,22 @@ def _run(
     delivery, inside this one); a ``lock_key`` on the workflow's own entity runs under the workflow
     lease (acquiring it again would wait on ourselves).
     """
-    from ._task import _CALL, _CHECKPOINTS, _LEASE
+    from . import _delivery as delivery  # the delivery's door (it imports this module: lock order)
 
     req = task.request
     setattr(req, WORKFLOW_LEASE, lease)
-    setattr(req, _LEASE, lease)
+    request_state.hold(req, lease)
     renewer().track(lease, client, spec.max_hold)
     nested = opts.locked and task.lock_key_for(*args, **kwargs) != spec.key
     outcome = "failed"
     try:
         if nested:
-            result = task._deliver(s, opts, args, kwargs)
+            result = delivery.deliver(task, s, opts, args, kwargs)
         else:
             # checkpoints work in every member (scoped by its own lock_key / idempotency_key, else its task id,
             # which its retries and redeliveries share)
-            setattr(req, _CALL, task._names(opts, req.id, args, kwargs))
-            setattr(req, _CHECKPOINTS, set())
-            result = task._body(args, kwargs)
+            request_state.enter(req, calls.render(opts, req.id, args, kwargs))
+            result = delivery.run_body(task, args, kwargs)
         outcome = "success"
         return result
     except Retry:
@@ -845,6 +857,13 @@ def _run(
         raise
     except Reject as exc:
         outcome = "retry" if exc.requeue else "failed"
+        raise
+    except Ignore:
+        # A parked copy of a member with its own lock dropped itself: the member's other copy (woken or
+        # safety) runs it. Hand the workflow back to this member's slot for that copy, as for a retry;
+        # ending the workflow here would drop that copy as a stale one and leave the chain PENDING.
+        if nested and headers.read_str(req, headers.PARK):
+            outcome = "handed_back"
         raise
     finally:
         renewer().untrack(lease)
@@ -856,9 +875,11 @@ def _finish(task: Any, s: Settings, spec: Spec, client: Any, lease: Lease, start
     req = task.request
     fields = {"lock_key": spec.key, "task_id": req.id, "workflow_id": spec.id, "workflow": spec.name}
     handed = getattr(lease, "handed_to", None)
-    if outcome == "retry":
+    if outcome in ("retry", "handed_back"):
         if handed is None:
-            hand_on(task, s, spec, client, lease, spec.index)
+            # handed back: the other copy is already published (no countdown), the hand-over covers its grace
+            gap = covering_ms(0.0) if outcome == "handed_back" else 0
+            hand_on(task, s, spec, client, lease, spec.index, gap_ms=gap)
         return
     if spec.parallel:
         # a chord's page leaves its slot, failed or not: its siblings keep the entity until the last one leaves
@@ -954,7 +975,7 @@ def hand_on(
     fields = {"lock_key": spec.key, "task_id": req.id, "workflow_id": spec.id, "workflow": spec.name}
     renewer().untrack(lease)
     name = [keys.lock_name(s.key_prefix, spec.key)]
-    gap = max(spec.gap_ms, gap_ms)
+    gap = gap_ms_for(spec.gap_ms, gap_ms)
     try:
         if spec.parallel:  # one of a chord's header: leave the slot; the last one out hands it on
             flags = ["1" if final else "", "1" if failed else "", spec.width, "1" if left else ""]
@@ -983,6 +1004,12 @@ def hand_on(
     else:
         emit("workflow.lost", task.name, **fields, reason="lease_gone_at_hand_over")
     return handed
+
+
+def gap_ms_for(gap_ttl_ms: int, covering: int) -> int:
+    """The gap WORKFLOW_PASS / WORKFLOW_LEAVE give the next copy: the workflow's ``gap_ttl``, or longer to cover
+    a delayed copy (``covering``: :func:`covering_ms` of its countdown)."""
+    return max(gap_ttl_ms, covering)
 
 
 def covering_ms(countdown: float | None) -> int:

@@ -40,7 +40,7 @@ from celery_lockguard import (
     validate_tasks,
 )
 from celery_lockguard._keys import claim_name, lock_name
-from celery_lockguard._task import adoptable_task_class
+from celery_lockguard._taskclass import adoptable_task_class
 from celery_lockguard.testing import Worker, delete_prefix
 
 # make compat's venvs carry neither Django nor (on Celery 5.3) celery.contrib.django
@@ -243,8 +243,8 @@ def test_a_task_class_with_its_own_apply_async_is_not_adopted(
     def sync(tenant_id: str | None = None) -> None: ...
 
     assert not isinstance(sync._get_current_object(), TenantTask)
-    assert adoptable_task_class(app) is None
-    assert adoptable_task_class(_app(redis_url, prefix, DjangoTask)) is DjangoTask
+    assert adoptable_task_class(app, LockGuard) is None
+    assert adoptable_task_class(_app(redis_url, prefix, DjangoTask), LockGuard) is DjangoTask
     with caplog.at_level(logging.WARNING, logger="celery_lockguard"):
         validate_tasks(app)
     (event,) = _task_cls_warnings(caplog, [sync.name])

@@ -34,7 +34,7 @@ def app(redis_url: str, prefix: str) -> Iterator[Celery]:
 
 
 def release(app: Celery, r: redis.Redis, prefix: str, lease: L.Lease) -> bool:
-    """What ``LockGuard._release`` does on RELEASE's reply: wake the oldest waiter."""
+    """What ``_release.release`` does on RELEASE's reply: wake the oldest waiter."""
     _, _, woken = L.release_and_wake(r, lease, prefix, reserve_ms=int(handoff.RESERVATION_TTL * 1000))
     return handoff.wake(app, settings(app), woken, "holder", "other")
 

@@ -105,10 +105,10 @@ def test_an_eager_apply_with_the_lock_redis_down_gives_up_visibly_within_its_bou
     from celery import Celery
 
     from celery_lockguard import BackendUnavailable
-    from celery_lockguard import _task as task_module
+    from celery_lockguard import _waits as waits_module
     from celery_lockguard.testing import free_port
 
-    monkeypatch.setattr(task_module, "EAGER_MAX_WAIT", 3.0, raising=False)
+    monkeypatch.setattr(waits_module, "EAGER_MAX_WAIT", 3.0)
     app = Celery("eagerdown", broker="memory://", set_as_current=False)
     app.conf.lockguard_redis_url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens
     app.conf.lockguard_socket_timeout = 0.5
