@@ -9,6 +9,8 @@ them on the same entities at once. Every task below locks ``e:{a}``:
 * ``queued``: ``lock_mode="until_done"`` (a queue claim from publish to the body's end; identical
   publishes are answered with the queued job);
 * ``burst``: ``lock_debounce`` (a burst's last publish is the one that runs);
+* ``pair``: ``lock_key=("e:{a}", "e:{b}")``, several entities held all or none (both entities in either
+  order, overlapping other pairs' sets, or one when both templates name it);
 * workflows: a chain (``step``, a member ``own`` with its own lock key ``o:{a}``, ``step``) or a chord
   (two ``step`` pages, a ``step`` callback) under one workflow lease on ``e:{a}``; a member may ``retry()``.
 
@@ -56,7 +58,7 @@ from celery_lockguard import _handoff as handoff
 from celery_lockguard import _lease as L
 from celery_lockguard._config import parse_rate
 from celery_lockguard._config import settings as lockguard_settings
-from celery_lockguard._keys import lock_name, slot_lock_name, wait_name, waiters_name
+from celery_lockguard._keys import lock_name, parse_lock_name, slot_lock_name, wait_name, waiters_name
 from celery_lockguard.testing import delete_prefix, settle
 
 from .test_model import SCAN_COUNT, STEPS, run
@@ -134,11 +136,12 @@ def crossing_machine(redis_url: str, kinds: tuple[str, ...]) -> type[RuleBasedSt
             self.counter = 0
             conf = {"bind": True, "shared": False, "base": LockedTask, "lock_max_waits": 6, "lock_ttl": 30}
 
-            def body(task: Any, kind: str, a: int, v: int, retry: bool = False) -> int:
+            def body(task: Any, kind: str, a: int, v: int, retry: bool = False, also: int | None = None) -> int:
                 tid = task.request.id
                 self.runs[tid] = self.runs.get(tid, 0) + 1
-                self.alone(task, kind, a)
-                self.excused.discard(a)  # a body on the entity again: its release wakes the waiters
+                for e in {a, a if also is None else also}:
+                    self.alone(task, kind, e)
+                    self.excused.discard(e)  # a body on the entity again: its release wakes the waiters
                 if kind == "shared":
                     lease = task.lock
                     self.starts[a].append(int(self.r.hget(lease.redis_key, "acquired_at") or 0))
@@ -166,6 +169,10 @@ def crossing_machine(redis_url: str, kinds: tuple[str, ...]) -> type[RuleBasedSt
             def burst(task: Any, a: int, v: int) -> int:
                 return body(task, "burst", a, v)
 
+            @self.app.task(name="x.pair", lock_key=("e:{a}", "e:{b}"), on_locked="retry", **conf)
+            def pair(task: Any, a: int, b: int, v: int) -> int:
+                return body(task, "pair", a, v, also=b)
+
             @self.app.task(name="x.step", **conf)
             def step(task: Any, *prev: Any, a: int, v: int, retry: bool = False) -> int:
                 CROSSINGS["workflow_members"] += 1
@@ -176,7 +183,7 @@ def crossing_machine(redis_url: str, kinds: tuple[str, ...]) -> type[RuleBasedSt
                 CROSSINGS["workflow_members"] += 1
                 return body(task, "member", a, v)
 
-            self.tasks = {"plain": plain, "shared": shared, "queued": queued, "burst": burst}
+            self.tasks = {"plain": plain, "shared": shared, "queued": queued, "burst": burst, "pair": pair}
             self.step, self.own = step, own
 
         # -- the queue: kombu's Redis list, LPUSH to put, the oldest at the right ---------------------------
@@ -252,9 +259,10 @@ def crossing_machine(redis_url: str, kinds: tuple[str, ...]) -> type[RuleBasedSt
             lease.released = True  # the exits after the body find nothing to release, as nothing would run
             # Its process is gone (as another host's would be: this one lives on), its renewer with it: its own
             # redelivery may take over at once; other work waits for the TTL the renewer last set (cut short here).
-            self.r.hset(lease.redis_key, mapping={"host": "elsewhere", "renewed_at": 0})
-            self.r.pexpire(lease.redis_key, DEAD_MS)
-            self.dead[lease.redis_key] = a
+            for key in getattr(lease, "redis_keys", [lease.redis_key]):  # every entity of a multi-entity lease
+                self.r.hset(key, mapping={"host": "elsewhere", "renewed_at": 0})
+                self.r.pexpire(key, DEAD_MS)
+                self.dead[key] = int(parse_lock_name(self.prefix, key).split(":")[1])
             CROSSINGS["killed"] += 1
             raise Killed()
 
@@ -264,13 +272,13 @@ def crossing_machine(redis_url: str, kinds: tuple[str, ...]) -> type[RuleBasedSt
             self.counter += 1
             return self.counter
 
-        @rule(kind=st.sampled_from(tasks), a=st.sampled_from(ENTITIES * 4 + (None,)))
-        def publish(self, kind: str, a: int | None) -> None:
+        @rule(kind=st.sampled_from(tasks), a=st.sampled_from(ENTITIES * 4 + (None,)), both=st.booleans())
+        def publish(self, kind: str, a: int | None, both: bool = True) -> None:
             """Publish; a ``None`` key field is refused at publish, naming the field: nothing is sent or held."""
             if a is None:
                 before = self.r.llen(self.queue_key)
                 with pytest.raises(EmptyField, match=r"field \{a\} is None"):
-                    self.tasks[kind].apply_async((None, 0))
+                    self.tasks[kind].apply_async((None, 1, 0) if kind == "pair" else (None, 0))
                 assert self.r.llen(self.queue_key) == before
                 assert not self.r.exists(lock_name(self.prefix, "e:None"))
                 CROSSINGS["empty_field"] += 1
@@ -278,7 +286,9 @@ def crossing_machine(redis_url: str, kinds: tuple[str, ...]) -> type[RuleBasedSt
             # until_done publishes repeat their arguments: identical ones are answered with the queued job
             v = self.counter % 2 if kind == "queued" else self.next_v()
             tid = str(uuid.uuid4())
-            res = self.tasks[kind].apply_async((a, v), task_id=tid)
+            # a multi-entity call: both entities (in either order), or one (its templates name the same entity)
+            args = (a, 3 - a if both else a, v) if kind == "pair" else (a, v)
+            res = self.tasks[kind].apply_async(args, task_id=tid)
             if res.id != tid:
                 self.answered_by[tid] = res.id
                 return
@@ -356,7 +366,7 @@ def crossing_machine(redis_url: str, kinds: tuple[str, ...]) -> type[RuleBasedSt
             msg = msgs[0]
             self.take(msg)
             # a workflow member's kill is the soak's (chaos.workflows); here plain, shared, queued and burst work
-            if kill and msg.task in ("x.plain", "x.shared", "x.queued", "x.burst"):
+            if kill and msg.task in ("x.plain", "x.shared", "x.queued", "x.burst", "x.pair"):
                 self.to_kill = msg.task_id
             out = self.run_msg(msg)
             self.to_kill = None
@@ -403,7 +413,7 @@ def crossing_machine(redis_url: str, kinds: tuple[str, ...]) -> type[RuleBasedSt
         def alone(self, task: Any, kind: str, a: int) -> None:
             """No two bodies on one entity: every lease hash on ``e:{a}`` is this body's, its workflow's, or
             (for a ``shared`` body) another slot of ``shared``; a killed body's lease still counts."""
-            mine = {x.redis_key for x in (task.lock, task.workflow_lock) if x is not None}
+            mine = {k for x in (task.lock, task.workflow_lock) if x is not None for k in _keys_of(x)}
             for slot in range(LIMIT):
                 key = slot_lock_name(self.prefix, f"e:{a}", slot)
                 h = self.r.hgetall(key)
@@ -491,8 +501,15 @@ def crossing_machine(redis_url: str, kinds: tuple[str, ...]) -> type[RuleBasedSt
                     out.append(f"e:{a} waiters={n}")
             return " ".join(out) + f" q={[m.task_id[:8] for m in self.queued_msgs()]}"
 
+        def dead_run_out(self) -> None:
+            """Wait (poll, bounded) until every killed delivery's lease has run out by its TTL."""
+            deadline = time.monotonic() + 5 * DEAD_MS / 1000
+            while any(self.r.exists(k) for k in self.dead) and time.monotonic() < deadline:
+                time.sleep(0.02)
+
         def drain(self) -> None:
             """Deliver until the queue is empty, each message at its due time (killed leases run out first)."""
+            self.dead_run_out()
             for _ in range(400):
                 msgs = self.queued_msgs()
                 if not msgs:
@@ -521,7 +538,7 @@ def crossing_machine(redis_url: str, kinds: tuple[str, ...]) -> type[RuleBasedSt
                         exc = res.result
                         ok = allowed + ((LockLost,) if kind in ("x.step", "x.own") else ())
                         assert isinstance(exc, ok), f"{kind} {tid} failed {exc!r}\n{self.history()}"
-                    elif kind in ("plain", "shared", "queued", "x.step", "x.own"):
+                    elif kind in ("plain", "shared", "queued", "pair", "x.step", "x.own"):
                         assert self.runs.get(tid), f"{kind} {tid} SUCCESS without its body\n{self.history()}"
                 for tid, holder in self.answered_by.items():
                     assert holder in self.jobs, f"{tid} was answered with {holder}, which is no job"
@@ -538,6 +555,7 @@ def crossing_machine(redis_url: str, kinds: tuple[str, ...]) -> type[RuleBasedSt
                         assert self.runs.get(order[-1]), (
                             f"the last publish of e:{a}'s burst never ran\n{self.history()}"
                         )
+                self.dead_run_out()  # a killed lease evicted meanwhile, or re-killed: nothing releases it, its TTL does
                 leftovers = [
                     k
                     for k in self.r.scan_iter(f"{self.prefix}:v1:*", count=SCAN_COUNT)
@@ -549,6 +567,11 @@ def crossing_machine(redis_url: str, kinds: tuple[str, ...]) -> type[RuleBasedSt
                 connection.forget_clients()
 
     return Crossings
+
+
+def _keys_of(lease: Any) -> list[str]:
+    """The lease hashes a lease holds: one, or one per entity of a multi-entity lease."""
+    return list(getattr(lease, "redis_keys", [lease.redis_key]))
 
 
 def _eta(msg: Msg) -> float:
@@ -572,6 +595,7 @@ CELLS = {
     "debounce_park_limit": ("burst", "plain", "shared"),
     "workflow_limit_park": ("workflow", "plain", "shared"),
     "workflow_debounce_until_done": ("workflow", "burst", "queued"),
+    "multi_entity_limit_until_done": ("pair", "plain", "shared", "queued"),
 }
 
 
