@@ -23,6 +23,7 @@ OPTIONS = [
     pytest.param({"lock_rate": "5/1s"}, id="lock_rate"),
     pytest.param({"idempotency_key": "pay:{a}", "lock_key": None}, id="idempotency_key"),
     pytest.param({"lock_mode": "until_done"}, id="until_done"),
+    pytest.param({"lock_key": ("e:{a}", "f:{a}")}, id="several_entities"),
 ]
 
 
