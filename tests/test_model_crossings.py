@@ -588,6 +588,8 @@ def _short(out: Any) -> str:
     return text if len(text) < 80 else text[:77] + "..."
 
 
+#: Examples per cell: a deep run sets LOCKGUARD_MODEL_EXAMPLES (the default keeps `-m model` near two minutes).
+EXAMPLES = int(os.environ.get("LOCKGUARD_MODEL_EXAMPLES", "6"))
 #: Cells: each crosses a few features on the same entities (one machine over all of them would need far more
 #: examples to reach each pair), and every cell also kills, force-releases and publishes None fields.
 CELLS = {
@@ -611,7 +613,7 @@ def test_model_of_crossing_features(cell: str, redis_url: str) -> None:
         return all(CROSSINGS[k] > before[k] for k in must)
 
     try:
-        run(crossing_machine(redis_url, CELLS[cell]), examples=6, steps=30, exercised=exercised)
+        run(crossing_machine(redis_url, CELLS[cell]), examples=EXAMPLES, steps=30, exercised=exercised)
     except AssertionError as exc:
         reached = {k: CROSSINGS[k] - before[k] for k in CROSSINGS}
         raise AssertionError(f"{exc}; reached {reached}, must reach {must}") from exc
