@@ -864,3 +864,55 @@ def test_a_redelivered_first_member_that_ran_does_not_start_the_workflow_again_a
     redeliver_with_canvas(step, first)
     assert ran == ["m0"], ran
     assert app.AsyncResult(first.task_id).get(timeout=5) == "m0"
+
+
+def test_a_member_that_fails_before_its_own_lock_gives_back_the_reservation_it_was_woken_into(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member waiting for its own entity (``o:1``) parks there; the operator force-releases the workflow's
+    entity meanwhile; the holder of ``o:1`` ends and wakes the member into a reservation of ``o:1``. The woken
+    copy fails ``LockLost`` (its workflow lease is gone) before taking ``o:1``: the reservation stayed for
+    ``RESERVATION_TTL`` with nobody to adopt it, so whoever parked behind it waited for its safety copy. The
+    model of crossing features found it (another workflow's member then spent its wait budget on it)."""
+    import redis as redis_lib
+
+    from celery_lockguard import LockLost
+    from celery_lockguard import _handoff as handoff
+
+    from .tracer import make_app, published, redeliver_with_canvas
+
+    monkeypatch.setattr(handoff, "WAKE_GRACE", 0.05)
+    app = make_app("wf-own-gone", redis_url, prefix)
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="wfo.step")
+    def step(self: Any, *prev: Any, e: int, tag: str) -> str:
+        return tag
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="wfo.own", lock_key="o:{e}", on_locked="retry")
+    def own(self: Any, *prev: Any, e: int, tag: str) -> str:
+        return tag
+
+    r = redis_lib.Redis.from_url(redis_url, decode_responses=True)
+    queue = f"{prefix}:kombu:{app.conf.task_default_queue}"
+
+    def take(woken: bool = False) -> Any:
+        msg = next(m for m in published(r, app) if bool(m.custom().get("lockguard_woken")) == woken)
+        r.lrem(queue, 1, next(raw for raw in r.lrange(queue, 0, -1) if msg.task_id in raw and (
+            ("lockguard_woken" in raw) == woken)))  # fmt: skip
+        return msg
+
+    other = L.acquire(r, prefix, "o:1", ttl_ms=30_000, task_id="other", task_name="other", digest="d",
+                      worker="elsewhere", fence_ttl_ms=60_000)  # fmt: skip
+    assert isinstance(other, L.Lease)
+    sig = chain(step.si(e=1, tag="m0"), own.si(e=1, tag="own"), step.si(e=1, tag="m2"))
+    workflow(sig, lock_key="e:{e}", e=1, app=app).apply_async()
+    assert redeliver_with_canvas(step, take()).state == "SUCCESS"
+    parked = take()
+    assert redeliver_with_canvas(own, parked).state == "RETRY"  # parked on o:1, the workflow lease in its gap
+    L.force_release(r, prefix, "e:1", 60_000)  # `celery lockguard release e:1 -y`
+    _, _, woken = L.release_and_wake(r, other, prefix, reserve_ms=handoff.reserve_ms())
+    assert handoff.wake(app, settings(app), woken, "other", "other")
+    assert r.hget(lock_name(prefix, "o:1"), "state") == "handed"
+    out = redeliver_with_canvas(own, take(woken=True))
+    assert out.state == "FAILURE" and isinstance(out.retval.exception, LockLost)
+    assert r.hget(lock_name(prefix, "o:1"), "task_id") != parked.task_id, r.hgetall(lock_name(prefix, "o:1"))
