@@ -628,6 +628,8 @@ def deliver(
             continue
         if action is MemberAction.DROP:
             emit("workflow.member_dropped", task.name, **fields, reason=decision.reason)
+            if decision.reason == "workflow_ended":
+                _give_back_own_wait(task, args, kwargs)
             if decision.reason == "workflow_ended" and _never_answered(task):
                 # not a stale copy of a member that ran: say so in its result rather than leave it PENDING
                 raise WorkflowEnded(spec.key, spec.name)
@@ -650,6 +652,7 @@ def deliver(
             continue  # waited in this process (the publish failed)
         if action is MemberAction.LOST:
             emit("workflow.lost", task.name, **fields, reason=decision.reason)
+            _give_back_own_wait(task, args, kwargs)
             raise LockLost(spec.key)
         if action is MemberAction.FAIL_OPEN:
             emit("lock.fail_open", task.name, **fields, policy="fail_open", reason=_describe(failure))
@@ -659,7 +662,20 @@ def deliver(
             raise errors.configuration_error(failure, task.name, "WORKFLOW_ENTER") from failure
         if action is MemberAction.GIVE_UP:
             emit("lock.wait_budget_exhausted", task.name, **fields, reason=decision.reason, policy=spec.on_locked)
+        _give_back_own_wait(task, args, kwargs)
         raise _contention_error(task, spec, holder, failure)
+
+
+def _give_back_own_wait(task: Any, args: Any, kwargs: Any) -> None:
+    """A member that ends here, never to take its own lock: free what its own entity's waiter queue holds for
+    it -- the reservation it was woken into (the next waiter is woken), or its parked entry -- else that lease
+    end would wake nobody for ``RESERVATION_TTL``. Best effort: the reservation lapses by its TTL anyway."""
+    from . import _signals as signals
+
+    try:
+        signals.free_reservation_from_main(task, task.request, args, kwargs)
+    except Exception:  # noqa: BLE001 - the member's own outcome stands; the reservation lapses by its TTL
+        pass
 
 
 def _already_ran(task: Any) -> bool:
