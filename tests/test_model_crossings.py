@@ -445,17 +445,17 @@ def crossing_machine(redis_url: str, kinds: tuple[str, ...]) -> type[RuleBasedSt
             queued: dict[str, list[Msg]] = {}
             for m in self.queued_msgs():
                 queued.setdefault(m.task_id, []).append(m)
-            for a in ENTITIES:
-                for slot in range(LIMIT):
-                    key = slot_lock_name(self.prefix, f"e:{a}", slot)
-                    h = self.r.hgetall(key)
-                    if h.get("state") in ("queued", "publishing", "handed") and key not in self.dead:
-                        assert h["task_id"] in queued, f"{key} {h.get('state')} for {h['task_id']}, no message\n" + (
-                            self.history()
-                        )
-                    if h.get("state") == "handed":  # a woken waiter starts now: its woken copy has no countdown
-                        now = [m for m in queued[h["task_id"]] if m.custom().get("lockguard_woken") or not _eta(m)]
-                        assert now, f"{key} is handed to {h['task_id']}, whose copies all wait\n{self.history()}"
+            # every entity's leases: e:<a>'s slots, and o:<a>, the entity a workflow's member locks of its own
+            leases = [slot_lock_name(self.prefix, f"e:{a}", i) for a in ENTITIES for i in range(LIMIT)]
+            for key in leases + [lock_name(self.prefix, f"o:{a}") for a in ENTITIES]:
+                h = self.r.hgetall(key)
+                if h.get("state") in ("queued", "publishing", "handed") and key not in self.dead:
+                    assert h["task_id"] in queued, f"{key} {h.get('state')} for {h['task_id']}, no message\n" + (
+                        self.history()
+                    )
+                if h.get("state") == "handed":  # a woken waiter starts now: its woken copy has no countdown
+                    now = [m for m in queued[h["task_id"]] if m.custom().get("lockguard_woken") or not _eta(m)]
+                    assert now, f"{key} is handed to {h['task_id']}, whose copies all wait\n{self.history()}"
 
         @invariant()
         def no_waiter_parked_behind_a_free_entity(self) -> None:
@@ -483,6 +483,13 @@ def crossing_machine(redis_url: str, kinds: tuple[str, ...]) -> type[RuleBasedSt
                 head_shared = entries.get(f"k:{parked[0]}") == "s"
                 if head_shared and not exclusive:
                     assert held == LIMIT, f"a slot of e:{a} is free, the shared head waiter parked\n{self.history()}"
+            for a in ENTITIES:  # a member's own entity: only other holders and members' own leases, never killed
+                entries = self.r.hgetall(waiters_name(self.prefix, f"o:{a}"))
+                order = self.r.lrange(wait_name(self.prefix, f"o:{a}"), 0, -1)
+                if any(entries.get(f"s:{p}") == "parked" for p in order):
+                    assert self.r.exists(lock_name(self.prefix, f"o:{a}")), f"o:{a} is free, waiters parked\n" + (
+                        self.history()
+                    )
 
         # -- the end ---------------------------------------------------------------------------------------
 
