@@ -511,6 +511,57 @@ return {recorded, released, woken}
 """
 )
 
+KEEP_BEFORE = (
+    """
+-- KEEP_BEFORE: a woken multi-entity waiter whose ACQUIRE_MULTI met entity B held parks on B; of the
+-- reservations it holds (token ARGV[1]) it KEEPS those on entities sorted before B (re-tokened to its new
+-- park token ARGV[2], state 'handed', PX ARGV[3]: its safety copy's countdown + the wake grace, so a killed
+-- waiter's reservation still lapses) and GIVES BACK the others (deleted, each freed entity's oldest waiter
+-- woken, as RELEASE_MULTI). Entities are passed in sorted order, so waits only ever point up that order:
+-- no cycle (deadlock-free), and two woken waiters never give their reservations to each other forever.
+-- One round trip; every key must share a slot (on Cluster: one entity per call).
+-- N = ARGV[5] entities. KEYS[3i-2] lease hash of entity i  KEYS[3i-1] its waiter queue {K_i}:wait
+-- KEYS[3i] its waiter entries {K_i}:waiters
+-- ARGV[1] the reservations' token (the park token the woken copy came with)  ARGV[2] the new park token
+-- ARGV[3] keep_ms  ARGV[4] reservation ttl_ms for a woken waiter  ARGV[5] N
+-- ARGV[6] K: entities 1..K are kept (those sorted before the blocker), K+1..N given back (K = 0: all)
+-- Returns {{code_1, ..., code_N}, {i, park_token, entry, ...}}
+--   code_i: 2 kept (re-tokened); 1 given back (deleted); 0 not ours (another token or none: left alone)
+--   then one (i, park token, entry) triple per given-back entity whose oldest waiter was woken
+"""
+    + _NOW
+    + _HELD_SLOTS
+    + _WAKE_OLDEST
+    + """
+local n, k = tonumber(ARGV[5]), tonumber(ARGV[6])
+local reserve_ms = tonumber(ARGV[4] or '') or 0
+local codes, woken = {}, {}
+for i = 1, n do
+  local key = KEYS[3 * i - 2]
+  codes[i] = 0
+  if redis.call('HGET', key, 'token') == ARGV[1] then
+    if i <= k then
+      redis.call('HSET', key, 'token', ARGV[2], 'state', 'handed', 'renewed_at', now_ms, 'ttl', ARGV[3])
+      redis.call('PEXPIRE', key, ARGV[3])
+      codes[i] = 2
+    else
+      redis.call('DEL', key)
+      codes[i] = 1
+      if reserve_ms > 0 then
+        local w = wake_oldest(KEYS[3 * i - 1], KEYS[3 * i], key, reserve_ms)
+        if w then
+          woken[#woken + 1] = i
+          woken[#woken + 1] = w[1]
+          woken[#woken + 1] = w[2]
+        end
+      end
+    end
+  end
+end
+return {codes, woken}
+"""
+)
+
 RENEW = (
     """
 -- RENEW: extend every lease this process holds, in one round trip per tick.
@@ -1313,6 +1364,7 @@ acquire = Script("ACQUIRE", ACQUIRE)
 acquire_slots = Script("ACQUIRE_SLOTS", ACQUIRE_SLOTS)
 acquire_multi = Script("ACQUIRE_MULTI", ACQUIRE_MULTI)
 release_multi = Script("RELEASE_MULTI", RELEASE_MULTI)
+keep_before = Script("KEEP_BEFORE", KEEP_BEFORE)
 release = Script("RELEASE", RELEASE)
 renew = Script("RENEW", RENEW)
 shorten = Script("SHORTEN", SHORTEN)
