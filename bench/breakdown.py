@@ -237,3 +237,26 @@ def calls_per_delivery(url: str, n: int = CALL_COUNT_N) -> dict[str, float]:
             per.append(calls)
         out[name] = statistics.median(per)
     return out
+
+
+def main() -> None:
+    """``python -m bench.breakdown [REDIS_URL] [ROUNDS] [N]``: this section alone, on a server you give it.
+
+    For re-measuring the task logic against the scripts floor without the full run (keys are under a
+    fresh ``benchbd*`` prefix; nothing is flushed). Prints each row and the calls per delivery.
+    """
+    url = sys.argv[1] if len(sys.argv) > 1 else "redis://127.0.0.1:6379/0"
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 30
+    n = int(sys.argv[3]) if len(sys.argv) > 3 else 300
+    rows = measure(url, rounds, n)
+    for row in rows:
+        print(f"{row.name}: CPU {row.cpu_us.fmt()} µs, CPU vs default {row.cpu_vs_default.fmt('+.0f')} µs")
+    by = {row.name: row for row in rows}
+    logic = Summary([-x for x in by[WIRE_FLOOR].cpu_vs_default.values])
+    print(f"task logic over the scripts floor (CPU, paired): {logic.fmt()} µs")
+    calls = calls_per_delivery(url)
+    print(f"calls per delivery: {calls}; task logic {calls[DEFAULT] - calls[WIRE_FLOOR]:.0f}")
+
+
+if __name__ == "__main__":
+    main()
