@@ -57,6 +57,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from . import _calls as calls
 from . import _claims as claims
+from . import _cluster as cluster
 from . import _connection as connection
 from . import _errors as errors
 from . import _handoff as handoff
@@ -508,7 +509,7 @@ def _refuse_cluster_slots(where: str, template: Any, entities: tuple[str, ...], 
     which part of the workflow's hold is visible between members. One slot (one Redis, Sentinel) only.
     """
     names = [keys.lock_name(s.key_prefix, k) for k in entities]
-    if not multi.one_slot(connection.client(s), names):
+    if s.redis_cluster and len({cluster.slot(n) for n in names}) > 1:  # settings only: no connection at build
         raise ConfigurationError(
             f"{where}: option lock_key={template!r} names entities {list(entities)!r} in different Redis "
             "Cluster slots: a workflow over several entities needs them in one slot (one Redis or Sentinel); "

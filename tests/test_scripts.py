@@ -1375,9 +1375,7 @@ def test_park_behind_slots_parks_only_while_every_slot_is_taken(c: Any) -> None:
 def park_shared(c: Any, p: str, key: str = "e", limit: int = 2, task_id: str = "w") -> handoff.Parked:
     """PARK as a lock_limit task's waiter: behind all ``limit`` slots (a shared waiter)."""
     message = f'{{"task":"n","id":"{p}"}}'
-    return handoff.park(
-        c, P, key, p, message, task_id=task_id, task_name="n", digest="dw", countdown=5.0, limit=limit
-    )
+    return handoff.park(c, P, key, p, message, task_id=task_id, task_name="n", digest="dw", countdown=5.0, limit=limit)
 
 
 def test_an_exclusive_head_waiter_holds_the_queue_until_the_entity_is_wholly_free(c: Any) -> None:

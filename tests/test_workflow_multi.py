@@ -295,3 +295,18 @@ def test_the_lock_order_check_follows_every_entity_of_both_workflows(own_redis: 
     with pytest.raises(WorkflowDeadlock):
         wf.check_lock_order(task, "inv:9")
     assert state(c, "waits_on") == ["inv:9", "inv:9"]  # recorded on every entity of ours
+
+
+def test_on_redis_cluster_a_workflow_over_entities_in_different_slots_is_refused_at_build() -> None:
+    app = Celery("wfm-cluster", broker="memory://", set_as_current=False)
+    app.conf.update(lockguard_redis_url="redis://127.0.0.1:1/0", lockguard_redis_cluster=True)  # never connected
+
+    @app.task(base=LockedTask, shared=False, name="wfm.step")
+    def step(a: int = 0) -> int:
+        return a
+
+    with pytest.raises(ConfigurationError) as err:
+        workflow(chain(step.s(1)), lock_key=("acc:{src}", "acc:{dst}"), src=1, dst=2)
+    text = str(err.value)
+    assert "lock_key=('acc:{src}', 'acc:{dst}')" in text and "Cluster slots" in text and "one task" in text
+    assert workflow(chain(step.s(1)), lock_key=("acc:{src}", "acc:{dst}"), src=1, dst=1).spec().key == "acc:1"
