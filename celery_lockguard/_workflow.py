@@ -34,6 +34,13 @@ it out between them, one Lua script per step (``_scripts.WORKFLOW_*``):
 * the worker's main process ends the lease of a member revoked while queued (freed at once) or
   terminated while running (cut to the shorten grace): WORKFLOW_ABORT, by workflow id and task id.
 
+Several entities (``lock_key`` as a sequence, :attr:`Spec.keys`, sorted): every WORKFLOW_* script takes
+the N lease hashes and writes the same workflow state (plus ``siblings``) to each, token-checked on all;
+the first member takes every entity or none (never a partial hold while it waits); one token, one
+fence per entity (the member's lease is a :class:`MultiLease`: ``.fences``); the end frees them all
+with RELEASE_MULTI, waking each entity's oldest waiter. The ended ids live on the anchor (the first
+key). One slot only: on Redis Cluster such a workflow is refused at build (:func:`workflow`).
+
 The token and fence are read from the lease hash by workflow id and member task id, not carried in
 the messages: a member that dies is taken over by its redelivery with a *fresh* token and a new
 fence (a paused earlier delivery then can neither renew nor write past the fence), and later
@@ -348,6 +355,9 @@ def workflow(
     **fields: Any,
 ) -> Workflow:
     """Run the chain ``sig`` under one lease on the entity ``lock_key`` (a template over ``fields``).
+
+    ``lock_key`` as a sequence of templates: the workflow holds every entity they name, all or none, on
+    one token (refused on Redis Cluster when they fall in different slots: ``ConfigurationError``).
 
     ``workflow(chain(fetch.s(t), load.s()), lock_key="tenant:{tenant_id}:pipeline", tenant_id=t)``.
     ``lock_ttl``: the lease TTL while a member runs (renewed every third, as for a task; default
