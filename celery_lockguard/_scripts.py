@@ -36,22 +36,24 @@ _NEXT_FENCE = (
 local MAX_FENCE = """
     + str(MAX_FENCE)
     + """
--- nil when the counter is absent or an integer a next fence can exactly follow; else the error reply text
+-- nil, last (0 when absent) when the counter is absent or an integer a next fence can exactly follow;
+-- else the error reply text. Pass last on to next_fence: the counter is then read once per script.
 local function corrupt_fence(fence_key)
   local v = redis.pcall('GET', fence_key)
-  if not v then return nil end
+  if not v then return nil, 0 end
   if type(v) == 'table' then
     v = '<' .. tostring(v.err or v.ok or 'not a string') .. '>'  -- WRONGTYPE: not a string key
   elseif string.match(v, '^%d+$') and #v <= 16 and tonumber(v) < MAX_FENCE then
-    return nil
+    return nil, tonumber(v)
   end
   return '"""
     + CORRUPT_FENCE
     + """ ' .. fence_key .. ' ' .. (string.gsub(string.sub(v, 1, 64), '%c', '?'))
 end
--- call corrupt_fence first: the counter is then absent or an integer below MAX_FENCE
-local function next_fence(fence_key, fence_ttl, now_us)
-  local last = tonumber(redis.call('GET', fence_key) or '0')
+-- call corrupt_fence first: the counter is then absent or an integer below MAX_FENCE; last: what it read
+-- (nil: read it again here)
+local function next_fence(fence_key, fence_ttl, now_us, last)
+  last = last or tonumber(redis.call('GET', fence_key) or '0')
   local f = string.format('%.0f', math.max(last + 1, now_us))
   redis.call('SET', fence_key, f, 'PX', fence_ttl)
   return f
@@ -142,9 +144,9 @@ if cur[1] then
 end
 local slot, busy = held_slot(KEYS[1], KEYS[2])
 if slot then return held_slot_reply(KEYS[1], slot, busy, now_ms) end
-local bad = corrupt_fence(KEYS[2])
+local bad, last = corrupt_fence(KEYS[2])
 if bad then return redis.error_reply(bad) end
-local fence = next_fence(KEYS[2], ARGV[10], now_us)
+local fence = next_fence(KEYS[2], ARGV[10], now_us, last)
 if cur[1] then redis.call('DEL', KEYS[1]) end  -- replacing: drop the old holder's fields
 redis.call('HSET', KEYS[1], 'token', ARGV[1], 'task_id', ARGV[3], 'task_name', ARGV[4],
            'digest', ARGV[5], 'host', ARGV[6], 'pid', ARGV[7], 'worker', ARGV[8], 'state', ARGV[9],
@@ -265,9 +267,9 @@ if rate > 0 then
   end
 end
 local fence_key = KEYS[n + slot]
-local bad = corrupt_fence(fence_key)
+local bad, last = corrupt_fence(fence_key)
 if bad then return redis.error_reply(bad) end
-local fence = next_fence(fence_key, ARGV[10], now_us)
+local fence = next_fence(fence_key, ARGV[10], now_us, last)
 if cur[slot][1] then redis.call('DEL', KEYS[slot]) end  -- replacing: drop the old holder's fields
 redis.call('HSET', KEYS[slot], 'token', ARGV[1], 'task_id', ARGV[3], 'task_name', ARGV[4],
            'digest', ARGV[5], 'host', ARGV[6], 'pid', ARGV[7], 'worker', ARGV[8], 'state', ARGV[9],
@@ -431,8 +433,9 @@ RELEASE = (
 --   their deadline) are dropped. The lease hash becomes its reservation (token = park_token,
 --   state 'handed', PX ARGV[4]) and its entry 'waking' (waking_at = now): the releaser publishes
 --   the entry's message, then CONFIRM_WAKE makes it 'woken'.
+-- The server's TIME is read only when a waiter is queued (wake_oldest needs now_ms): not on the uncontended path.
+local now_ms = nil
 """
-    + _NOW
     + _HELD_SLOTS
     + _WAKE_OLDEST
     + """
@@ -450,6 +453,9 @@ if KEYS[4] then
 end
 local reserve_ms = tonumber(ARGV[4] or '') or 0
 if released == -1 or not KEYS[3] or reserve_ms <= 0 then return {released, recorded} end
+if not redis.call('LINDEX', KEYS[2], 0) then return {released, recorded} end  -- nobody waits
+local t = redis.call('TIME')
+now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local woken = wake_oldest(KEYS[2], KEYS[3], KEYS[1], reserve_ms)
 if woken then return {released, recorded, woken[1], woken[2]} end
 return {released, recorded}
@@ -614,11 +620,11 @@ FORCE_RELEASE = (
     + _HELD_SLOTS
     + _WAKE_OLDEST
     + """
-local bad = corrupt_fence(KEYS[2])
+local bad, last = corrupt_fence(KEYS[2])
 if bad then return redis.error_reply(bad) end
 local holder = redis.call('HGET', KEYS[1], 'task_id') or ''
 local deleted = redis.call('DEL', KEYS[1])
-local fence = next_fence(KEYS[2], ARGV[1], now_us)
+local fence = next_fence(KEYS[2], ARGV[1], now_us, last)
 local reserve_ms = tonumber(ARGV[2] or '') or 0
 if KEYS[4] and reserve_ms > 0 then
   local woken = wake_oldest(KEYS[3], KEYS[4], KEYS[1], reserve_ms)
@@ -971,12 +977,14 @@ local function current_fences()
 end
 -- fresh fences for every entity, or nil and the error reply (nothing written) for a corrupt counter
 local function fresh_fences()
+  local last = {}
   for i = 1, n do
-    local bad = corrupt_fence(KEYS[n + i])
+    local bad, seen = corrupt_fence(KEYS[n + i])
     if bad then return nil, bad end
+    last[i] = seen
   end
   local f = {}
-  for i = 1, n do f[i] = next_fence(KEYS[n + i], ARGV[11], now_us) end
+  for i = 1, n do f[i] = next_fence(KEYS[n + i], ARGV[11], now_us, last[i]) end
   return f
 end
 local function enter(token, fences, joining)
