@@ -192,7 +192,8 @@ def free_reservation_from_main(task: Any, request: Any, args: Any, kwargs: Any) 
     """A parked delivery's copy discarded before it ran: free what the waiter queue holds for it.
 
     A woken copy: the reservation RELEASE made for it goes, and the next waiter is woken. A safety
-    copy: its entry leaves the queue, so no release hands the entity to a message that is gone.
+    copy: its entry leaves the queue, so no release hands the entity to a message that is gone. Either,
+    of several entities: the reservations its wait kept on the others go too (:func:`_give_back_kept`).
     """
     from . import _calls as calls
     from . import _handoff as handoff
