@@ -55,7 +55,16 @@ from ._config import Settings, settings
 from ._connection import UNAVAILABLE_ERRORS
 from ._debounce import DebounceRow, read_debounce
 from ._events import emit
-from ._holders import HeldLease, entity_use, idle_windows, iter_leases, read_waiting, top_leases
+from ._holders import (
+    HeldLease,
+    entity_use,
+    idle_windows,
+    iter_leases,
+    parse_siblings,
+    read_waiting,
+    sibling_names,
+    top_leases,
+)
 from ._keys import (
     checkpoint_name,
     done_name,
@@ -67,7 +76,7 @@ from ._keys import (
     slot_lock_name,
 )
 from ._redact import redact, redact_text
-from ._terminal import duration, plural, printable
+from ._terminal import duration, entity, plural, printable
 from .exceptions import ConfigurationError, CorruptFence
 
 EX_CONFIG = getattr(os, "EX_CONFIG", 78)
@@ -247,7 +256,7 @@ def _debounce_table(pending: list[DebounceRow]) -> None:
 
     rows = [
         [
-            row.key,
+            entity(row.key),
             row.task_name,
             cell(row.pending_task_id),
             row.state,
@@ -273,7 +282,7 @@ def _lease_table(leases: list[HeldLease], waiting: dict[str, int], echo: bool = 
 
         rows.append(
             [
-                lease.label,
+                lease.shown,
                 lease.state,
                 cell(lease.task_name, "task_name") + (f" > {printable(lease.member)}" if lease.member else ""),
                 cell(lease.task_id, "task_id"),
@@ -292,7 +301,7 @@ def _lease_table(leases: list[HeldLease], waiting: dict[str, int], echo: bool = 
     if odd:
         click.echo(
             f"{plural(len(odd), 'lease')} with values no worker writes (shown as ?): "
-            + "; ".join(f"{printable(lease.key)}: {', '.join(lease.malformed)}" for lease in odd[:10]),
+            + "; ".join(f"{entity(lease.key)}: {', '.join(lease.malformed)}" for lease in odd[:10]),
             err=True,
         )
     return table
@@ -325,7 +334,14 @@ def _holder_text(holder: dict[str, str]) -> str:
     """``task[id] on worker (fence N)`` for the prompt, every part escaped and bounded."""
     name, task_id = printable(holder.get("task_name") or "-"), printable(holder.get("task_id") or "-")
     where = printable(holder.get("worker") or holder.get("host") or "-")
-    return f"{name}[{task_id}] on {where} (fence {printable(holder.get('fence') or '-')})"
+    return f"{name}[{task_id}] on {where} (fence {printable(holder.get('fence') or '-')})" + _also_held(holder)
+
+
+def _also_held(holder: dict[str, str]) -> str:
+    """``, which also holds acct:2, acct:3`` for a multi-entity holder ("" else): a release frees one entity."""
+    parsed = parse_siblings(holder.get("siblings"))
+    names = sibling_names(*parsed) if parsed else ""
+    return f", which also holds {names}" if names else ""
 
 
 @lockguard.command(cls=CeleryCommand)
@@ -464,6 +480,9 @@ def release(
     named = repr(entity) if not slot else f"{entity!r} slot {slot}"
     if deleted:
         click.echo(f"released {named} (was {was}); fence is now {fence}")
+        if _also_held(holder):
+            also = _also_held(holder).removeprefix(", which also holds ")
+            click.echo(f"its holder also holds {also}: those stay held (release each one to free it)")
     else:
         click.echo(f"{named} was already free when released; fence bumped to {fence}")
     if woke and woken is not None:

@@ -337,7 +337,7 @@ def arrive(
                 emit("lock.backend_unavailable", task.name, **failed)
                 time.sleep(countdown)
                 continue
-            raise Retry(when=None, sig=sig)
+            raise Retry(when=republish.retry_when(sig), sig=sig)
         if _outage(task, s, opts, call, action, reason, failure, fields, waits):
             return False, None
 
@@ -472,7 +472,7 @@ def _outage(
     emit("lock.backend_unavailable", task.name, **fields, policy=opts.on_unavailable, reason=why)
     sig = waiting.wait(task, s, opts, call, Decision(Action.WAIT, reason), None, None)
     if sig is not None:
-        raise Retry(exc=error, when=None, sig=sig)
+        raise Retry(exc=error, when=republish.retry_when(sig), sig=sig)
     return False  # waited in this process (eager, or the wait's publish failed): ask again
 
 

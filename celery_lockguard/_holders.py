@@ -17,13 +17,14 @@ usual. Numbers are ASCII digits only.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ._keys import MAX_KEY, lock_name, parse_lock_name, parse_rate_name, parse_slot_lock_name, rate_name, wait_name
-from ._terminal import plural
+from ._terminal import entity, plural
 
 #: A counter or a timestamp as the scripts write it: ASCII digits (at most 18, an int64's worth).
 _NUMBER = re.compile(r"[0-9]{1,18}\Z")
@@ -34,6 +35,54 @@ BATCH = 200
 #: handed on and waiting for its next member (``gap``). A state not
 #: listed here is shown as stored and named in ``malformed``: add it here when a script writes a new one.
 STATES = ("publishing", "queued", "running", "handed", "gap")
+
+
+#: Siblings a row keeps at most (a planted array of 100 000 keys is one row, not a page of them); the count is kept.
+MAX_SIBLINGS = 32
+#: Longest ``siblings`` field parsed: past it the field is malformed, not parsed (planted megabytes cost no CPU).
+MAX_SIBLINGS_FIELD = 64 * 1024
+#: Siblings the text views name in a row before "and N more".
+SHOWN_SIBLINGS = 3
+
+
+def parse_siblings(raw: object) -> tuple[tuple[str, ...], int] | None:
+    """The ``siblings`` field of a multi-entity holder's lease hash: (the first :data:`MAX_SIBLINGS` keys, count).
+
+    A holder of several entities (``lock_key`` as a sequence) writes, on each entity's ``{K}:lock``, a JSON
+    array of the other rendered entity keys of the same acquisition. Missing or empty: ``((), 0)``, a single
+    entity. Anything else that is not a JSON array of non-empty UTF-8 strings (bad JSON, another type, a
+    number in the array, bytes that are not UTF-8, a field too long): None, and the row names ``siblings``
+    in ``malformed``.
+    """
+    if raw is None or raw == "":
+        return (), 0
+    if not isinstance(raw, str) or len(raw) > MAX_SIBLINGS_FIELD:
+        return None
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) and v and _utf8(v) for v in value):
+        return None
+    return tuple(value[:MAX_SIBLINGS]), len(value)
+
+
+def _utf8(text: str) -> bool:
+    """Whether ``text`` is strict UTF-8 (a rendered key is; a planted byte read as a surrogate is not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def sibling_names(siblings: tuple[str, ...], count: int) -> str:
+    """``acct:2, acct:3 and 4 more``: the other entities of a multi-entity holder as text ("" for none)."""
+    if not count:
+        return ""
+    named = ", ".join(entity(k, MAX_KEY) for k in siblings[:SHOWN_SIBLINGS])
+    more = count - min(len(siblings), SHOWN_SIBLINGS)
+    return f"{named} and {more} more" if more and named else f"{more} more" if more else named
 
 
 def number(value: object) -> int | None:
@@ -70,6 +119,10 @@ class HeldLease:
     #: the member that handed it on).
     workflow_id: str | None = None
     member: str | None = None
+    #: A multi-entity holder (``lock_key`` as a sequence): the other entities of its acquisition (at most
+    #: :data:`MAX_SIBLINGS`) and how many there are; ``()`` and 0 for a single entity.
+    siblings: tuple[str, ...] = ()
+    sibling_count: int = 0
 
     @classmethod
     def from_hash(cls, prefix: str, redis_key: str, fields: dict[str, str], pttl: Any, now_ms: int) -> HeldLease:
@@ -90,6 +143,9 @@ class HeldLease:
         state = fields.get("state") or "running"
         if state not in STATES:
             bad.append("state")
+        siblings = parse_siblings(fields.get("siblings"))
+        if siblings is None:
+            bad.append("siblings")
         left = pttl if isinstance(pttl, int) and not isinstance(pttl, bool) and pttl >= 0 else None
         return cls(
             key=parse_lock_name(prefix, redis_key) or redis_key,
@@ -112,6 +168,8 @@ class HeldLease:
             window_ms=num("window") or None,
             workflow_id=fields.get("workflow") or None,
             member=(fields.get("member") or None) if fields.get("workflow") else None,
+            siblings=siblings[0] if siblings else (),
+            sibling_count=siblings[1] if siblings else 0,
         )
 
     @classmethod
@@ -161,12 +219,21 @@ class HeldLease:
         }
         if self.workflow_id is not None:  # a workflow's lease: its id and the member at it
             row.update(workflow_id=self.workflow_id, member=self.member)
+        if self.sibling_count:  # a multi-entity holder: the other entities of its acquisition
+            row.update(siblings=list(self.siblings), sibling_count=self.sibling_count)
         return row
 
     @property
     def label(self) -> str:
-        """The entity key as the operator reads it: K, or ``K (slot i)`` for a ``lock_limit`` slot i > 0."""
-        return self.key if not self.slot else f"{self.key} (slot {self.slot})"
+        """The entity key as the operator reads it (:func:`~celery_lockguard._terminal.entity`: a non-ASCII key
+        beside its ASCII spelling): K, or ``K (slot i)`` for a ``lock_limit`` slot i > 0."""
+        return entity(self.key) + (f" (slot {self.slot})" if self.slot else "")
+
+    @property
+    def shown(self) -> str:
+        """:attr:`label` and, for a multi-entity holder, the entities it holds beside this one."""
+        names = sibling_names(self.siblings, self.sibling_count)
+        return f"{self.label} (with {names})" if names else self.label
 
 
 def _slot(prefix: str, redis_key: str) -> int:
@@ -214,7 +281,7 @@ class EntityUse:
             )
         elif self.starts is not None:
             parts.append(f"{plural(self.starts, 'start')} recorded (no task of this app names its lock_rate)")
-        return f"{self.key}: " + ", ".join(parts)
+        return f"{entity(self.key)}: " + ", ".join(parts)
 
     def as_dict(self, prefix: str) -> dict[str, Any]:
         """The row of ``lockguard locks --json`` for a start window no slot holder carries (``state: "window"``)."""

@@ -36,7 +36,10 @@ compact JSON with dict keys sorted and sets sorted (so a set names the same
 entity in every process, whatever its hash seed); anything else is ``str()``.
 An object whose ``str()`` shows a memory address (``<Foo object at 0x...>``)
 names a different entity in every process, so a key refuses it with
-``ConfigurationError``. Lone surrogates (possible in JSON input) are
+``ConfigurationError``. Text is normalised to Unicode NFC (every ``str`` leaf, and what a key
+callable returns): ``"café"`` typed as one code point or as ``e`` and a combining accent names one
+entity. Look-alikes of other scripts (a Cyrillic U+0430) stay distinct; the operator's views show a
+non-ASCII key beside its escaped spelling (``_terminal.entity``). Lone surrogates (possible in JSON input) are
 percent-encoded like separators, so every key encodes as strict UTF-8.
 """
 
@@ -47,6 +50,7 @@ import inspect
 import json
 import re
 import string
+import unicodedata
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -75,16 +79,21 @@ def text(value: Any, strict: bool = True) -> str:
     a value there only means "never a duplicate", which is safe.
     """
     if isinstance(value, str):
-        return value
+        return _nfc(value)
     if isinstance(value, (dict, list, tuple, set, frozenset)):
         return _json(value, strict, 0)
-    out = str(value)
+    out = _nfc(str(value))
     if strict and _ADDRESS.search(out):
         raise UnstableText(
             f"argument of type {type(value).__qualname__} renders as {out[:80]!r}, which differs in every "
             "process; give it a __str__ or pass its id"
         )
     return out
+
+
+def _nfc(value: str) -> str:
+    """``value`` in Unicode NFC: one spelling per text, whichever way the caller's input composed it."""
+    return value if value.isascii() else unicodedata.normalize("NFC", value)
 
 
 def _json(value: Any, strict: bool, depth: int) -> str:
@@ -102,7 +111,9 @@ def _json(value: Any, strict: bool, depth: int) -> str:
         return "[" + ",".join(_json(v, strict, depth + 1) for v in value) + "]"
     if isinstance(value, (set, frozenset)):
         return "[" + ",".join(sorted(_json(v, strict, depth + 1) for v in value)) + "]"
-    if value is None or isinstance(value, (str, int, float, bool)):
+    if isinstance(value, str):
+        return json.dumps(_nfc(value))
+    if value is None or isinstance(value, (int, float, bool)):
         return json.dumps(value)
     return json.dumps(text(value, strict))
 
@@ -110,7 +121,7 @@ def _json(value: Any, strict: bool, depth: int) -> str:
 def _json_key(key: Any, strict: bool) -> str:
     """A dict key as ``json.dumps`` writes it (``True`` → ``true``), else its text."""
     if isinstance(key, str):
-        return key
+        return _nfc(key)
     if key is None or isinstance(key, (bool, int, float)):
         return json.dumps(key)
     return text(key, strict)
@@ -271,7 +282,7 @@ class KeyRenderer:
                     f"task {self.task_name!r}: option {self.option} callable returned {value!r}, "
                     "expected a non-empty str"
                 )
-            return self._escape_callable(value)
+            return self._escape_callable(_nfc(value))
         out = []
         for literal, field in self._parts:
             out.append(literal)

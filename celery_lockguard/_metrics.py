@@ -326,8 +326,15 @@ def lease_ended(lease: Any) -> None:
         _held.pop(id(lease), None)
 
 
+def entities_of(lease: Any) -> int:
+    """Entities ``lease`` holds: one, or each of a multi-entity lease's ``keys`` (the gauge counts per entity,
+    as ``lockguard locks`` lists one row per entity)."""
+    keys = getattr(lease, "keys", None)
+    return len(keys) if isinstance(keys, tuple) and keys else 1
+
+
 def held_now(now: float | None = None) -> list[dict[str, Any]]:
-    """Per (task, worker): the leases this process holds now and the oldest one's acquisition (unix seconds).
+    """Per (task, worker): the entities this process holds now and the oldest lease's acquisition (unix seconds).
 
     A lease already lost (expired, taken, cut off at ``lock_max_hold``) or released before its body
     ended (``retry(throw=False)`` frees it, or hands it to the retry as its claim) is not held, though
@@ -340,7 +347,7 @@ def held_now(now: float | None = None) -> list[dict[str, Any]]:
         if not lease.held:
             continue
         row = rows.setdefault((lease.task_name, worker), [0, acquired_at])
-        row[0] += 1
+        row[0] += entities_of(lease)
         row[1] = min(row[1], acquired_at)
     return [
         {"task": task, "worker": worker, "held": int(n), "oldest_acquired_at": round(oldest, 3)}

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from ._holders import HeldLease
 from ._page_state import HISTORY_SECONDS, Sample, Snapshot
 from ._redact import redact
-from ._terminal import duration, plural, printable
+from ._terminal import duration, entity, plural, printable
 
 #: Longest cell the page shows (the rest is cut and counted, as in the terminal).
 MAX_CELL = 256
@@ -75,7 +75,7 @@ def _lease_row(lease: HeldLease, waiting: int) -> list[str]:
 
     where = lease.worker or f"{'?' if 'host' in bad else lease.host or '-'}:{'?' if 'pid' in bad else lease.pid or '-'}"
     return [
-        f'<span class="key">{text(lease.label)}</span>',
+        f'<span class="key">{text(lease.shown, None)}</span>',
         text(lease.state),
         cell(lease.task_name, "task_name"),
         f'<span class="id">{cell(lease.task_id, "task_id")}</span>',
@@ -114,7 +114,7 @@ def busy_section(snap: Snapshot) -> str:
     out = ['<section id="busy"><h2>Busiest entities <span class="hint">last hour, as sampled here</span></h2>']
     out.append(_error(snap.errors, "entities"))
     if snap.busy:
-        rows = ([text(b.key), str(b.waiting), str(b.holders), _pct(b.held_share)] for b in snap.busy)
+        rows = ([text(entity(b.key)), str(b.waiting), str(b.holders), _pct(b.held_share)] for b in snap.busy)
         out.append(_table(["key", "waiting now", "holders seen", "held in samples"], rows, "busy"))
     else:
         out.append('<p class="empty">no entity changed hands or had waiters while this page sampled</p>')

@@ -176,6 +176,12 @@ def publish(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], countdown:
     return sig
 
 
+def retry_when(sig: Any) -> float | None:
+    """The republished copy's countdown, for ``Retry(when=...)``: Celery logs "Retry in 2.5s", not "at None"."""
+    countdown = (getattr(sig, "options", None) or {}).get("countdown")
+    return round(float(countdown), 3) if isinstance(countdown, (int, float)) else None
+
+
 def arm_watch(client: Any, s: Settings, key: str, request: Any, countdown: float, ttl: float) -> str | None:
     """Arm the single pending watch of this task on ``key``: the new watch token, or ``None`` if one is pending."""
     token = lease_ops.new_token()

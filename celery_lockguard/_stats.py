@@ -507,7 +507,12 @@ def prometheus(raw: dict[str, Any], templates: dict[str, str] | None = None) -> 
         had_n, had_age = held.get((OTHER, OTHER), (0, 0.0))
         held[(OTHER, OTHER)] = (had_n + other[0], max(had_age, other[1]))
         folded_pairs = len(rest)
-    _family(lines, "lockguard_leases_held", "gauge", "Leases held now by running bodies, per task and worker.")
+    _family(
+        lines,
+        "lockguard_leases_held",
+        "gauge",
+        "Entities held now by running bodies (each of a multi-entity lease), per task and worker.",
+    )
     for (task, worker), (n, _age) in sorted(held.items()):
         lines.append(f'lockguard_leases_held{{task="{task}",worker="{worker}"}} {n}')
     _family(lines, "lockguard_oldest_hold_seconds", "gauge", "Age of the oldest lease held now, per task and worker.")

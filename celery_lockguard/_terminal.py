@@ -51,6 +51,20 @@ def printable(value: object, limit: int | None = MAX_SHOWN) -> str:
     return f"{text}...[{cut} more]" if cut else text
 
 
+def entity(value: object, limit: int | None = MAX_SHOWN) -> str:
+    """An entity key as :func:`printable` shows it, and beside a key with non-ASCII text its ASCII spelling.
+
+    Keys are rendered in NFC (``_keys``), but two keys can still look alike and differ: a Cyrillic
+    U+0430 for a Latin ``a``, or a key written before NFC rendering (``cafe`` and U+0301 beside ``caf``
+    and U+00E9). The operator sees ``caf\\xe9`` and ``cafe\\u0301`` in brackets after each, so two rows
+    that look alike read apart; the key as stored stays on the left, to copy into ``release``.
+    """
+    shown = printable(value, limit)
+    if shown.isascii():
+        return shown
+    return f"{shown} [{''.join(c if c.isascii() else _escape(c) for c in shown)}]"
+
+
 def plural(n: int, singular: str, many: str | None = None) -> str:
     """``"1 lease"``, ``"2 leases"``: the count and the noun that agrees with it."""
     return f"{n} {singular if n == 1 else (many or singular + 's')}"

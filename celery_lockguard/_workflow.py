@@ -769,7 +769,7 @@ def _wait(
         except Exception as exc:  # noqa: BLE001 - a failed publish must not lose the member: wait here
             emit("lock.backend_unavailable", task.name, **fields, reason=f"publish failed: {_describe(exc)}")
         else:
-            raise Retry(exc=_contention_error(task, spec, holder, None), when=None, sig=sig)
+            raise Retry(exc=_contention_error(task, spec, holder, None), when=republish.retry_when(sig), sig=sig)
     time.sleep(countdown)
     req.headers = hdrs
 

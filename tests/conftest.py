@@ -148,7 +148,19 @@ def prefix(redis_url: str) -> Iterator[str]:
     """A key prefix owned by this test; its keys are deleted afterwards."""
     p = f"lgt:{uuid.uuid4().hex[:10]}"
     yield p
-    delete_prefix(redis.Redis.from_url(redis_url), p)
+    client = redis.Redis.from_url(redis_url)
+    delete_prefix(client, p)
+    strays = stray_keys(client, p)
+    if strays:
+        client.delete(*strays)
+        pytest.fail(f"keys named after the test's prefix {p!r} but outside it (not deleted by it): {strays[:5]}")
+
+
+def stray_keys(client: redis.Redis, p: str) -> list[bytes]:
+    """Keys that carry ``p`` but not as their ``p:`` prefix: a kombu queue or binding, a result written by an app
+    without ``global_keyprefix`` (``lgt:x-q``, ``_kombu.binding.lgt:x-q``). The prefix's random part is unique to
+    the test, so whatever carries it is this test's, and it would outlive the run on a shared server."""
+    return [k for k in client.scan_iter(match=f"*{p}*", count=1000) if not k.startswith(p.encode() + b":")]
 
 
 @pytest.fixture

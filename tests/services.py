@@ -128,6 +128,7 @@ class EmbeddedPostgres:
             self.port = s.getsockname()[1]
         self.url = f"postgresql://postgres@127.0.0.1:{self.port}/test"
         self._as: list[str] = []
+        self.watchdog: subprocess.Popen[bytes] | None = None
         if os.geteuid() == 0:
             import pwd
 
@@ -147,12 +148,39 @@ class EmbeddedPostgres:
         self._run(str(self.bindir / "pg_ctl"), "-D", str(data), "-o", opts, "-l", str(self.dir / "log"), "-w", "start")
         self._run(str(self.bindir / "psql" if (self.bindir / "psql").exists() else "psql"),
                   "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-c", "CREATE DATABASE test")  # fmt: skip
+        self.watchdog = pg_watchdog([*self._as, str(self.bindir / "pg_ctl")], self.dir / "data", self.dir)
         return self
 
     def stop(self) -> None:
+        stop_watchdog(self.watchdog)
         with contextlib.suppress(Exception):
             self._run(str(self.bindir / "pg_ctl"), "-D", str(self.dir / "data"), "-m", "immediate", "stop")
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def pg_watchdog(pg_ctl: list[str], data: Path, directory: Path) -> subprocess.Popen[bytes]:
+    """A process in its own session that stops the cluster in ``data`` and removes ``directory`` once this process
+    is gone. ``pg_ctl start`` detaches the postmaster, so it outlives a run killed by SIGKILL or a timeout's
+    SIGTERM (which skip pytest's cleanup) unless something outside the run stops it: the run's own
+    :meth:`stop` kills the watchdog first, so it acts only when the run ended without stopping the cluster."""
+    script = (
+        'pid="$1"; data="$2"; dir="$3"; shift 3;'
+        ' while kill -0 "$pid" 2>/dev/null; do sleep 1; done;'
+        ' "$@" -D "$data" -m immediate -w -t 60 stop >/dev/null 2>&1; rm -rf "$dir"'
+    )
+    return subprocess.Popen(
+        ["sh", "-c", script, "lockguard-postgres-watchdog", str(os.getpid()), str(data), str(directory), *pg_ctl],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+
+
+def stop_watchdog(watchdog: subprocess.Popen[bytes] | None) -> None:
+    """The run stops its cluster itself: the watchdog has nothing left to do."""
+    if watchdog is not None:
+        with contextlib.suppress(ProcessLookupError):
+            watchdog.kill()
+        with contextlib.suppress(Exception):
+            watchdog.wait(timeout=10)
 
 
 class WheelPostgres:

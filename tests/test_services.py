@@ -130,6 +130,46 @@ def test_a_killed_run_does_not_leave_its_rabbitmq_node_running() -> None:
     assert not _processes_naming(str(node_dir)) and not node_dir.exists(), _processes_naming(str(node_dir))
 
 
+@pytest.mark.timeout(600)
+def test_a_killed_run_does_not_leave_its_embedded_postgresql_running() -> None:
+    """Issue 31: an embedded PostgreSQL (``pg_ctl start`` detaches the postmaster) outlived a run killed by SIGKILL
+    or a timeout's SIGTERM, which skip pytest's cleanup; its watchdog stops the cluster and removes its directory."""
+    bindir = services.postgres_binaries()
+    if bindir is None:
+        pytest.skip("not installed: initdb/pg_ctl")
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("LOCKGUARD_TEST_", "LOCKGUARD_REQUIRE"))}
+    env = {**base, "LOCKGUARD_TEST_EMBEDDED": "redis,postgres", "LOCKGUARD_WAIT_TO_BE_KILLED": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-s", "--timeout=0"]
+    cmd.append("tests/test_services.py::test_waits_to_be_killed_on_purpose")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    header, pg_dir = "", None
+    try:
+        for line in proc.stdout:  # up to the test's own line: the cluster is up and the test is running
+            header += line
+            if "waiting to be killed" in line:
+                break
+        found = re.search(r"postgres .*<- embedded: \S+/initdb in (\S+)", header)
+        assert found, header
+        pg_dir = Path(found[1])
+        assert [p for p in _processes_naming(str(pg_dir)) if "postgres" in p], header  # running when pytest dies
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 90
+        while (_processes_naming(str(pg_dir)) or pg_dir.exists()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _processes_naming(str(pg_dir)) and not pg_dir.exists(), _processes_naming(str(pg_dir))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        if pg_dir is not None and (pg_dir / "data").exists():  # the test failed: leave nothing running anyway
+            pg = services.EmbeddedPostgres(bindir)
+            pg.dir.rmdir()
+            pg.dir = pg_dir
+            pg.stop()
+
+
 def test_waits_to_be_killed_on_purpose() -> None:
     if not os.environ.get("LOCKGUARD_WAIT_TO_BE_KILLED"):
         return  # only the run above waits here

@@ -123,3 +123,58 @@ def test_an_eager_apply_with_the_lock_redis_down_gives_up_visibly_within_its_bou
     assert time.monotonic() - started < 3.0 + 10  # the bound plus a few refused connects
     (gave_up,) = [e for e in logs if e["event"] == "lock.wait_budget_exhausted"]
     assert gave_up["policy"] == "eager_max_wait" and gave_up["max_wait"] == 3.0
+
+
+def _retry_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [rec.getMessage() for rec in caplog.records if "retry:" in rec.getMessage()]
+
+
+@pytest.mark.parametrize("path", ["early", "outage"])
+def test_a_debounced_delivery_sent_back_says_when_in_celerys_line(
+    path: str, redis_url: str, prefix: str, r: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 31: ``_debounce`` raised ``Retry(when=None)``, so Celery logged "Retry at None" for a delivery that
+    came before its burst ended (``early``) and for one sent back because the record was unreachable
+    (``outage``, fail_closed)."""
+    from celery_lockguard._config import reset
+
+    app = make_app("waitlogs-debounce", redis_url, prefix)
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="wl.reindex", lock_key="doc:{d}", lock_debounce=30)
+    def reindex(self: Any, d: int) -> int:
+        return d
+
+    reindex.delay(1)
+    (msg,) = published(r, app)
+    r.delete(f"{app.conf.broker_transport_options['global_keyprefix']}{app.conf.task_default_queue}")
+    if path == "outage":
+        app.conf.lockguard_redis_url = "redis://127.0.0.1:1/0"
+        app.conf.lockguard_on_unavailable = "fail_closed"
+        reset(app)
+    with caplog.at_level(logging.INFO, logger="celery.app.trace"):
+        assert redeliver(reindex, msg).state == "RETRY"
+    (line,) = _retry_lines(caplog)
+    assert "Retry in " in line and "Retry at None" not in line, line
+
+
+def test_a_workflow_member_sent_back_to_wait_says_when_in_celerys_line(
+    redis_url: str, prefix: str, r: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 31: ``_workflow`` raised ``Retry(when=None)`` for a first member waiting behind another holder."""
+    from celery import chain
+
+    from celery_lockguard import workflow
+    from celery_lockguard._headers import WORKFLOW
+
+    app = make_app("waitlogs-workflow", redis_url, prefix)
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="wl.step")
+    def step(self: Any, prev: Any = None) -> str:
+        return "ok"
+
+    hold_externally(r, prefix, "site:w", task_id="holder-1", task_name="wl.other")
+    w = workflow(chain(step.s(), step.s()), lock_key="site:{site}", site="w", app=app)
+    with caplog.at_level(logging.INFO, logger="celery.app.trace"):
+        assert deliver(step, headers={WORKFLOW: w.spec().header(index=0)}).state == "RETRY"
+    (line,) = _retry_lines(caplog)
+    assert "Retry in " in line and "Retry at None" not in line, line

@@ -1,0 +1,158 @@
+"""A multi-entity holder (issue 32: ``lock_key`` as a sequence) as the operator's views show it.
+
+Each entity's ``{K}:lock`` hash carries ``siblings``: a JSON array of the other rendered entity keys of
+the same acquisition. ``locks`` (text and ``--json``), the page, ``release`` and the held-now gauge show
+the holder once per entity and name its siblings. The field is planted here, as the holder tests plant
+leases; a hostile ``siblings`` (bad JSON, another type, megabytes) is one malformed field of one row.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_lockguard import _lease as L
+from celery_lockguard import _metrics as metrics
+from celery_lockguard._keys import lock_name
+
+from .conftest import make_cfg
+from .test_cli_hostile import app, invoke, raw, strict_json  # noqa: F401 - app, raw: the CLI's fixtures
+from .test_page import PageServer, pages, start_page  # noqa: F401 - pages: stops the page servers
+
+ENTITIES = ["acct:1", "acct:2", "acct:\u00e9"]  # one acquisition: three entities, one task id
+
+
+def plant_multi(r: redis.Redis, prefix: str, keys: list[str], task_id: str = "t-multi") -> None:
+    """One acquisition of ``keys``, as the multi-entity ACQUIRE writes it: a lease per entity naming the others."""
+    for key in keys:
+        got = L.acquire(
+            r, prefix, key, ttl_ms=60_000, task_id=task_id, task_name="bank.transfer", digest="d", worker="w@h",
+            fence_ttl_ms=60_000,
+        )  # fmt: skip
+        assert isinstance(got, L.Lease)
+        r.hset(lock_name(prefix, key), "siblings", json.dumps([k for k in keys if k != key]))
+
+
+HOSTILE = {
+    "bad-json": "[not json",
+    "an-object": '{"acct:9": 1}',
+    "numbers": "[1, 2]",
+    "empty-key": '["acct:9", ""]',
+    "deep": "[" * 100_000,
+    "huge": json.dumps(["k"] * 200_000),
+    "not-utf8": b'["\xff"]',
+}
+
+
+def test_locks_shows_each_entity_once_and_names_its_siblings(
+    app: Celery,  # noqa: F811
+    r: redis.Redis,
+    prefix: str,
+) -> None:
+    plant_multi(r, prefix, ENTITIES)
+    L.acquire(r, prefix, "solo", ttl_ms=60_000, task_id="t-solo", task_name="n", digest="d", worker="w", fence_ttl_ms=1)
+    out = invoke(app, "locks")
+    assert out.exit_code == 0, out.output
+    rows = [line for line in out.stdout.splitlines() if "t-multi" in line]
+    assert len(rows) == 3, out.stdout  # once per entity
+    assert any(line.startswith("acct:1 (with acct:2, acct:\u00e9 [acct:\\xe9])") for line in rows), rows
+    assert any(line.startswith("acct:\u00e9 [acct:\\xe9] (with acct:1, acct:2)") for line in rows), rows
+    solo = next(line for line in out.stdout.splitlines() if "t-solo" in line)
+    assert "(with" not in solo
+    data = {row["key"]: row for row in strict_json(invoke(app, "locks", "--json").stdout)}
+    assert data["acct:2"]["siblings"] == ["acct:1", "acct:\u00e9"] and data["acct:2"]["sibling_count"] == 2
+    assert "siblings" not in data["solo"]  # a single entity's row stays as it was
+    every = [row for row in strict_json(invoke(app, "locks", "--all", "--json").stdout) if row["task_id"] == "t-multi"]
+    assert sorted(row["key"] for row in every) == sorted(ENTITIES)
+    assert all(row["sibling_count"] == 2 for row in every)
+
+
+def test_a_long_sibling_list_is_cut_in_the_row_and_counted(app: Celery, r: redis.Redis, prefix: str) -> None:  # noqa: F811
+    keys = [f"item:{i}" for i in range(40)]
+    plant_multi(r, prefix, keys[:1])
+    r.hset(lock_name(prefix, "item:0"), "siblings", json.dumps(keys[1:]))
+    out = invoke(app, "locks")
+    assert "item:0 (with item:1, item:2, item:3 and 36 more)" in out.stdout, out.stdout
+    (row,) = strict_json(invoke(app, "locks", "--json").stdout)
+    assert row["sibling_count"] == 39 and len(row["siblings"]) == 32
+
+
+def test_a_hostile_siblings_field_is_one_malformed_field_of_its_row(
+    app: Celery,  # noqa: F811
+    r: redis.Redis,
+    raw: redis.Redis,  # noqa: F811
+    prefix: str,
+) -> None:
+    for name, value in HOSTILE.items():
+        plant_multi(r, prefix, [name])
+        raw.hset(lock_name(prefix, name), "siblings", value)
+    started = time.monotonic()
+    out = invoke(app, "locks", "--limit", "100")
+    assert out.exit_code == 0 and time.monotonic() - started < 30, out.output
+    rows = [line for line in out.stdout.splitlines() if "t-multi" in line]
+    assert len(rows) == len(HOSTILE) and not any("(with" in line for line in rows), out.stdout
+    assert "siblings" in out.stderr  # named as a value no worker writes
+    data = strict_json(invoke(app, "locks", "--json").stdout)
+    assert all("siblings" in row["malformed"] and "sibling_count" not in row for row in data), data
+    asked = invoke(app, "release", "bad-json", input="n\n")  # the prompt reads the same field
+    assert "Force-release" in asked.output and "also holds" not in asked.output
+
+
+def test_release_names_the_siblings_it_leaves_held(app: Celery, r: redis.Redis, prefix: str) -> None:  # noqa: F811
+    plant_multi(r, prefix, ENTITIES)
+    asked = invoke(app, "release", "acct:1", input="n\n")
+    assert "which also holds acct:2, acct:\u00e9 [acct:\\xe9]" in asked.output, asked.output
+    done = invoke(app, "release", "acct:1", "--yes")
+    assert done.exit_code == 0, done.output
+    assert "its holder also holds acct:2, acct:\u00e9 [acct:\\xe9]: those stay held" in done.output, done.output
+    assert r.exists(lock_name(prefix, "acct:2")) and not r.exists(lock_name(prefix, "acct:1"))
+
+
+@pytest.mark.integration  # a real exporter process, as tests/test_page.py (the compat cells leave them out)
+def test_the_page_names_each_entitys_siblings(
+    redis_url: str,
+    r: redis.Redis,
+    prefix: str,
+    pages: list[PageServer],  # noqa: F811
+) -> None:
+    plant_multi(r, prefix, ENTITIES)
+    plant_multi(r, prefix, ["broken"], task_id="t-broken")
+    r.hset(lock_name(prefix, "broken"), "siblings", "[1, 2]")
+    page = start_page(make_cfg(prefix, redis_url))
+    pages.append(page)
+    code, _, body = page.get("/page")
+    html = body.decode()
+    assert code == 200
+    assert "acct:1 (with acct:2, acct:\u00e9 [acct:\\xe9])" in html
+    assert "acct:2 (with acct:1, acct:\u00e9 [acct:\\xe9])" in html
+    data = page.data()
+    assert data is not None
+    by_key = {lease["key"]: lease for lease in data["leases"]}
+    assert by_key["acct:1"]["siblings"] == ["acct:2", "acct:\u00e9"]
+    assert "siblings" in by_key["broken"]["malformed"]
+
+
+class _Several:
+    """A lease of several entities as the held-now registry reads one (``keys``; the multi-entity lease has them)."""
+
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        self.keys, self.task_name, self.held, self.acquired_at = keys, "bank.transfer", True, time.monotonic()
+
+
+def test_the_held_now_gauge_counts_a_multi_entity_lease_once_per_entity() -> None:
+    several, single = (
+        _Several(("acct:1", "acct:2", "acct:3")),
+        L.Lease("k", "p", "tok", 1, 30_000, time.monotonic(), "i", "n"),
+    )
+    metrics.lease_held(several, "w@h")
+    metrics.lease_held(single, "w@h")
+    try:
+        got = {row["task"]: row["held"] for row in metrics.held_now()}
+        assert got == {"bank.transfer": 3, "n": 1}
+    finally:
+        metrics.lease_ended(several)
+        metrics.lease_ended(single)
