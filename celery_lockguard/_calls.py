@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from . import _keys as keys
-from ._config import TaskOptions
+from ._config import TaskOptions, refuse_with_several
+from ._entities import EntityKeys
 
 
 class CallNames(NamedTuple):
@@ -31,6 +32,9 @@ class CallNames(NamedTuple):
     #: Where the completion record and checkpoints live: S of this task (``by:<task>:<S>``), of the
     #: tasks sharing its ``idempotency_namespace`` (``ns:<name>:<S>``), or the task-id scope itself.
     record: str
+    #: Several entities (``lock_key`` as a sequence): every entity key, sorted and deduplicated, ``key``
+    #: being the first (the anchor: queue claims, park and watch markers live there). ``()``: one entity.
+    keys: tuple[str, ...] = ()
 
 
 def render(opts: TaskOptions, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallNames:
@@ -55,5 +59,16 @@ def render(opts: TaskOptions, task_id: str, args: tuple[Any, ...], kwargs: dict[
         record = scope
     # The lease stays on S itself (not on the record scope): calls of one effect exclude each other
     # whatever task they are, and old and new workers keep excluding each other during an upgrade.
-    key = opts.lock_key.render(arguments, args, kwargs) if opts.lock_key is not None else scope
+    lock_key = opts.lock_key
+    if lock_key is None:
+        key = scope
+    elif isinstance(lock_key, EntityKeys):
+        several = lock_key.render_keys(arguments, args, kwargs)
+        if len(several) > 1:
+            if lock_key.callable:  # a template sequence is refused at validation; a callable per call
+                refuse_with_several(opts.task_name, several, opts.limit, opts.rate, opts.debounce)
+            return CallNames(several[0], scope, digest, scope_is_task, record, several)
+        key = several[0]
+    else:
+        key = lock_key.render(arguments, args, kwargs)
     return CallNames(key, scope, digest, scope_is_task, record)

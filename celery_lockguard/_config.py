@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ._entities import EntityKeys, is_sequence
 from ._keys import NAMESPACE, KeyRenderer
 from ._keys import digest_order as _digest_order
 from ._keys import record_prefix as _record_prefix
@@ -452,7 +453,8 @@ class TaskOptions:
     """One task's resolved, validated options."""
 
     task_name: str
-    lock_key: KeyRenderer | None
+    #: A template (``KeyRenderer``), several templates or a callable (``EntityKeys``: one or more entities).
+    lock_key: KeyRenderer | EntityKeys | None
     idempotency_key: KeyRenderer | None
     ttl: float
     renew: bool
@@ -691,7 +693,7 @@ def resolve_task_options(task: Any) -> TaskOptions:
         raise ConfigurationError(f"task {name!r}: cannot read the signature of its body: {exc}") from exc
     own_key = _static(task, "lock_key")
     key_source = own_key if own_key is not None else s.keys.get(name)
-    lock_key = KeyRenderer(key_source, signature, name, "lock_key") if key_source is not None else None
+    lock_key = _lock_key(key_source, signature, name)
     idem_source = _static(task, "idempotency_key")
     idem = KeyRenderer(idem_source, signature, name, "idempotency_key") if idem_source is not None else None
     ttl = _seconds("option", "lock_ttl", task.lock_ttl if task.lock_ttl is not None else s.default_ttl, name)
@@ -730,6 +732,8 @@ def resolve_task_options(task: Any) -> TaskOptions:
         )
     limit, rate = _limits(task, s, mode)
     namespace = _namespace_option(task, idem is not None)
+    if isinstance(lock_key, EntityKeys) and lock_key.several and not lock_key.callable:
+        refuse_with_several(name, lock_key.source, limit, rate, debounce)
     if debounce is not None and (limit > 1 or rate is not None):
         raise ConfigurationError(
             f"task {name!r}: option lock_debounce={debounce!r} runs one burst's run at a time on the single "
@@ -766,6 +770,38 @@ def resolve_task_options(task: Any) -> TaskOptions:
         rate=rate,
         idempotency_namespace=namespace,
     )
+
+
+def _lock_key(source: Any, signature: inspect.Signature, name: str) -> KeyRenderer | EntityKeys | None:
+    """``lock_key``: one template, a sequence of templates (several entities), or a callable returning either.
+
+    A sequence naming one template (after deduplication) is that template: one entity, the single lease.
+    """
+    if source is None:
+        return None
+    if is_sequence(source) and source and all(isinstance(m, str) for m in source) and len(set(source)) == 1:
+        source = source[0]
+    if is_sequence(source) or callable(source):
+        return EntityKeys(source, signature, name, "lock_key")
+    return KeyRenderer(source, signature, name, "lock_key")
+
+
+def refuse_with_several(name: str, keys: Any, limit: int, rate: Any, debounce: float | None) -> None:
+    """``lock_limit``, ``lock_rate`` and ``lock_debounce`` do not combine with several entities (docs/multi-entity.md).
+
+    Slots and start windows count starts per entity; a set of entities has no one window to count in, and
+    a debounce burst replaces the pending run of one entity. Refused rather than guessed.
+    """
+    for option, value, bad in (
+        ("lock_limit", limit, limit > 1),
+        ("lock_rate", rate.text if rate is not None else None, rate is not None),
+        ("lock_debounce", debounce, debounce is not None),
+    ):
+        if bad:
+            raise ConfigurationError(
+                f"task {name!r}: option {option}={value!r} does not combine with several entities "
+                f"(lock_key={keys!r}): slots, start windows and debounce count per entity; use one lock_key"
+            )
 
 
 def _namespace_option(task: Any, keyed: bool) -> str | None:

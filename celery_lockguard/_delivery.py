@@ -33,6 +33,7 @@ from . import _headers as headers
 from . import _keys as keys
 from . import _lease as lease_ops
 from . import _metrics as metrics
+from . import _multi as multi
 from . import _records as records
 from . import _release as release_ops
 from . import _request as request_state
@@ -110,6 +111,9 @@ class DeliveryState:
     park_token: str
     #: A reservation RELEASE may have made for this copy (its park token): abandoned on every exit that does not run.
     reserved: str
+    #: ``call``, named after the entity this delivery parked on: for several entities, the one that blocked it
+    #: (header ``lockguard_park_entity``); its waiter queue and reservation live there (``_multi.parked_on``).
+    parked: CallNames
     #: Whether a contended attempt may park behind the holder (else it backs off with a countdown).
     can_park: bool
     #: ACQUIREs repeated because PARK found the lease already gone.
@@ -148,6 +152,7 @@ class DeliveryState:
             start_claim=claim_token,
             park_token=park_token,
             reserved=park_token,
+            parked=multi.parked_on(call, headers.read_str(req, headers.PARK_ENTITY)),
             can_park=can_park and opts.rate is None,
         )
 
@@ -174,7 +179,7 @@ def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kw
         outcome: Outcome
         try:
             if state.park_token:
-                waits.settle_parked(task, s, call, state.client, state.park_token)
+                waits.settle_parked(task, s, state.parked, state.client, state.park_token)
                 state.park_token = ""
             got = _acquire(task, s, opts, call, state.client, token, state.replace_token, store, state.start_claim)
         except Ignore:
@@ -245,14 +250,21 @@ def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kw
             else:
                 release_ops.give_back(task, s, opts, got)
         _met(task, opts, call, decision, holder, failure, throttled)
+        if state.reserved and call.keys:
+            # Several entities, one of them reserved for us, another held: give the reservation back (its
+            # entity's next waiter is woken) before waiting; a delivery never waits holding part of its set.
+            handoff.abandon(task.app, s, state.parked.key, state.reserved, task.name, req.id)
+            state.reserved = ""
         if action is Action.PARK:
             assert holder is not None
-            parked = waits.park(task, s, opts, call, state.client, decision, holder, state.free_retries, state.first_ms)
+            at = multi.parked_on(call, holder.entity or "")  # park on the entity that blocked us
+            parked = waits.park(task, s, opts, at, state.client, decision, holder, state.free_retries, state.first_ms)
             if parked == "acquire_again":
                 state.free_retries += 1
                 continue
             if isinstance(parked, str) and parked.startswith("adopt:"):
                 state.replace_token = parked[len("adopt:") :]  # our publish failed, yet a releaser woke us
+                state.parked = at
                 continue
             if parked is not None:
                 raise Retry(exc=waits.contention_error(task, call, holder, None), when=waits.when(parked), sig=parked)
@@ -262,7 +274,7 @@ def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kw
             release_ops.free_claim(task, s, opts, call, state.claim_token)
         if state.reserved and action in FREES_CLAIM:
             # answered from the record, skipped, gave up...: the reservation must not hold up the next waiter
-            handoff.abandon(task.app, s, call.key, state.reserved, task.name, req.id, limit=opts.limit)
+            handoff.abandon(task.app, s, state.parked.key, state.reserved, task.name, req.id, limit=opts.limit)
         if action is Action.WAIT:
             attempt = token if outcome == "unavailable" and got is None else None
             sig = waits.wait(
@@ -361,6 +373,26 @@ def _acquire(
 ) -> Lease | Holder | Done | Throttled:
     """ACQUIRE for this call: a lease, the holder it met, its record, or a full start window (``lock_rate``)."""
     req = task.request
+    if call.keys:  # several entities: all or nothing (_multi)
+        return multi.acquire(
+            client,
+            s.key_prefix,
+            call.keys,
+            ttl_ms=opts.ttl_ms,
+            task_id=req.id,
+            task_name=task.name,
+            digest=call.digest,
+            worker=req.hostname or "",
+            fence_ttl_ms=int(s.fence_ttl * 1000),
+            scope=call.record if store is not None and store.in_scripts else None,
+            token=token,
+            replace_token=replace_token,
+            claim_token=claim_token,
+            wake=lambda woken: handoff.wake(task.app, s, woken, task.name, req.id, client),
+            reserve_ms=handoff.reserve_ms(),
+            replicas=opts.replicas,
+            replicas_timeout_ms=max(1, min(opts.replicas_timeout_ms, int(s.socket_timeout * 500))),
+        )
     return lease_ops.acquire(
         client,
         s.key_prefix,
@@ -460,6 +492,7 @@ def _met(
         reason = errors.describe(failure) if failure is not None else decision.reason
         emit("lock.backend_unavailable", task.name, **fields, policy=opts.on_unavailable, reason=reason)
     elif holder.task_id != keys.meta(task.request.id):
+        fields.update(multi.contended_fields(call, holder))
         emit("lock.contended", task.name, **fields, holder_task_id=holder.task_id, policy=opts.on_locked)
 
 
@@ -529,7 +562,9 @@ def _run_locked(
 ) -> Any:
     """Run the body under ``lease`` (renewed, on the request as ``self.lock``); release it, recording, on every exit."""
     req = task.request
-    emit("lock.acquired", task.name, lock_key=call.key, task_id=req.id, fence=lease.fence)
+    emit(
+        "lock.acquired", task.name, lock_key=call.key, task_id=req.id, fence=lease.fence_field, **multi.set_fields(call)
+    )
     if opts.slotted:
         rate = opts.rate.text if opts.rate is not None else None
         emit(
@@ -549,9 +584,10 @@ def _run_locked(
             task.name,
             lock_key=call.key,
             task_id=req.id,
-            fence=lease.fence,
+            fence=lease.fence_field,
             replicas=lease.replicas,
             wanted=opts.replicas,
+            **multi.set_fields(call),
         )
     request_state.hold(req, lease)
     request_state.enter(req, call)

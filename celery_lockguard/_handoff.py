@@ -191,6 +191,8 @@ def wake(app: Any, s: Settings, woken: Woken | None, releaser: str, releaser_id:
     """
     if woken is None:
         return False
+    for other in woken.also:  # a multi-entity release freed several entities: each wakes its own waiter
+        wake(app, s, other, releaser, releaser_id, client)
     if _EXIT_AFTER_RELEASE and _EXIT_AFTER_RELEASE == releaser:
         os._exit(17)
     fields: dict[str, Any] = {"lock_key": woken.key, "holder_task_id": releaser_id}

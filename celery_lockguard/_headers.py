@@ -24,6 +24,9 @@ ATTEMPT = "lockguard_attempt"
 #: The park token P of a parked delivery's copies (safety and woken): its waiter entry, and the token of
 #: the reservation RELEASE hands to it (``_handoff``).
 PARK = "lockguard_park"
+#: The entity a multi-entity delivery parked on (the one that blocked it; ``_multi``): its copies settle with
+#: that entity's waiter queue and give its reservation back if another entity blocks them then.
+PARK_ENTITY = "lockguard_park_entity"
 #: Marks the woken copy a releaser published (absent: the safety copy); see ``_decision.decide_parked``.
 WOKEN = "lockguard_woken"
 
@@ -39,7 +42,7 @@ FIRST_DELIVERED = "lockguard_first_delivered"
 DEBOUNCE = "lockguard_debounce"
 
 #: Every header lockguard sets; a self-republish carries each one it finds on.
-ALL = (WAITS, WATCH, WATCH_TOKEN, CLAIM, ATTEMPT, PARK, WOKEN, PARKED_AT, FIRST_DELIVERED, DEBOUNCE)
+ALL = (WAITS, WATCH, WATCH_TOKEN, CLAIM, ATTEMPT, PARK, PARK_ENTITY, WOKEN, PARKED_AT, FIRST_DELIVERED, DEBOUNCE)
 
 #: The workflow a message is a member of (``_workflow.Spec``: entity key, workflow id, TTLs, policies),
 #: set on every member when ``workflow()`` publishes. Not in :data:`ALL`: a retry keeps it (a new attempt

@@ -266,23 +266,25 @@ class KeyRenderer:
             return f"<callable {getattr(self.source, '__qualname__', repr(self.source))}>"
         return self.source
 
+    def checked(self, value: Any) -> str:
+        """A callable's returned key, checked and escaped (a str naming one entity)."""
+        if value is None or value == "":
+            # Like a template's empty or None field: it names no entity. Not "no lock": a task that
+            # may run unlocked has no lock_key, and a lock silently dropped per call would be a hole.
+            raise EmptyField(
+                f"task {self.task_name!r}: option {self.option} callable returned {value!r}, "
+                "expected a non-empty str: it names no entity; pass a value or guard the call"
+            )
+        if not isinstance(value, str):
+            raise ConfigurationError(
+                f"task {self.task_name!r}: option {self.option} callable returned {value!r}, expected a non-empty str"
+            )
+        return self._escape_callable(_nfc(value))
+
     def render(self, arguments: Mapping[str, Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
         """Render the key for one call: ``arguments`` is the bound signature."""
         if callable(self.source):
-            value = self.source(*args, **kwargs)
-            if value is None or value == "":
-                # Like a template's empty or None field: it names no entity. Not "no lock": a task that
-                # may run unlocked has no lock_key, and a lock silently dropped per call would be a hole.
-                raise EmptyField(
-                    f"task {self.task_name!r}: option {self.option} callable returned {value!r}, "
-                    "expected a non-empty str: it names no entity; pass a value or guard the call"
-                )
-            if not isinstance(value, str):
-                raise ConfigurationError(
-                    f"task {self.task_name!r}: option {self.option} callable returned {value!r}, "
-                    "expected a non-empty str"
-                )
-            return self._escape_callable(_nfc(value))
+            return self.checked(self.source(*args, **kwargs))
         out = []
         for literal, field in self._parts:
             out.append(literal)

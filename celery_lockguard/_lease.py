@@ -93,6 +93,28 @@ class Lease:
             return True
         return False
 
+    #: Whether this lease holds several entities (:class:`MultiLease`).
+    several = False
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every entity this lease holds: ``(key,)`` for one entity."""
+        return (self.key,)
+
+    @property
+    def fences(self) -> dict[str, int]:
+        """Entity key -> fence, one entry per entity held (one here; several for a :class:`MultiLease`)."""
+        return {self.key: self.fence}
+
+    @property
+    def fence_field(self) -> int | dict[str, int]:
+        """What an event's ``fence`` field says: the fence, or the fences of a multi-entity lease."""
+        return self.fence
+
+    def renewal_entries(self) -> list[tuple[str, str, int]]:
+        """``(lease hash, token, ttl_ms)`` of every hash RENEW must extend for this lease."""
+        return [(self.redis_key, self.token, self.ttl_ms)]
+
     @property
     def fence_row(self) -> str:
         """The row :func:`~celery_lockguard.advance_fence` keeps: K, or ``K#<i>`` for slot i > 0 (own fences)."""
@@ -137,6 +159,71 @@ class Lease:
         return f"<Lease {self.key!r} fence={self.fence} {state}>"
 
 
+class MultiLease(Lease):
+    """A lease on several entities taken as one acquisition (``lock_key`` as a sequence): one token, one fence each.
+
+    ``key`` is the anchor (the first entity in sorted order), where the queue claim, the park and
+    the watch markers live. ``fence`` is refused: there is no one fence of several entities, and a
+    caller writing one would fence one entity and leave the others open. Read :attr:`fences`
+    (entity key -> fence); :func:`~celery_lockguard.advance_fence` advances every entity, or the one
+    named by ``entity=``.
+    """
+
+    several = True
+
+    def __init__(
+        self,
+        keys: tuple[str, ...],
+        prefix: str,
+        token: str,
+        fences: dict[str, int],
+        ttl_ms: int,
+        sent_at: float,
+        task_id: str,
+        task_name: str,
+    ) -> None:
+        self._keys = keys
+        self._fences = dict(fences)
+        super().__init__(keys[0], prefix, token, fences[keys[0]], ttl_ms, sent_at, task_id, task_name)
+        self.redis_keys = [lock_name(prefix, k) for k in keys]
+        self.prefix = prefix
+
+    @property
+    def fence(self) -> int:
+        raise AttributeError(
+            f"this lease holds several entities {list(self._keys)!r}, each with its own fence: read "
+            "lease.fences[key], or call advance_fence(conn, lease) (every entity) or advance_fence(conn, lease, "
+            "entity=key)"
+        )
+
+    @fence.setter
+    def fence(self, value: int) -> None:
+        pass  # Lease.__init__ sets it; the fences live in _fences
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return self._keys
+
+    @property
+    def fences(self) -> dict[str, int]:
+        return dict(self._fences)
+
+    @property
+    def fence_field(self) -> dict[str, int]:
+        return dict(self._fences)
+
+    @property
+    def fence_row(self) -> str:
+        raise AttributeError("a multi-entity lease fences one row per entity key: see MultiLease.fences")
+
+    def renewal_entries(self) -> list[tuple[str, str, int]]:
+        return [(key, self.token, self.ttl_ms) for key in self.redis_keys]
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else ("lost" if self.lost else "held")
+        return f"<MultiLease {list(self._keys)!r} fences={self._fences} {state}>"
+
+
 @dataclass(frozen=True)
 class Holder:
     """Who holds a contended entity, as read in the ACQUIRE round trip."""
@@ -155,6 +242,8 @@ class Holder:
     #: ``lock_limit``/``lock_rate`` tasks: the slot the holder holds and how many of the N slots are taken.
     slot: int | None = None
     busy: int = 1
+    #: Several entities (``lock_key`` as a sequence): the entity that blocked the acquisition, else ``None``.
+    entity: str | None = None
 
 
 @dataclass(frozen=True)
@@ -357,6 +446,8 @@ class Woken:
     key: str
     park_token: str
     message: str
+    #: The waiters of the other entities the same release freed (a multi-entity lease): woken alike.
+    also: tuple[Woken, ...] = ()
 
 
 def release_and_wake(
@@ -375,6 +466,10 @@ def release_and_wake(
     record is written first (``SET NX PX``), then the lease is released: never a moment where the
     lease is free and the record missing.
     """
+    if isinstance(lease, MultiLease):
+        from . import _multi
+
+        return _multi.release(client, lease, prefix, scope, record, completion_ttl_ms, reserve_ms)
     recorded = 0
     done_key: str | None = None
     if scope is not None:
@@ -460,6 +555,10 @@ def release_later(
     ``_wire.DEFER_NEAR``): call :func:`release_and_wake` instead. A failed
     send raises, as :func:`release_and_wake` would.
     """
+    if isinstance(lease, MultiLease):
+        from . import _multi
+
+        return _multi.release_later(client, lease, prefix, on_reply, scope, record, completion_ttl_ms, reserve_ms)
     done_key = done_name(prefix, scope) if scope is not None else None
     if done_key is not None and cluster.split_done(client, lease.redis_key, done_key):
         return False
@@ -482,12 +581,32 @@ def renew(client: Any, leases: list[Lease]) -> list[int]:
     """Renew every lease in one round trip (on Cluster: one per node); 1 renewed, 0 lost (token gone)."""
     if not leases:
         return []
+    if any(lease.several for lease in leases):
+        # A multi-entity lease renews every one of its hashes in the same RENEW: renewed only if all were
+        # (losing any one entity is losing the lease).
+        entries = [lease.renewal_entries() for lease in leases]
+        flat = renew_entries(client, [entry for group in entries for entry in group])
+        out, at = [], 0
+        for group in entries:
+            out.append(1 if all(flat[at : at + len(group)]) else 0)
+            at += len(group)
+        return out
     if cluster.is_cluster(client):
         return cluster.renew(client, [(lease.redis_key, lease.token, lease.ttl_ms) for lease in leases])
     args: list[Any] = []
     for lease in leases:
         args += [lease.token, lease.ttl_ms]
     return [int(x) for x in scripts.renew(client, [lease.redis_key for lease in leases], args)]
+
+
+def renew_entries(client: Any, entries: list[tuple[str, str, int]]) -> list[int]:
+    """RENEW ``(lease hash, token, ttl_ms)`` entries in one round trip (on Cluster: one per node)."""
+    if cluster.is_cluster(client):
+        return cluster.renew(client, entries)
+    args: list[Any] = []
+    for _, token, ttl_ms in entries:
+        args += [token, ttl_ms]
+    return [int(x) for x in scripts.renew(client, [key for key, _, _ in entries], args)]
 
 
 def shorten(
@@ -631,8 +750,18 @@ def confirm_claim(
     return confirmed
 
 
-def handover(client: Any, lease: Lease, new_token: str, ttl_ms: int) -> bool:
-    """Turn ``lease`` into a queued claim carrying ``new_token`` (until_done retries)."""
+def handover(
+    client: Any, lease: Lease, new_token: str, ttl_ms: int, wake: Callable[[Woken], Any] | None = None
+) -> bool:
+    """Turn ``lease`` into a queued claim carrying ``new_token`` (until_done retries).
+
+    A multi-entity lease keeps the claim on its anchor (the entity the claim lives on) and frees the
+    others first (token-checked); ``wake`` publishes the copy of a waiter one of them was handed to.
+    """
+    if isinstance(lease, MultiLease):
+        from . import _multi
+
+        _multi.release_others(client, lease, wake)
     handed = bool(scripts.handover(client, [lease.redis_key], [lease.token, new_token, ttl_ms]))
     lease.released = True
     return handed

@@ -97,7 +97,7 @@ def release(
             # metrics only): say on the span that the release went out. report.span is the span current
             # here (captured just above, or None when none records): no fields built for no span.
             if report.span is not None:
-                fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence}
+                fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence_field}
                 fields["hold_ms"] = round(report.hold_ms)
                 tracing.span_event("lock.release_sent", task.name, fields, report.span)
             return
@@ -124,7 +124,8 @@ def hand_back(task: Any, s: Settings, opts: TaskOptions, call: CallNames, lease:
     ttl_ms = claims.wait_claim_ttl_ms(opts.queue_lock_ttl, republish.max_countdown(s))
     try:
         if opts.mode == "until_done":
-            return token if lease_ops.handover(client, lease, token, ttl_ms) else ""
+            wake = lambda woken: handoff.wake(task.app, s, woken, task.name, lease.task_id, client)  # noqa: E731
+            return token if lease_ops.handover(client, lease, token, ttl_ms, wake=wake) else ""
         release(task, s, opts, lease)
         got = lease_ops.claim(
             client,
@@ -218,7 +219,7 @@ class ReleaseReport:
 
     def __call__(self, reply: tuple[int, int, lease_ops.Woken | None] | BaseException) -> None:
         lease, hold_ms = self.lease, round(self.hold_ms)
-        fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence}
+        fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence_field}
         if isinstance(reply, BaseException):
             self._emit("lock.backend_unavailable", **fields, reason=f"release: {errors.describe(reply)}")
             if self.scope is not None:

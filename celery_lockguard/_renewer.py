@@ -569,7 +569,7 @@ class Renewer:
         if reason != "max_hold":
             self._report_lost(e, reason)
         elif lease.mark_lost("max_hold"):
-            fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence}
+            fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence_field}
             fields["hold_ms"] = round(lease.hold_ms())
             self._report(_Event("lock.max_hold_reached", lease.task_name, fields, e.backend, e.span))
 
@@ -641,7 +641,7 @@ class Renewer:
     def _report_lost(self, e: _Entry, reason: str) -> None:
         lease = e.lease
         if lease.mark_lost(reason):
-            fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence}
+            fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence_field}
             fields.update(hold_ms=round(lease.hold_ms()), reason=reason)
             self._report(_Event("lock.lost", lease.task_name, fields, e.backend, e.span))
 

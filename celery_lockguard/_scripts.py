@@ -282,6 +282,85 @@ return {'ok', fence, slot - 1}
 """
 )
 
+ACQUIRE_MULTI = (
+    """
+-- ACQUIRE_MULTI: take the leases of several entities (lock_key as a sequence) atomically: every one or
+-- none. Per entity exactly ACQUIRE's rules and hash fields (holder, state, fence, adoption of a lease
+-- carrying replace_token, exclusion against lock_limit slot leases), plus the field 'siblings'. One token
+-- for the whole acquisition. The keys of every entity must share a slot (one Redis; on Cluster, one
+-- entity per call: celery_lockguard._multi acquires in sorted order and rolls back). One round trip.
+-- N = ARGV[13] entities, in the caller's order (sorted entity keys; entity 1 is the anchor).
+-- KEYS[1..N]      lease hashes      {prefix}:v1:{K_i}:lock
+-- KEYS[N+1..2N]   fence counters    {prefix}:v1:{K_i}:fence
+-- KEYS[2N+1]      queue claim of the anchor {prefix}:v1:{K_1}:claim (deleted on success if ARGV[12] owns it)
+-- KEYS[2N+2]      completion record {prefix}:v1:{S}:done (absent when completion is off or stored elsewhere)
+-- ARGV[1..12] as ACQUIRE (token, ttl_ms, task_id, task_name, digest, host, pid, worker, state,
+--          fence_ttl_ms, replace_token, claim token)
+-- ARGV[13] N  ARGV[13+i] 'siblings' of entity i: a JSON array of the OTHER entity keys of this acquisition
+-- Returns:
+--   {'done', record}                 a completion record exists: nothing acquired
+--   {'ok', fence_1, ..., fence_N}    every entity acquired (an entity already carrying ARGV[1], a re-sent
+--                                    call, keeps its fence and is renewed); each fence as ACQUIRE's
+--   {'blocked', i, held}             entity i is held (the first in order that is): nothing written;
+--                                    held = ACQUIRE's 'held' reply for it (slot leases included)
+-- Errors (nothing written): 'LOCKGUARD_CORRUPT_FENCE <fence key> <value>' as ACQUIRE, for any entity
+"""
+    + _NOW
+    + _NEXT_FENCE
+    + _HELD_SLOTS
+    + """
+local n = tonumber(ARGV[13])
+local done_key = KEYS[2 * n + 2]
+if done_key then
+  local rec = redis.call('GET', done_key)
+  if rec then return {'done', rec} end
+end
+local cur = {}
+for i = 1, n do
+  local h = redis.call('HMGET', KEYS[i], 'token', 'task_id', 'task_name', 'digest', 'host', 'pid',
+                       'state', 'renewed_at', 'fence', 'ttl')
+  cur[i] = h
+  if h[1] and h[1] ~= ARGV[1] then
+    if ARGV[11] == '' or h[1] ~= ARGV[11] then
+      local age = now_ms - (tonumber(h[8]) or now_ms)
+      return {'blocked', i, {'held', h[2] or '', h[3] or '', h[4] or '', h[5] or '', h[6] or '', h[7] or '',
+              redis.call('PTTL', KEYS[i]), age, h[1], tonumber(h[10]) or 0}}
+    end
+  end
+  if h[1] ~= ARGV[1] then
+    local slot, busy = held_slot(KEYS[i], KEYS[n + i])
+    if slot then return {'blocked', i, held_slot_reply(KEYS[i], slot, busy, now_ms)} end
+  end
+end
+for i = 1, n do
+  if cur[i][1] ~= ARGV[1] then
+    local bad = corrupt_fence(KEYS[n + i])
+    if bad then return redis.error_reply(bad) end
+  end
+end
+local out = {'ok'}
+for i = 1, n do
+  if cur[i][1] == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[i], ARGV[2])
+    out[i + 1] = cur[i][9]
+  else
+    local fence = next_fence(KEYS[n + i], ARGV[10], now_us)
+    if cur[i][1] then redis.call('DEL', KEYS[i]) end  -- replacing: drop the old holder's fields
+    redis.call('HSET', KEYS[i], 'token', ARGV[1], 'task_id', ARGV[3], 'task_name', ARGV[4],
+               'digest', ARGV[5], 'host', ARGV[6], 'pid', ARGV[7], 'worker', ARGV[8], 'state', ARGV[9],
+               'acquired_at', now_ms, 'renewed_at', now_ms, 'ttl', ARGV[2], 'fence', fence,
+               'siblings', ARGV[13 + i])
+    redis.call('PEXPIRE', KEYS[i], ARGV[2])
+    out[i + 1] = fence
+  end
+end
+if ARGV[12] ~= '' and redis.call('HGET', KEYS[2 * n + 1], 'token') == ARGV[12] then
+  redis.call('DEL', KEYS[2 * n + 1])
+end
+return out
+"""
+)
+
 #: Lua: the one wake-up every lease end shares (RELEASE, FORCE_RELEASE, WAKE; _handoff's module docstring).
 #: wake_oldest(queue, entries, freed, reserve_ms) hands the lease hash ``freed`` (K's lease or one of its
 #: lock_limit slots, which the caller has just seen free, or freed) to the oldest live waiter, as a
@@ -374,6 +453,55 @@ if released == -1 or not KEYS[3] or reserve_ms <= 0 then return {released, recor
 local woken = wake_oldest(KEYS[2], KEYS[3], KEYS[1], reserve_ms)
 if woken then return {released, recorded, woken[1], woken[2]} end
 return {released, recorded}
+"""
+)
+
+RELEASE_MULTI = (
+    """
+-- RELEASE_MULTI: end a multi-entity lease (ACQUIRE_MULTI): record completion first, then per entity delete
+-- the lease only if it still carries the token and, when it is free afterwards, hand it to that entity's
+-- oldest live waiter (wake_oldest, exactly as RELEASE). One round trip; every key must share a slot (on
+-- Cluster: one entity per call).
+-- N = ARGV[5] entities. KEYS[3i-2] lease hash of entity i  KEYS[3i-1] its waiter queue {K_i}:wait
+-- KEYS[3i] its waiter entries {K_i}:waiters   KEYS[3N+1] completion record (absent: nothing recorded here)
+-- ARGV[1] token  ARGV[2] completion record (JSON)  ARGV[3] completion_ttl_ms
+-- ARGV[4] reservation ttl_ms for a woken waiter ('' or 0: nobody is woken)  ARGV[5] N
+-- Returns {recorded, {released_1, ..., released_N}, {i, park_token, entry, ...}}
+--   recorded: 1 record written; 0 none asked, or an earlier record was kept (first wins)
+--   released_i: 1 deleted; 0 the key was gone (expired); -1 another token holds it (left alone)
+--   then one (i, park token, entry) triple per entity whose oldest waiter was woken (publish its entry)
+"""
+    + _NOW
+    + _HELD_SLOTS
+    + _WAKE_OLDEST
+    + """
+local n = tonumber(ARGV[5])
+local recorded = 0
+if KEYS[3 * n + 1] then
+  if redis.call('SET', KEYS[3 * n + 1], ARGV[2], 'NX', 'PX', ARGV[3]) then recorded = 1 end
+end
+local reserve_ms = tonumber(ARGV[4] or '') or 0
+local released, woken = {}, {}
+for i = 1, n do
+  local key = KEYS[3 * i - 2]
+  local token = redis.call('HGET', key, 'token')
+  released[i] = 0
+  if token == ARGV[1] then
+    redis.call('DEL', key)
+    released[i] = 1
+  elseif token then
+    released[i] = -1
+  end
+  if released[i] ~= -1 and reserve_ms > 0 then
+    local w = wake_oldest(KEYS[3 * i - 1], KEYS[3 * i], key, reserve_ms)
+    if w then
+      woken[#woken + 1] = i
+      woken[#woken + 1] = w[1]
+      woken[#woken + 1] = w[2]
+    end
+  end
+end
+return {recorded, released, woken}
 """
 )
 
@@ -1177,6 +1305,8 @@ def corrupt_fence(exc: BaseException, fence_key: str | None = None) -> CorruptFe
 
 acquire = Script("ACQUIRE", ACQUIRE)
 acquire_slots = Script("ACQUIRE_SLOTS", ACQUIRE_SLOTS)
+acquire_multi = Script("ACQUIRE_MULTI", ACQUIRE_MULTI)
+release_multi = Script("RELEASE_MULTI", RELEASE_MULTI)
 release = Script("RELEASE", RELEASE)
 renew = Script("RENEW", RENEW)
 shorten = Script("SHORTEN", SHORTEN)

@@ -206,9 +206,13 @@ def free_reservation_from_main(task: Any, request: Any, args: Any, kwargs: Any) 
     if not park_token or not s.enabled or not opts.locked or opts.mode != "while_running":
         return False
     try:
-        key = calls.render(opts, request.id, tuple(args), dict(kwargs)).key
+        names = calls.render(opts, request.id, tuple(args), dict(kwargs))
     except Exception:  # noqa: BLE001 - a key that cannot render never parked
         return False
+    key = names.key
+    entity = headers.read_str(request, headers.PARK_ENTITY) or str(found.get(headers.PARK_ENTITY) or "")
+    if entity and entity in names.keys:  # several entities: it parked on the one that blocked it
+        key = entity
     if not woken:
         return handoff.withdraw(task.app, s, key, park_token, task.name, request.id, limit=opts.limit)
     return handoff.abandon(task.app, s, key, park_token, task.name, request.id, limit=opts.limit)
@@ -266,10 +270,14 @@ def shorten_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason: s
     if not s.enabled or not opts.locked:
         return False
     try:
-        key = calls.render(opts, task_id, tuple(args), dict(kwargs)).key
+        names = calls.render(opts, task_id, tuple(args), dict(kwargs))
+        key = names.key
         grace_ms = int(s.shorten_grace * 1000)
         client = connection.client(s)
-        shortened = lease_ops.shorten(client, s.key_prefix, key, task_id, grace_ms, pid=pid, limit=opts.limit)
+        shortened = False
+        for entity in names.keys or (key,):  # several entities: every one is cut to the grace
+            cut = lease_ops.shorten(client, s.key_prefix, entity, task_id, grace_ms, pid=pid, limit=opts.limit)
+            shortened = cut or shortened
     except Exception as exc:  # BUSY, NOREPLICAS, NOPERM... arrive as ResponseError: classify, log, never fail
         kind = classify(exc)
         if kind is None:
@@ -290,5 +298,6 @@ def shorten_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason: s
         # (else the waiter starts with its safety copy, the holder's whole TTL after it parked).
         from . import _handoff as handoff
 
-        handoff.wake_later(task.app, s, key, s.shorten_grace + 0.05, task.name, task_id, limit=opts.limit)
+        for entity in names.keys or (key,):
+            handoff.wake_later(task.app, s, entity, s.shorten_grace + 0.05, task.name, task_id, limit=opts.limit)
     return shortened

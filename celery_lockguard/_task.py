@@ -39,6 +39,7 @@ from . import _debounce as debounce
 from . import _delivery as delivery
 from . import _errors as errors
 from . import _events as events
+from . import _handoff as handoff
 from . import _headers as headers
 from . import _keys as keys
 from . import _lease as lease_ops
@@ -142,12 +143,17 @@ class LockGuard(Task):
             self.__dict__["_lockguard_options"] = opts
         return opts
 
-    def lock_key_for(self, *args: Any, **kwargs: Any) -> str | None:
-        """The rendered entity key K for a call (no prefix), or ``None`` if the task is unlocked."""
+    def lock_key_for(self, *args: Any, **kwargs: Any) -> str | tuple[str, ...] | None:
+        """The rendered entity key K for a call (no prefix), or ``None`` if the task is unlocked.
+
+        Several entities (``lock_key`` as a sequence): the tuple of entity keys, sorted and deduplicated
+        (a call naming one entity twice gets its one key, a str).
+        """
         opts = self.lockguard_options
         if not opts.locked:
             return None
-        return calls.render(opts, "<task-id>", args, kwargs).key
+        call = calls.render(opts, "<task-id>", args, kwargs)
+        return call.keys or call.key
 
     # -- runtime, per request ---------------------------------------------------
 
@@ -508,7 +514,11 @@ class LockGuard(Task):
                 renewer().untrack(lease)
                 try:
                     if lease_ops.handover(
-                        connection.client(s), lease, token, claims.retry_claim_ttl_ms(opts.queue_lock_ttl, delay)
+                        connection.client(s),
+                        lease,
+                        token,
+                        claims.retry_claim_ttl_ms(opts.queue_lock_ttl, delay),
+                        wake=lambda woken: handoff.wake(self.app, s, woken, self.name, req.id),
                     ):
                         options["headers"][headers.CLAIM] = token
                         handed = token

@@ -18,6 +18,7 @@ from . import _errors as errors
 from . import _handoff as handoff
 from . import _headers as headers
 from . import _lease as lease_ops
+from . import _multi as multi
 from . import _republish as republish
 from . import _request as request_state
 from . import _workflow as workflow
@@ -141,7 +142,7 @@ def emit_waiting(
     emit(
         "lock.waiting",
         task.name,
-        **event_fields(task, call),
+        **{**event_fields(task, call), **multi.blocked_fields(call, holder)},
         reason=decision.reason,
         holder_task_id=holder.task_id if holder is not None else None,
         holder_task_name=holder.task_name if holder is not None else None,
@@ -179,6 +180,7 @@ def park(
         **republish.wait_headers(req, None, first_delivered_ms=first_ms),
         headers.PARK: park_token,
         headers.PARKED_AT: first or int(time.time() * 1000),
+        **multi.park_headers(call),
     }
     hdrs.pop(headers.WOKEN, None)
     args, kwargs = req.args or (), req.kwargs or {}
@@ -292,7 +294,7 @@ def contention_error(
         rate = task.lockguard_options.rate
         return LockThrottled(call.key, throttled.wait_ms, rate.text if rate is not None else None)
     if holder is not None:
-        return LockContended(call.key, holder.task_id, holder.pttl_ms)
+        return LockContended(holder.entity or call.key, holder.task_id, holder.pttl_ms)
     reason = errors.describe(failure) if failure is not None else "acquire_slower_than_ttl"
     return BackendUnavailable(f"task {task.name!r}: lock store unavailable for {call.key!r}: {reason}")
 

@@ -68,6 +68,7 @@ from . import _scripts as scripts
 from . import _taskclass as taskclass
 from ._config import Settings, TaskOptions, settings
 from ._decision import HolderFacts, Member, MemberAction, MemberDecision, OnLocked, OnUnavailable, decide_member
+from ._entities import EntityKeys, is_sequence
 from ._events import emit
 from ._lease import Lease
 from ._metrics import observe_hold
@@ -309,7 +310,7 @@ def _nesting_error(w: Workflow) -> str:
 
 def workflow(
     sig: Signature,
-    lock_key: str,
+    lock_key: str | tuple[str, ...] | list[str],
     *,
     name: str | None = None,
     lock_ttl: float | None = None,
@@ -457,9 +458,19 @@ def _seconds(where: str, option: str, value: Any) -> float:
 def _render_key(where: str, template: Any, fields: dict[str, Any]) -> str:
     """``lock_key`` rendered over ``fields`` with the task keys' rules (escaped, bounded, no empty field)."""
     params = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in fields]
-    renderer = keys.KeyRenderer(template, inspect.Signature(params), where.split(" ", 1)[-1].strip("'"), "lock_key")
+    name = where.split(" ", 1)[-1].strip("'")
     try:
-        return renderer.render(fields, (), fields)
+        if is_sequence(template):
+            # Several templates: accepted when they name one entity (src == dst); a workflow holds one lease.
+            rendered = EntityKeys(template, inspect.Signature(params), name).render_keys(fields, (), fields)
+            if len(rendered) > 1:
+                raise ConfigurationError(
+                    f"option lock_key={template!r} names several entities {list(rendered)!r}: a workflow holds "
+                    "one entity's lease; several entities are taken by a task (lock_key as a sequence on the "
+                    "member that touches them), all or nothing"
+                )
+            return rendered[0]
+        return keys.KeyRenderer(template, inspect.Signature(params), name, "lock_key").render(fields, (), fields)
     except ConfigurationError as exc:
         raise ConfigurationError(f"{where}: {exc}") from None
 

@@ -48,7 +48,7 @@ def create_fence_table(conn: Any, table: str = DEFAULT_TABLE) -> None:
     conn.execute(fence_table_sql(table))
 
 
-def advance_fence(conn: Any, lease: Lease | None, table: str = DEFAULT_TABLE) -> int:
+def advance_fence(conn: Any, lease: Lease | None, table: str = DEFAULT_TABLE, *, entity: str | None = None) -> int:
     """Record ``lease.fence`` for its key inside the caller's open transaction.
 
     Accepts a fence equal to the stored one (one lease, several transactions)
@@ -62,9 +62,26 @@ def advance_fence(conn: Any, lease: Lease | None, table: str = DEFAULT_TABLE) ->
     fences on its own row ``K#<i>`` (slot 0 on K), so N legitimate holders never reject each
     other, and a stale holder of slot i is rejected once the next holder of slot i has written
     (docs/limits.md).
+
+    Several entities (``lock_key`` as a sequence; ``lease.fences``): each entity fences on its own
+    row K. ``entity=K`` advances that entity's row alone (returns its fence); without it every
+    entity's row is advanced in sorted order (one order for every writer, so two transactions
+    never wait on each other's rows in a cycle), and the first stale one raises
+    :class:`StaleFence`; returns the highest fence stored. ``entity=`` on a single-entity lease
+    must name its key.
     """
     if lease is None:
         raise BackendUnavailable("advance_fence needs a lease: fenced writes are refused without one (fail-open run?)")
+    if entity is not None and entity not in lease.fences:
+        raise ValueError(f"advance_fence: entity {entity!r} is not held by this lease (it holds {list(lease.keys)!r})")
+    if not lease.several:
+        return _advance(conn, lease, lease.fence_row, lease.fence, table, lease.key)
+    rows = [entity] if entity is not None else sorted(lease.fences)
+    return max(_advance(conn, lease, row, lease.fences[row], table, row) for row in rows)
+
+
+def _advance(conn: Any, lease: Lease, row_key: str, fence: int, table: str, entity: str) -> int:
+    """Advance one fence row; ``entity``: the key the ``fence.stale`` event names."""
     name = _table(table)
     if isinstance(conn, sqlite3.Connection):
         mark = "?"
@@ -74,20 +91,20 @@ def advance_fence(conn: Any, lease: Lease | None, table: str = DEFAULT_TABLE) ->
         f"INSERT INTO {name} (lock_key, fence) VALUES ({mark}, {mark}) "
         f"ON CONFLICT (lock_key) DO UPDATE SET fence = excluded.fence, updated_at = CURRENT_TIMESTAMP "
         f"WHERE {name}.fence <= excluded.fence",
-        (lease.fence_row, lease.fence),
+        (row_key, fence),
     )
-    row = conn.execute(f"SELECT fence FROM {name} WHERE lock_key = {mark}", (lease.fence_row,)).fetchone()
+    row = conn.execute(f"SELECT fence FROM {name} WHERE lock_key = {mark}", (row_key,)).fetchone()
     current = int(row[0])
-    if current != lease.fence:
+    if current != fence:
         emit(
             "fence.stale",
             lease.task_name,
-            lock_key=lease.key,
+            lock_key=entity,
             task_id=lease.task_id,
-            fence=lease.fence,
+            fence=fence,
             current=current,
         )
-        raise StaleFence(lease.fence_row, lease.fence, current)
+        raise StaleFence(row_key, fence, current)
     return current
 
 

@@ -188,6 +188,8 @@ class LockguardHelper:
         key = target.lock_key_for(*args, **kwargs)
         if key is None:
             raise ValueError(f"task {target.name!r} takes no lock (no lock_key and no idempotency_key)")
+        if isinstance(key, tuple):  # several entities, taken all or none: the first names the set here
+            key = key[0]
         return lock_name(settings(target.app).key_prefix, key)
 
     def holder(self, target: Any, *args: Any, **kwargs: Any) -> dict[str, str] | None:
@@ -271,6 +273,10 @@ class LockguardHelper:
         s = settings(task.app)
         names = _calls.render(task.lockguard_options, f"lockguard-test-{uuid.uuid4().hex}", args, kwargs)
         client = _connection.client(s)
+        if names.keys:  # several entities: every one held, as the task would hold them
+            with self._hold_all(task, s, client, names, ttl, duplicate) as lease:
+                yield lease
+            return
         got = _lease.acquire(
             client,
             s.key_prefix,
@@ -290,6 +296,29 @@ class LockguardHelper:
             # The one path every lease end takes (_handoff.release): release by token, wake the oldest waiter.
             got.released = True
             _handoff.release(task.app, s, client, got.key, got.token, "lockguard.testing.holder", got.task_id)
+
+    @contextlib.contextmanager
+    def _hold_all(self, task: Any, s: Any, client: Any, names: Any, ttl: float, duplicate: bool) -> Iterator[Any]:
+        from . import _handoff, _lease, _multi
+
+        got = _multi.acquire(
+            client,
+            s.key_prefix,
+            names.keys,
+            ttl_ms=int(ttl * 1000),
+            task_id=f"lockguard-test-holder-{uuid.uuid4().hex[:8]}",
+            task_name=task.name if duplicate else "lockguard.testing.holder",
+            digest=names.digest if duplicate else "lockguard-test",
+            worker="lockguard-test",
+            fence_ttl_ms=int(s.fence_ttl * 1000),
+        )
+        if not isinstance(got, _lease.MultiLease):
+            raise AssertionError(f"could not hold {list(names.keys)!r}: {got!r}")
+        try:
+            yield got
+        finally:
+            _, _, woken = _multi.release(client, got, s.key_prefix, reserve_ms=_handoff.reserve_ms())
+            _handoff.wake(task.app, s, woken, "lockguard.testing.holder", got.task_id, client)
 
     # processes
 

@@ -550,3 +550,64 @@ def test_the_single_lease_and_the_slots_exclude_each_other_on_cluster(rc: Any, c
     released, _, woken = L.release_and_wake(rc, s1, cprefix, reserve_ms=3000)
     assert released == 1 and woken is not None and woken.park_token == "p1"
     assert isinstance(take(2, "e2"), L.Holder), "the waiter's reservation excludes the slots"
+
+
+# -- several entities on Cluster (issue 32): in sorted order, all or nothing, rolled back when one is held --
+
+
+def test_several_entities_in_different_slots_are_taken_in_order_and_released_with_round_trips_counted(
+    app: Celery, cluster: LocalCluster, rc: Any, cprefix: str
+) -> None:
+    a, b = sorted(entities_on_distinct_slots(rc, cprefix, 1)[:2])
+    seen: dict[str, Any] = {}
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="cl.pair", lock_key=("{x}", "{y}"))
+    def pair(self: Any, x: str, y: str) -> dict[str, int]:
+        seen["siblings"] = {k: rc.hget(lock_name(cprefix, k), "siblings") for k in (a, b)}
+        seen["token"] = {rc.hget(lock_name(cprefix, k), "token") for k in (a, b)}
+        return self.lock.fences
+
+    pair.apply(args=(b, a))  # warm up: scripts loaded on every node
+    tid = task_id_in_other_slot(cprefix, a)
+    fences, sent = cluster.top_level_commands(lambda: pair.apply(args=(b, a), task_id=tid).get())
+    assert set(fences) == {a, b} and len(seen["token"]) == 1  # one token for the whole acquisition
+    assert seen["siblings"] == {a: f'["{b}"]', b: f'["{a}"]'}
+    # GET of the record (its own slot), one ACQUIRE_MULTI per entity, GET again under every lease;
+    # SET NX PX of the record, one RELEASE_MULTI per entity.
+    verbs = [cmd.split()[0].strip('"').upper() for _, cmd in sent]
+    verbs = [v for v in verbs if v != "HGET"]  # the body's own reads
+    assert verbs == ["GET", "EVALSHA", "EVALSHA", "GET", "SET", "EVALSHA", "EVALSHA"], sent
+    assert not rc.exists(lock_name(cprefix, a)) and not rc.exists(lock_name(cprefix, b))
+
+
+def test_a_held_entity_on_another_slot_rolls_back_what_was_taken(
+    app: Celery, cluster: LocalCluster, rc: Any, cprefix: str
+) -> None:
+    from celery_lockguard import _multi as M
+
+    a, b = sorted(entities_on_distinct_slots(rc, cprefix, 1)[:2])
+    blocker = L.acquire(
+        rc, cprefix, b, ttl_ms=10_000, task_id="blocker", task_name="x", digest="d", worker="w", fence_ttl_ms=60_000
+    )
+    assert isinstance(blocker, L.Lease)
+    fence_a = int(rc.get(fence_name(cprefix, a)) or 0)
+    got, sent = cluster.top_level_commands(
+        lambda: M.acquire(
+            rc, cprefix, (a, b), ttl_ms=5000, task_id="t", task_name="n", digest="d", worker="w", fence_ttl_ms=60_000
+        )
+    )
+    assert isinstance(got, L.Holder) and got.entity == b and got.task_id == "blocker"
+    # a taken, b refused, a given back (token-checked): never a body on part of the set
+    assert [cmd.split()[0].strip('"').upper() for _, cmd in sent] == ["EVALSHA", "EVALSHA", "EVALSHA"], sent
+    assert not rc.exists(lock_name(cprefix, a))
+    assert int(rc.get(fence_name(cprefix, a)) or 0) > fence_a  # a was taken for that moment (a fence was issued)
+    L.release(rc, blocker, cprefix)
+    lease = M.acquire(
+        rc, cprefix, (a, b), ttl_ms=5000, task_id="t", task_name="n", digest="d", worker="w", fence_ttl_ms=60_000
+    )
+    assert isinstance(lease, L.MultiLease)
+    assert L.renew(rc, [lease]) == [1]  # every entity renewed (one EVALSHA per node)
+    rc.delete(lock_name(cprefix, b))
+    assert L.renew(rc, [lease]) == [0]  # one entity gone: the lease is lost
+    assert M.release(rc, lease, cprefix)[0] == 0
+    assert not rc.exists(lock_name(cprefix, a))

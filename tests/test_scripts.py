@@ -43,6 +43,8 @@ def test_every_script_declares_keys_argv_and_returns() -> None:
     for script in (
         scripts.ACQUIRE,
         scripts.ACQUIRE_SLOTS,
+        scripts.ACQUIRE_MULTI,
+        scripts.RELEASE_MULTI,
         scripts.RELEASE,
         scripts.RENEW,
         scripts.SHORTEN,

@@ -452,6 +452,7 @@ def create_app(cfg: dict[str, Any]) -> Celery:
             time.sleep(0.02)
         record(ev="end", key=key, tag=tag, task_id=self.request.id)
         return {"tag": tag}
+
     from .wakeapp import register as register_wake_tasks
 
     register_wake_tasks(app, cfg, record)
@@ -459,6 +460,10 @@ def create_app(cfg: dict[str, Any]) -> Celery:
     from .reviewapp import register as register_review_tasks
 
     register_review_tasks(app, cfg, record)
+
+    from .multiapp import register as register_multi_tasks
+
+    register_multi_tasks(app, cfg, record)
 
     if cfg.get("beat_every"):
         app.conf.beat_schedule = {

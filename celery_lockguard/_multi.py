@@ -1,0 +1,370 @@
+"""Several entities as one acquisition (``lock_key`` as a sequence): every lease or none.
+
+A delivery that names several entities (a transfer between two accounts) must never hold a part
+of its set while it waits for the rest: two such deliveries naming the same entities in opposite
+orders would each hold one and wait for the other. So:
+
+* **One Redis** (standalone, Sentinel): one script, ACQUIRE_MULTI, takes every lease atomically or
+  none; a held entity makes it take nothing and name that entity (the blocker). RELEASE_MULTI frees
+  every entity still carrying the token and wakes each freed entity's oldest waiter. One round trip
+  each, whatever the number of entities.
+* **Redis Cluster**, where the entities' hash tags fall in different slots: one script cannot touch
+  them all. The entities are taken one by one in sorted order (one global order); when one is held,
+  the ones already taken are released again (token-checked, waking their waiters) before the
+  delivery decides, so no body ever runs on a part of its set. What it gives up: for the few
+  milliseconds of that roll-back, another delivery may see an entity held by a delivery that will
+  not run. One round trip per entity (plus the roll-back when blocked).
+
+Every entity's lease hash is written as ACQUIRE writes it (readers of one entity see a usual
+holder), plus ``siblings``: a JSON array of the other entity keys of the same acquisition, which
+the operator views read to show the holder once per entity and name its siblings. One token for
+the whole acquisition; one fence per entity (:attr:`~celery_lockguard._lease.MultiLease.fences`).
+
+A multi-entity waiter parks on the entity that blocked it (that entity's waiter queue): its release
+wakes it, and if another entity then blocks it, it gives the reservation back (waking that entity's
+next waiter) and parks there. No entity wakes every waiter of the set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from . import _cluster as cluster
+from . import _scripts as scripts
+from . import _wire
+from ._calls import CallNames
+from ._headers import PARK_ENTITY
+from ._keys import claim_name, done_name, fence_name, lock_name, meta, wait_name, waiters_name
+from ._lease import HOST, Done, Holder, MultiLease, Woken, _acquire_and_wait, held_reply, new_token
+
+#: Reply of :func:`release`: (released, recorded, woken) as ``_lease.release_and_wake``'s. ``released`` is
+#: 1 when every entity was still ours, -1 when any was taken by another holder, else 0 (one expired).
+Released = tuple[int, int, Woken | None]
+
+
+def parked_on(call: CallNames, entity: str) -> CallNames:
+    """``call`` named after the entity a multi-entity delivery parks (or parked) on; ``call`` itself otherwise.
+
+    The park, the settling of its copies and the give-back of a reservation read the waiter queue of
+    ``call.key``: for several entities that is the one that blocked the acquisition, not the anchor.
+    """
+    if call.keys and entity and entity != call.key and entity in call.keys:
+        return call._replace(key=entity)
+    return call
+
+
+def park_headers(call: CallNames) -> dict[str, str]:
+    """The header naming the entity a multi-entity delivery parks on (``call`` as :func:`parked_on` gave it)."""
+    return {PARK_ENTITY: call.key} if call.keys else {}
+
+
+def blocked_fields(call: CallNames, holder: Holder | None) -> dict[str, Any]:
+    """Event fields of a multi-entity contention: ``lock_key`` is the entity that blocked, ``lock_keys`` the set."""
+    if not call.keys or holder is None or not holder.entity:
+        return {}
+    return {"lock_key": holder.entity, "lock_keys": list(call.keys)}
+
+
+def contended_fields(call: CallNames, holder: Holder) -> dict[str, Any]:
+    """:func:`blocked_fields` plus the blocking holder's task name (``lock.contended`` names entity, task and id)."""
+    fields = blocked_fields(call, holder)
+    return {**fields, "holder_task_name": holder.task_name} if fields else fields
+
+
+def set_fields(call: CallNames) -> dict[str, Any]:
+    """``lock_keys`` (every entity of the set) for a multi-entity call's events; nothing for one entity."""
+    return {"lock_keys": list(call.keys)} if call.keys else {}
+
+
+def siblings(keys: tuple[str, ...], i: int) -> str:
+    """The ``siblings`` field of entity ``i``: a JSON array of the other entity keys (compact, in order)."""
+    return json.dumps([k for j, k in enumerate(keys) if j != i], separators=(",", ":"))
+
+
+def one_slot(client: Any, names: list[str]) -> bool:
+    """Whether every key can go in one script: not Cluster, or all in the same hash slot."""
+    return not cluster.is_cluster(client) or len({cluster.slot(n) for n in names}) == 1
+
+
+def acquire(
+    client: Any,
+    prefix: str,
+    keys: tuple[str, ...],
+    *,
+    ttl_ms: int,
+    task_id: str,
+    task_name: str,
+    digest: str,
+    worker: str,
+    fence_ttl_ms: int,
+    scope: str | None = None,
+    state: str = "running",
+    replace_token: str = "",
+    token: str | None = None,
+    claim_token: str = "",
+    wake: Callable[[Woken], Any] | None = None,
+    reserve_ms: int = 0,
+    replicas: int = 0,
+    replicas_timeout_ms: int = 0,
+) -> MultiLease | Holder | Done:
+    """Take every entity of ``keys`` (sorted, distinct, two or more) or none; check ``scope``'s record first.
+
+    Returns the :class:`MultiLease`, the :class:`Holder` of the first entity (in order) that is held
+    (``Holder.entity`` names it), or :class:`Done` when the completion record exists.
+    ``wake``/``reserve_ms``: on Cluster, a roll-back frees entities it took for a moment; a waiter that
+    parked behind one meanwhile is handed it (``reserve_ms`` > 0) and ``wake`` publishes its copy.
+    ``replicas`` > 0 sends ``WAIT`` in the same round trip as ACQUIRE_MULTI (``lock_replicas``, as
+    ``_lease.acquire`` does); the in-order Cluster path does not wait (``MultiLease.replicas`` is ``None``).
+    """
+    token = token or new_token()
+    base = [token, ttl_ms, meta(task_id), meta(task_name), meta(digest), meta(HOST), os.getpid(), meta(worker)]
+    base += [state, fence_ttl_ms, replace_token, claim_token]
+    done_key = done_name(prefix, scope) if scope is not None else None
+    names = [lock_name(prefix, k) for k in keys] + [fence_name(prefix, k) for k in keys]
+    names.append(claim_name(prefix, keys[0]))
+    sent_at = time.monotonic()
+    if one_slot(client, names + ([done_key] if done_key else [])):
+        if done_key is not None:
+            names.append(done_key)
+        args = base + [len(keys)] + [siblings(keys, i) for i in range(len(keys))]
+        acked: int | None = None
+        if replicas > 0:
+            reply, acked = _call_and_wait(client, names, args, keys, replicas, replicas_timeout_ms)
+        else:
+            reply = _call(client, names, args, keys)
+        got = _answer(reply, keys, prefix, token, ttl_ms, sent_at, task_id, task_name)
+        if isinstance(got, MultiLease):
+            got.replicas = acked
+        return got
+    order = _InOrder(client, prefix, keys, token, wake, reserve_ms)
+    return order.acquire(base, done_key, sent_at, ttl_ms, task_id, task_name)
+
+
+def _call(client: Any, names: list[str], args: list[Any], keys: tuple[str, ...]) -> Any:
+    try:
+        return scripts.acquire_multi(client, names, args)
+    except ResponseError as exc:
+        n = len(keys)
+        fences = names[n : 2 * n]
+        text = str(exc)
+        named = next((f for f in fences if f" {f} " in text), fences[0])
+        corrupt = scripts.corrupt_fence(exc, named)
+        if corrupt is not None:
+            raise corrupt from exc
+        raise
+
+
+def _call_and_wait(
+    client: Any, names: list[str], args: list[Any], keys: tuple[str, ...], replicas: int, timeout_ms: int
+) -> tuple[Any, int]:
+    try:
+        return _acquire_and_wait(client, names, args, replicas, timeout_ms, scripts.acquire_multi)
+    except ResponseError as exc:
+        corrupt = scripts.corrupt_fence(
+            exc, next((f for f in names[len(keys) : 2 * len(keys)] if f" {f} " in str(exc)), None)
+        )
+        if corrupt is not None:
+            raise corrupt from exc
+        raise
+
+
+def _answer(
+    reply: Any,
+    keys: tuple[str, ...],
+    prefix: str,
+    token: str,
+    ttl_ms: int,
+    sent_at: float,
+    task_id: str,
+    task_name: str,
+) -> MultiLease | Holder | Done:
+    kind = reply[0]
+    if kind == "done":
+        return Done(reply[1])
+    if kind == "blocked":
+        return blocker(reply[2], keys[int(reply[1]) - 1])
+    fences = {k: int(f) for k, f in zip(keys, reply[1:], strict=True)}
+    return MultiLease(keys, prefix, token, fences, ttl_ms, sent_at, task_id, task_name)
+
+
+def blocker(held: Any, entity: str) -> Holder:
+    """The :class:`Holder` of a ``'held'`` reply, naming the entity it holds."""
+    return dataclasses.replace(held_reply(held), entity=entity)
+
+
+class _InOrder:
+    """Cluster, entities in different slots: take them one by one in sorted order; roll back if one is held."""
+
+    def __init__(
+        self,
+        client: Any,
+        prefix: str,
+        keys: tuple[str, ...],
+        token: str,
+        wake: Callable[[Woken], Any] | None,
+        reserve_ms: int,
+    ) -> None:
+        self.client, self.prefix, self.keys, self.token = client, prefix, keys, token
+        self.wake, self.reserve_ms = wake, reserve_ms if wake is not None else 0
+
+    def acquire(
+        self, base: list[Any], done_key: str | None, sent_at: float, ttl_ms: int, task_id: str, task_name: str
+    ) -> MultiLease | Holder | Done:
+        """Every entity in order, or none (what was taken is given back before this returns).
+
+        The completion record (its own slot) is read first, as a GET, and again once every entity is
+        held: a finisher records before it releases, so whoever holds every entity next sees it.
+        """
+        client, prefix, keys = self.client, self.prefix, self.keys
+        if done_key is not None:
+            record = client.get(done_key)
+            if record is not None:
+                return Done(record)
+        fences: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            names = [lock_name(prefix, key), fence_name(prefix, key), claim_name(prefix, keys[0])]
+            args = list(base)
+            if i > 0:
+                args[11] = ""  # the until_started claim lives beside the anchor (entity 0) only
+                names[2] = names[0] + ":noclaim"  # a name in the lease's slot that never exists
+            try:
+                reply = _call(client, names, [*args, 1, siblings(keys, i)], (key,))
+            except BaseException:
+                self.roll_back(list(fences))
+                raise
+            if reply[0] == "blocked":
+                self.roll_back(list(fences))
+                return blocker(reply[2], key)
+            fences[key] = int(reply[1])
+        lease = MultiLease(keys, prefix, self.token, fences, ttl_ms, sent_at, task_id, task_name)
+        if done_key is not None:
+            record = client.get(done_key)
+            if record is not None:
+                self.roll_back(list(keys))
+                lease.released = True
+                return Done(record)
+        return lease
+
+    def roll_back(self, taken: list[str]) -> None:
+        """Give back the entities taken (token-checked), handing each to a waiter that parked behind it meanwhile."""
+        for key in taken:
+            reply = scripts.release_multi(
+                self.client,
+                [lock_name(self.prefix, key), wait_name(self.prefix, key), waiters_name(self.prefix, key)],
+                [self.token, "", 0, self.reserve_ms, 1],
+            )
+            woken = _woken((key,), reply[2])
+            if woken is not None and self.wake is not None:
+                self.wake(woken)
+
+
+def _release_args(
+    client: Any,
+    lease: MultiLease,
+    prefix: str,
+    scope: str | None,
+    record: str,
+    completion_ttl_ms: int,
+    reserve_ms: int,
+) -> tuple[list[str], list[Any], int]:
+    """RELEASE_MULTI's keys and args for the whole set (one slot), and the record written apart (-1: none)."""
+    names: list[str] = []
+    for key in lease.keys:
+        names += [lock_name(prefix, key), wait_name(prefix, key), waiters_name(prefix, key)]
+    recorded = -1
+    if scope is not None:
+        done_key = done_name(prefix, scope)
+        if one_slot(client, [*names, done_key]):
+            names.append(done_key)
+        else:
+            recorded = 1 if client.set(done_key, record, nx=True, px=completion_ttl_ms) else 0
+    return names, [lease.token, record, completion_ttl_ms, reserve_ms, len(lease.keys)], recorded
+
+
+def _released(keys: tuple[str, ...], reply: Any, recorded: int) -> Released:
+    codes = [int(x) for x in reply[1]]
+    released = -1 if -1 in codes else (1 if all(c == 1 for c in codes) else 0)
+    return released, int(reply[0]) if recorded < 0 else recorded, _woken(keys, reply[2])
+
+
+def _woken(keys: tuple[str, ...], flat: Any) -> Woken | None:
+    """RELEASE_MULTI's woken triples as one :class:`Woken` (the rest in ``also``), or ``None``."""
+    found = [Woken(keys[int(flat[j]) - 1], flat[j + 1], flat[j + 2]) for j in range(0, len(flat), 3)]
+    if not found:
+        return None
+    first = found[0]
+    return Woken(first.key, first.park_token, first.message, tuple(found[1:]))
+
+
+def release(
+    client: Any,
+    lease: MultiLease,
+    prefix: str,
+    scope: str | None = None,
+    record: str = "",
+    completion_ttl_ms: int = 0,
+    reserve_ms: int = 0,
+) -> Released:
+    """Free every entity still carrying the lease's token, record completion first, wake each freed entity's waiter.
+
+    One round trip where the set shares a slot; on Cluster one per entity (the record written first).
+    """
+    names, args, recorded = _release_args(client, lease, prefix, scope, record, completion_ttl_ms, reserve_ms)
+    lease.released = True
+    if one_slot(client, names):
+        return _released(lease.keys, scripts.release_multi(client, names, args), recorded)
+    codes: list[int] = []
+    woken: list[Woken] = []
+    for i, key in enumerate(lease.keys):  # Cluster, several slots: the record was written first, apart
+        reply = scripts.release_multi(client, names[3 * i : 3 * i + 3], [*args[:4], 1])
+        codes.append(int(reply[1][0]))
+        w = _woken((key,), reply[2])
+        if w is not None:
+            woken.append(w)
+    released = -1 if -1 in codes else (1 if all(c == 1 for c in codes) else 0)
+    first = Woken(woken[0].key, woken[0].park_token, woken[0].message, tuple(woken[1:])) if woken else None
+    return released, max(recorded, 0), first
+
+
+def release_others(client: Any, lease: MultiLease, wake: Callable[[Woken], Any] | None) -> None:
+    """Free every entity but the anchor (an ``until_done`` retry keeps its claim there), waking their waiters."""
+    from . import _handoff as handoff  # imports _lease, which imports this module lazily
+
+    reserve_ms = handoff.reserve_ms() if wake is not None else 0
+    for key in lease.keys[1:]:
+        names = [lock_name(lease.prefix, key), wait_name(lease.prefix, key), waiters_name(lease.prefix, key)]
+        woken = _woken((key,), scripts.release_multi(client, names, [lease.token, "", 0, reserve_ms, 1])[2])
+        if woken is not None and wake is not None:
+            wake(woken)
+
+
+def release_later(
+    client: Any,
+    lease: MultiLease,
+    prefix: str,
+    on_reply: Callable[[Released | BaseException], None],
+    scope: str | None = None,
+    record: str = "",
+    completion_ttl_ms: int = 0,
+    reserve_ms: int = 0,
+) -> bool:
+    """:func:`release` sent now, its reply read later (``_lease.release_later``); False where it cannot be."""
+    ch = _wire.channel(client)
+    if ch is None or not ch.defers_release:
+        return False
+    names, args, recorded = _release_args(client, lease, prefix, scope, record, completion_ttl_ms, reserve_ms)
+    keys = lease.keys
+
+    def read(reply: Any) -> None:
+        on_reply(reply if isinstance(reply, BaseException) else _released(keys, reply, recorded))
+
+    ch.defer(scripts.release_multi, names, args, read)
+    lease.released = True
+    return True

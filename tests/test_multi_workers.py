@@ -1,0 +1,125 @@
+"""Several entities as one acquisition, on real prefork workers and a real Redis (issue 32)."""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+
+import pytest
+import redis
+
+from celery_lockguard import _handoff as handoff
+from celery_lockguard import _lease as L
+from celery_lockguard._config import settings
+from celery_lockguard.testing import wait_for
+
+from .conftest import Fleet, make_cfg
+from .test_workers import intervals, overlapping, records
+
+pytestmark = pytest.mark.integration
+
+#: Seconds from a lease's end to the woken waiter's start: far below the 30 s safety countdown.
+BOUND = 5.0
+
+
+def hold(r: redis.Redis, prefix: str, key: str) -> L.Lease:
+    """A foreign holder of ``pair:{key}`` for 30 s (other work: a contender parks behind it)."""
+    got = L.acquire(
+        r, prefix, f"pair:{key}", ttl_ms=30_000, task_id=f"holder-{uuid.uuid4().hex[:6]}", task_name="ops.holder",
+        digest="d", worker="w@h", fence_ttl_ms=60_000,
+    )  # fmt: skip
+    assert isinstance(got, L.Lease), got
+    return got
+
+
+def parked(r: redis.Redis, prefix: str, key: str) -> None:
+    wait_for(lambda: r.llen(f"{prefix}:v1:{{{key}}}:wait") >= 1, 30, what=f"a waiter parked on {key}")
+
+
+def started(r: redis.Redis, prefix: str, task_id: str, timeout: float) -> float:
+    def start() -> float | None:
+        rows = [x for x in records(r, prefix) if x["ev"] == "start" and x["task_id"] == task_id]
+        return rows[0]["t"] if rows else None
+
+    return wait_for(start, timeout, what=f"{task_id} to start (its safety copy is 30 s away)")
+
+
+def test_opposite_orders_never_deadlock_and_never_overlap(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg)
+    fleet.worker(cfg)
+    task = app.tasks["multi_pair"]
+    rng = random.Random(32)
+    names = [f"{prefix[-4:]}{c}" for c in "xyz"]
+    pairs = [tuple(rng.sample(names, 2)) for _ in range(30)]
+    pairs += [(b, a) for a, b in pairs[:10]]  # the same pairs in the opposite order
+    results = [task.delay(a, b, "", f"t{i}", 0.05) for i, (a, b) in enumerate(pairs)]
+    started_at = time.monotonic()
+    outs = [res.get(timeout=180) for res in results]
+    assert [o["tag"] for o in outs] == [f"t{i}" for i in range(len(pairs))]
+    # Every wait ended by a release (a woken waiter), never by a 30 s lease TTL or safety copy: nobody
+    # held part of a set while it waited, and no crossed pair of waiters stalled each other.
+    assert time.monotonic() - started_at < 28
+    rows = records(r, prefix)
+    for name in names:
+        entity = f"pair:{name}"
+        spans = intervals([x for x in rows if entity in x["keys"]])
+        assert len(spans) == sum(1 for a, b in pairs if name in (a, b))
+        assert overlapping(spans) == [], f"two bodies held {entity} at once"
+    # one fence per entity, strictly increasing across the bodies that held it
+    for name in names:
+        entity = f"pair:{name}"
+        fences = [o["fences"][entity] for o in outs if entity in o["fences"]]
+        assert len(set(fences)) == len(fences)
+    left = {n: r.hgetall(f"{prefix}:v1:{{pair:{n}}}:lock") for n in names}
+    assert not any(left.values()), left
+
+
+def test_the_release_of_the_blocking_entity_wakes_a_multi_waiter_and_a_new_blocker_parks_it_again(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg)
+    x, y = (uuid.uuid4().hex[:8] for _ in range(2))
+    first = hold(r, prefix, y)
+    waiter = app.tasks["multi_pair"].delay(x, y, "", "waiter")
+    parked(r, prefix, f"pair:{y}")
+    assert not r.exists(f"{prefix}:v1:{{pair:{x}}}:lock"), "a waiter holds no part of its set"
+    assert r.llen(f"{prefix}:v1:{{pair:{x}}}:wait") == 0, "it parks on the entity that blocked it only"
+    second = hold(r, prefix, x)  # another entity of the set is taken meanwhile
+    s = settings(app)
+    handoff.release(app, s, r, f"pair:{y}", first.token, "ops.holder", first.task_id)  # y's end wakes the waiter
+    # its woken copy meets x held: it gives y's reservation back and parks on x
+    parked(r, prefix, f"pair:{x}")
+    wait_for(lambda: not r.exists(f"{prefix}:v1:{{pair:{y}}}:lock"), 10, what="the reservation of y given back")
+    assert r.llen(f"{prefix}:v1:{{pair:{y}}}:wait") == 0
+    handoff.release(app, s, r, f"pair:{x}", second.token, "ops.holder", second.task_id)
+    ended = time.time()
+    assert started(r, prefix, waiter.id, BOUND) - ended < BOUND
+    assert waiter.get(timeout=30)["tag"] == "waiter"
+
+
+def test_a_terminated_multi_entity_holder_frees_every_entity_and_wakes_each_ones_waiter(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    task = app.tasks["multi_pair"]
+    x, y, z = (uuid.uuid4().hex[:8] for _ in range(3))
+    holder = task.delay(x, y, f"{prefix}:never", "holder")
+    wait_for(lambda: records(r, prefix), 30, what="the holder's body")
+    waiters = [task.delay(x, z, "", "wx"), task.delay(y, z + "b", "", "wy")]  # one parks on x, one on y
+    parked(r, prefix, f"pair:{x}")
+    parked(r, prefix, f"pair:{y}")
+    # SIGKILL: the child runs no release; the main process cuts every entity of the set to the grace (2 s).
+    app.control.revoke(holder.id, terminate=True, signal="SIGKILL")
+    revoked_at = time.time()
+    for w in waiters:
+        assert started(r, prefix, w.id, BOUND + 2) - revoked_at < BOUND
+    assert sorted(w.get(timeout=30)["tag"] for w in waiters) == ["wx", "wy"]
