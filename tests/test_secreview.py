@@ -17,6 +17,7 @@ import redis
 from celery_lockguard import _lease as L
 from celery_lockguard import _metrics as metrics
 from celery_lockguard._keys import lock_name
+from celery_lockguard.testing import free_port
 
 from .conftest import make_cfg
 from .test_cli import cli
@@ -192,3 +193,41 @@ def test_a_planted_process_index_makes_every_scrape_read_all_of_it(r: redis.Redi
         assert min(took) < 0.5, f"/metrics took {min(took):.2f}s at best with a planted 600k-member process index"
     finally:
         _stop(page)
+
+
+FAILOVER_PW = "Failpw2q"  # the second URL's password of a kombu-style failover list
+
+
+def test_a_failover_list_as_the_lock_url_prints_its_second_password(redis_url: str, prefix: str) -> None:
+    """A secret after the first URL of a ``;`` or ``,`` list is printed (medium: credential disclosure).
+
+    Repro: ``lockguard_redis_url = "redis://127.0.0.1:6379/0;redis://:PW@h2:6379/0"`` (a broker failover
+    list pasted into the lock setting; redis-py's ``parse_url`` accepts it, ignores the unparsable db and
+    connects to the first host). Observed: ``PW`` in ``doctor``, ``describe``, the page header and
+    ``/page/data.json``; with the first host down also in ``locks``, ``locks --json`` and ``stats``
+    (``the lock Redis redis://:***@...;redis://:PW@... is unreachable``): ``redact`` masks the parsed
+    userinfo and query but prints the URL's path as written. Expected: the path masked or refused like
+    any text that does not parse as one URL, or such a setting refused (only one URL is used).
+    """
+    dead = free_port()
+    reachable = make_cfg(prefix, redis_url, lock_url=f"{redis_url};redis://:{FAILOVER_PW}@h2:6379/0")
+    unreachable = make_cfg(
+        prefix, redis_url, lock_url=f"redis://127.0.0.1:{dead}/0;redis://:{FAILOVER_PW}@127.0.0.1:6379/0"
+    )
+    leaked = []
+    for name, cfg, commands in (
+        ("reachable", reachable, (("doctor",), ("describe",))),
+        ("unreachable", unreachable, (("locks",), ("locks", "--json"), ("stats",))),
+    ):
+        for args in commands:
+            out = cli(cfg, *args)
+            if FAILOVER_PW in out.stdout + out.stderr:
+                leaked.append(f"{name}: {' '.join(args)}")
+    page = start_page(reachable)
+    try:
+        for path in ("/page", "/page/data.json"):
+            if FAILOVER_PW.encode() in page.get(path)[2]:
+                leaked.append(path)
+    finally:
+        _stop(page)
+    assert not leaked, f"the second URL's password was printed by: {leaked}"
