@@ -8,6 +8,7 @@ reviewed; its docstring says what was observed and what was expected.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 
@@ -231,3 +232,32 @@ def test_a_failover_list_as_the_lock_url_prints_its_second_password(redis_url: s
     finally:
         _stop(page)
     assert not leaked, f"the second URL's password was printed by: {leaked}"
+
+
+def test_keys_that_differ_in_whitespace_look_identical(r: redis.Redis, redis_url: str, prefix: str) -> None:
+    """Two entities that differ only in trailing or repeated spaces are shown alike (low: issue 30 item 7).
+
+    Repro: leases on ``acct:1`` and ``acct:1 `` (a ``lock_key`` field with a trailing space: a separate
+    lock), and on ``acct: 2`` and ``acct:  2``; then ``locks`` and the page. Observed: ``locks`` pads both
+    ``acct:1`` cells to the same text, and the page's cells (no ``white-space: pre``) collapse and trim
+    the spaces, so each pair reads identically although they are separate locks -- the confusion item 7
+    fixed for NFC/NFD and Cyrillic look-alikes. Expected: such keys shown distinguishably (e.g. the
+    ``[...]`` spelling, with spaces made visible, or the key quoted).
+    """
+    for key in ("acct:1", "acct:1 ", "acct: 2", "acct:  2"):
+        _hold(r, prefix, key)
+    cfg = make_cfg(prefix, redis_url)
+    out = cli(cfg, "locks")
+    lines = out.stdout.splitlines()
+    width = lines[0].index("STATE")  # the key column, padded to its widest cell
+    cells = [line[:width].rstrip() for line in lines if line.startswith("acct:")]
+    assert len(cells) == 4, out.stdout
+    assert len(set(cells)) == 4, f"locks shows {cells} for four separate keys"
+    page = start_page(cfg)
+    try:
+        html = page.get("/page")[2].decode()
+    finally:
+        _stop(page)
+    shown = [" ".join(cell.split()) for cell in re.findall(r'<span class="key">([^<]*)</span>', html)]
+    assert len(shown) == 4, html[:2000]
+    assert len(set(shown)) == 4, f"the page shows {shown} (as a browser collapses whitespace) for four keys"
