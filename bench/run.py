@@ -25,7 +25,7 @@ import structlog
 
 from celery_lockguard.testing import RedisServer, server_binary
 
-from . import breakdown, contention, cycle, debounce, e2e, env, handoff, limits, memory, pg, renewal, workerapp
+from . import breakdown, contention, cycle, debounce, e2e, env, handoff, limits, memory, multi, pg, renewal, workerapp
 from .cluster import LocalCluster
 from .e2e import BenchFailure, E2EResult, Variant
 
@@ -52,6 +52,8 @@ PARAMS: dict[str, tuple[Any, Any]] = {
     "debounce_rounds": (9, 3),
     "debounce_n": (500, 100),
     "debounce_burst": (10, 10),
+    "multi_rounds": (9, 3),
+    "multi_n": (500, 150),
 }
 
 #: The hand-off scenario of issue 15: three charges behind a 2 s holder of the same customer.
@@ -86,6 +88,7 @@ class Results:
     pg_skipped: str = ""
     pg_table: str = ""
     cluster: list[E2EResult] = field(default_factory=list)
+    multi: list[E2EResult] = field(default_factory=list)
     handoff: list[handoff.HandoffResult] = field(default_factory=list)
     debounce: list[debounce.DebounceResult] = field(default_factory=list)
     limits: limits.LimitsResult | None = None
@@ -195,6 +198,20 @@ def run(quick: bool, command: str) -> Results:
         label = f"LockedTask on Redis Cluster: commands sent added per task <= {limit}"
         res.checks.append((label, sent <= limit + ROUND_TRIP_SLACK, f"{sent:.2f}"))
 
+    def do_multi(srv: RedisServer) -> None:
+        assert srv.proc is not None
+        res.multi = multi.measure(srv.url, p["multi_rounds"], p["multi_n"], server_pids=[srv.proc.pid])
+        extra = multi.added(res.multi)
+        two, one = extra[workerapp.TWO_ENTITIES], extra[multi.SINGLE]
+        limit = multi.MAX_TWO_ENTITY_ROUND_TRIPS
+        res.checks.append(
+            (
+                f"two entities: worker round trips added per task <= {limit}, as one entity's",
+                two <= limit + ROUND_TRIP_SLACK and abs(two - one) <= ROUND_TRIP_SLACK,
+                f"{two:.2f} (one entity {one:.2f}, nested {extra[workerapp.NESTED]:.2f})",
+            )
+        )
+
     def do_handoff(srv: RedisServer) -> None:
         with RedisServer() as locks:
             res.handoff = [handoff.scenario(srv.url, locks.url, p["handoff_rounds"], **HANDOFF)]
@@ -271,6 +288,7 @@ def run(quick: bool, command: str) -> Results:
         ("concurrency", do_concurrency),
         ("PostgreSQL completion", do_pg),
         ("Redis Cluster", do_cluster),
+        ("several entities", do_multi),
         ("breakdown", do_breakdown),
         ("contention", do_hot),
         ("hand-off", do_handoff),

@@ -50,7 +50,9 @@ import redis
 import structlog
 from celery import Celery
 
-from celery_lockguard import LockedTask
+from celery_lockguard import Lease, LockedTask, settings
+from celery_lockguard import _connection as connection
+from celery_lockguard import _lease as lease_ops
 from celery_lockguard import _wire as wire
 
 from . import counting, floors, peers
@@ -73,6 +75,11 @@ NOOP_FLOOR = "floor: the same commands to scripts that do nothing on the server"
 
 #: LockedTask with RELEASE deferred, as to a server on another host.
 DEFERRED = "LockedTask, RELEASE deferred (as to another host)"
+
+#: Two entities (docs/multi-entity.md): ``lock_key=("item:{i}", "other:{i}")``, held together or not at all.
+TWO_ENTITIES = "LockedTask, two entities"
+#: The same two entities as nested single locks: ``lock_key="item:{i}"``, a second Lease taken in the body.
+NESTED = "LockedTask + a nested Lease in the body"
 
 #: Throughput variants: display name -> task name.
 TP_TASKS = {
@@ -174,6 +181,39 @@ def create_app(cfg: dict[str, Any]) -> Celery:
     )
     def tp_until_done(i: int) -> None:
         RUNS["tp_until_done"] += 1
+
+    @app.task(
+        name="tp_multi",
+        base=LockedTask,
+        lock_key=("item:{i}", "other:{i}"),
+        ignore_result=True,
+        shared=False,
+    )
+    def tp_multi(i: int) -> None:
+        RUNS["tp_multi"] += 1
+
+    @app.task(name="tp_nested", base=LockedTask, bind=True, lock_key="item:{i}", ignore_result=True, shared=False)
+    def tp_nested(self: Any, i: int) -> None:
+        """The second entity as a user nests it today: a Lease taken and given back inside the held one."""
+        s = settings(app)
+        client = connection.client(s)
+        inner = lease_ops.acquire(
+            client,
+            s.key_prefix,
+            f"other:{i}",
+            ttl_ms=30_000,
+            task_id=self.request.id,
+            task_name=self.name,
+            digest="",
+            worker="",
+            fence_ttl_ms=int(s.fence_ttl * 1000),
+        )
+        if not isinstance(inner, Lease):
+            raise RuntimeError(f"other:{i}: {inner!r}: the benchmark's keys are distinct")
+        try:
+            RUNS["tp_nested"] += 1
+        finally:
+            lease_ops.release(client, inner, s.key_prefix)
 
     @app.task(name="tp_once", base=QueueOnce, once={"graceful": True}, ignore_result=True, shared=False)
     def tp_once(i: int) -> None:

@@ -443,3 +443,20 @@ def test_lock_replicas_waits_in_the_same_round_trip_for_several_entities(app: Ce
         assert t.apply(args=(1, 2), throw=True).get() == 0  # the test server has no replica
     under = [e for e in logs if e["event"] == "lock.under_replicated"]
     assert under and under[0]["wanted"] == 1 and under[0]["lock_keys"] == ["acc:1", "acc:2"]
+
+
+def test_an_until_done_publish_claims_the_anchor_and_dedupes_identical_work(redis_url: str, prefix: str) -> None:
+    app = Celery("multiclaim", broker="memory://", set_as_current=False)
+    app.conf.lockguard_redis_url = redis_url
+    app.conf.lockguard_key_prefix = prefix
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+
+    @app.task(base=LockedTask, shared=False, name="bank.claim", lock_key=ACC, lock_mode="until_done")
+    def t(src: int, dst: int) -> None: ...
+
+    first = t.apply_async((2, 1))
+    claim = r.hgetall(lock_name(prefix, "acc:1"))
+    assert claim["task_id"] == first.id and claim["state"] in ("queued", "publishing")
+    assert not r.exists(lock_name(prefix, "acc:2"))  # a queued call holds no other entity
+    assert t.apply_async((2, 1)).id == first.id  # identical work: the queued copy answers
+    assert t.apply_async((1, 2)).id != first.id  # a transfer the other way is other work: it is queued
