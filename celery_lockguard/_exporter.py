@@ -32,7 +32,10 @@ scanner, or a half-open load balancer) can hold it:
   listening socket stays readable while ``accept`` keeps failing, and the
   serving loop spun on it at 100% CPU, starving the scrapes it was failing;
   it now sleeps 50 ms doubling to 1 s between attempts, and logs once per run
-  of failures.
+  of failures;
+* **quiet about clients that go away**: a connection reset, a broken pipe or
+  a timed-out client is logged at debug, not warning (a warning per reset
+  socket let anyone who can connect grow the log).
 
 Read-only: GET and HEAD are served, any other method is answered 405. With
 ``--page`` the same server (and so every bound above) also serves the lock
@@ -450,11 +453,18 @@ class MetricsServer(ThreadingHTTPServer):
         self.shutdown_request(sock)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        """One line in the log, not a traceback on the operator's terminal."""
+        """One line in the log, not a traceback on the operator's terminal.
+
+        A client that goes away (reset, broken pipe, timed out) is routine and
+        logged at debug: anyone who can connect could otherwise grow the log
+        with a warning per reset socket (issue 30).
+        """
         import sys
 
         exc = sys.exc_info()[1]
-        logger.warning("exporter.connection_failed", reason=f"{exc.__class__.__name__}: {exc}")
+        gone = isinstance(exc, (ConnectionError, TimeoutError))
+        log = logger.debug if gone else logger.warning
+        log("exporter.connection_failed", reason=f"{exc.__class__.__name__}: {exc}")
 
     # -- the deadline ---------------------------------------------------------------------
 
