@@ -80,9 +80,22 @@ def sibling_names(siblings: tuple[str, ...], count: int) -> str:
     """``acct:2, acct:3 and 4 more``: the other entities of a multi-entity holder as text ("" for none)."""
     if not count:
         return ""
-    named = ", ".join(entity(k, MAX_KEY) for k in siblings[:SHOWN_SIBLINGS])
+    named = ", ".join(_sibling(k) for k in siblings[:SHOWN_SIBLINGS])
     more = count - min(len(siblings), SHOWN_SIBLINGS)
     return f"{named} and {more} more" if more and named else f"{more} more" if more else named
+
+
+#: Text in a sibling's key that could forge the list it is shown in (``a, b) (with c``, ``x and 4 more``).
+_FORGES_LIST = re.compile(r'[,()"]| and |\bmore\b|^\s|\s$')
+
+
+def _sibling(key: str) -> str:
+    """One sibling as :func:`sibling_names` lists it: quoted (``"`` and ``\\`` escaped) where its text
+    could pass for list syntax, so a planted key reads as one entity, never as several (issue 30)."""
+    shown = entity(key, MAX_KEY)
+    if not _FORGES_LIST.search(shown):
+        return shown
+    return '"' + shown.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def number(value: object) -> int | None:
