@@ -54,7 +54,8 @@ def test_slow_readers_from_four_addresses_take_every_slot(r: redis.Redis, redis_
     """Slow readers from four client addresses starve real scrapes (medium: monitoring DoS).
 
     Repro: an answer larger than the kernel's send buffer (4 MB here: ``/page/data.json`` over one lease
-    with an 8 MB field, see the next test), then 8 connections from each of 127.0.0.2-127.0.0.5 that
+    with an 8 MB field, see the next test; since fields are cut, 500 leases with 32 siblings each), then 8
+    connections from each of 127.0.0.2-127.0.0.5 that
     request it and never read. Observed: each address is held to its quarter of the 32 slots, but four
     addresses take all 32, and a fresh ``/metrics`` from 127.0.0.1 gets ``503 exporter at connection
     limit`` (for the 10 s handler timeout, and again each time they reconnect). With ``/metrics`` alone
@@ -62,11 +63,16 @@ def test_slow_readers_from_four_addresses_take_every_slot(r: redis.Redis, redis_
     slow clients must not starve real ones): a fresh scrape is answered, e.g. answers bounded under the
     send buffer, or a stalled writer evicted when the slots run out.
     """
-    _hold(r, prefix, "huge", task_name="x" * HUGE)
+    # Fields are cut at 256 characters now (the next tests), so a big answer takes the most the page shows:
+    # 500 leases, each with 32 siblings and fields at the cut (non-ASCII: six bytes each as JSON escapes).
+    siblings = json.dumps([f"s{i}:" + "y" * 300 for i in range(32)])
+    wide = "\u00e9" * 300
+    for n in range(500):
+        _hold(r, prefix, f"big:{n}", siblings=siblings, task_name=wide, worker=wide, host=wide, task_id=wide)
     page = start_page(make_cfg(prefix, redis_url))  # defaults: 32 slots, a quarter per address
     readers: list[socket.socket] = []
     try:
-        assert len(page.get("/page/data.json", timeout=60)[2]) > HUGE
+        assert len(page.get("/page/data.json", timeout=60)[2]) > 5 * 1024 * 1024  # past any send buffer (4 MB)
         for peer in ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"):
             for _ in range(8):
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
