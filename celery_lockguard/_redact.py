@@ -72,10 +72,10 @@ def redact(url: object) -> str:
 def _display(text: str) -> str | None:
     parts = _LIST_SEP.split(text.strip())
     if len(parts) > 1:  # a failover list (``redis://h1/0;redis://:pw@h2/0``): each URL shown as parsed
-        shown = [_display(part) for part in parts[::2]]
-        if any(one is None for one in shown):
+        each = [_display(part) for part in parts[::2]]
+        if any(one is None for one in each):
             return None
-        return "".join(f"{one}{sep}" for one, sep in zip(shown, [*parts[1::2], ""]))
+        return "".join(f"{one}{sep}" for one, sep in zip(each, [*parts[1::2], ""], strict=True))
     low = text.strip().lower()
     if low.startswith(_REDIS_SCHEMES):
         from redis.connection import parse_url

@@ -50,9 +50,9 @@ import redis
 
 from ._metrics import (
     HISTOGRAM_FIELD_PREFIXES,
-    WINDOW_KEEP,
     HISTOGRAMS,
     OPERATOR_RELEASE,
+    WINDOW_KEEP,
     bucket_names,
     minute_key,
     parse_count,
