@@ -549,9 +549,11 @@ class MetricsServer(ThreadingHTTPServer):
         import sys
 
         exc = sys.exc_info()[1]
-        gone = isinstance(exc, (ConnectionError, TimeoutError))
-        log = logger.debug if gone else logger.warning
-        log("exporter.connection_failed", reason=f"{exc.__class__.__name__}: {exc}")
+        reason = f"{exc.__class__.__name__}: {exc}"
+        if isinstance(exc, (ConnectionError, TimeoutError)):  # the client went away
+            logger.debug("exporter.connection_failed", reason=reason)
+        else:
+            logger.warning("exporter.connection_failed", reason=reason)
 
     # -- the deadline ---------------------------------------------------------------------
 
