@@ -20,6 +20,13 @@ channel waits for it itself where its server is near) beside the sends
 gives *round trips waited* = sends - deferred. Where that method does not
 exist (a runtime that defers nothing), deferred is 0.
 
+*Held commands* (``Channel.hold``, a ``CONFIRM_CLAIM`` after a publish) go out
+in the channel's next write, beside another command, or alone within 20 ms:
+each counts as one command sent and deferred when it is held, and the write
+that carries it alone is not counted again. A held command is a command on the
+server like any other; what it saves is a write of its own, which shows in
+time, not in these counts.
+
 *Server commands*: ``INFO commandstats`` deltas on a private server, where
 nothing else runs. Commands that a Lua script calls are counted too, so a
 script shows what it really costs the server.
@@ -45,6 +52,8 @@ _installed = False
 _deferred = 0
 #: ``(Channel class, its own defer)`` once wrapped, so :func:`uninstall` can put it back.
 _original_defer: tuple[Any, Any] | None = None
+#: ``(Channel class, its own hold, its own _write_held)`` once wrapped.
+_original_hold: tuple[Any, Any, Any] | None = None
 #: ``(the _wire module, its own pack_evalsha)`` once wrapped.
 _original_pack_evalsha: tuple[Any, Any] | None = None
 
@@ -54,8 +63,14 @@ RENEWER_THREAD = "lockguard-renewer"
 _background = 0
 
 
+#: Set on a thread while it writes held commands alone (counted already when they were held).
+_quiet = threading.local()
+
+
 def _counting_send(self: Any, command: Any, check_health: bool = True) -> Any:
     global _sent, _background
+    if getattr(_quiet, "on", False):
+        return _original_send(self, command, check_health)
     with _lock:
         _sent += 1
         if threading.current_thread().name == RENEWER_THREAD:
@@ -136,6 +151,36 @@ def _wrap_defer() -> None:
     _original_defer = (cls, original)
 
 
+def _wrap_hold() -> None:
+    """Count ``Channel.hold`` calls as commands sent and deferred; the write that carries them alone is not."""
+    global _original_hold
+    cls = _channel_class()
+    if cls is None or _original_hold is not None or not callable(getattr(cls, "hold", None)):
+        return
+    hold, write_held = cls.__dict__["hold"], cls.__dict__["_write_held"]
+
+    def counting_hold(self: Any, *args: Any, **kwargs: Any) -> Any:
+        global _sent, _deferred
+        before = self.held
+        try:
+            return hold(self, *args, **kwargs)
+        finally:
+            if self.held != before:  # held (else it went through defer, counted there)
+                with _lock:
+                    _sent += 1
+                    _deferred += 1
+
+    def quiet_write_held(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _quiet.on = True
+        try:
+            return write_held(self, *args, **kwargs)
+        finally:
+            _quiet.on = False
+
+    cls.hold, cls._write_held = counting_hold, quiet_write_held
+    _original_hold = (cls, hold, write_held)
+
+
 def install() -> None:
     """Count every round trip of this process from now on (idempotent; survives fork)."""
     global _installed
@@ -143,14 +188,19 @@ def install() -> None:
         AbstractConnection.send_packed_command = _counting_send  # type: ignore[method-assign]
         PythonRespSerializer.pack = _counting_pack  # type: ignore[method-assign]
         _wrap_defer()
+        _wrap_hold()
         _wrap_pack()
         _installed = True
 
 
 def uninstall() -> None:
     """Put redis-py's (and the runtime's) own methods back: what follows is not counted."""
-    global _installed, _original_defer, _original_pack_evalsha
+    global _installed, _original_defer, _original_pack_evalsha, _original_hold
     if _installed:
+        if _original_hold is not None:
+            cls, hold, write_held = _original_hold
+            cls.hold, cls._write_held = hold, write_held
+            _original_hold = None
         AbstractConnection.send_packed_command = _original_send  # type: ignore[method-assign]
         PythonRespSerializer.pack = _original_pack  # type: ignore[method-assign]
         if _original_defer is not None:

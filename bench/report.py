@@ -16,6 +16,7 @@ from . import cycle as cycle_mod
 from . import e2e as e2e_mod
 from . import limits as limits_mod
 from . import multi as multi_mod
+from . import scaling as scaling_mod
 from . import workerapp
 from .e2e import E2EResult
 from .stats import Summary
@@ -31,6 +32,8 @@ CPU_BEFORE_US = 321.0
 CPU_TARGET_US = 160.0
 HANDOFF_DELAY_TARGET_S = 0.050
 HANDOFF_REPUBLISH_TARGET = 2.0
+#: Issue 33: the task logic (default variant minus lockguard's own scripts on its channel) at most this, in-process.
+LOGIC_TARGET_US = 60.0
 
 
 def _yes(ok: bool) -> str:
@@ -74,7 +77,7 @@ def render(res: Results, plot_name: str | None) -> str:
 
     # -- targets ---------------------------------------------------------------
     add("## Targets\n")
-    add(_table(["target (issue 15)", "goal", "measured", ""], _target_rows(res)) + "\n")
+    add(_table(["target (issues 15, 33)", "goal", "measured", ""], _target_rows(res)) + "\n")
     add(_floors(res))
     peers_low = min(once.total_us.low, single.total_us.low)
     peers_high = max(once.total_us.high, single.total_us.high)
@@ -160,6 +163,7 @@ def render(res: Results, plot_name: str | None) -> str:
     for d in (100, 250, 500, 1000):
         rows.append([f"{d} µs", f"{(raw.usec.median + 2 * d) / (lg.usec.median + 2 * d):.2f}x"])
     add(_table(["extra round-trip latency Δ", "lockguard / raw"], rows) + "\n")
+    _server_work(res, add)
 
     # -- e2e -------------------------------------------------------------------
     add("## 2. End-to-end Celery throughput, one tiny task\n")
@@ -208,10 +212,26 @@ def render(res: Results, plot_name: str | None) -> str:
         )
     add(_table(["task body", "LockedTask", "celery-once", "celery-singleton"], rows) + "\n")
     ud = ee["LockedTask until_done"]
+    plain_e2e = ee[e2e_mod.BASE]
     add(
-        "`LockedTask until_done` also claims the entity at publish (CLAIM, then CONFIRM_CLAIM once the "
-        f"message is out) and adopts the claim in its ACQUIRE: {ud.round_trips:.2f} commands sent per task "
-        f"in all ({ud.waited:.2f} waited), kombu's publish included; the `<= 2` target is the default mode's.\n"
+        "`LockedTask until_done` also claims the entity at publish (CLAIM, waited, then CONFIRM_CLAIM once the "
+        "message is out, *held*: it goes out in the same write as the next publish's CLAIM, or within 20 ms) and "
+        f"adopts the claim in its ACQUIRE: {ud.round_trips:.2f} commands sent per task in all ({ud.waited:.2f} "
+        "waited), kombu's publish included; the `<= 2` target is the default mode's. "
+        + (
+            "**Against celery-once's `QueueOnce`:**"
+            if ud.total_us.median < once.total_us.median
+            else "**Why it stays behind celery-once's `QueueOnce`:**"
+        )
+        + " three waited round trips per task (CLAIM at publish, ACQUIRE and RELEASE "
+        "in the worker) against QueueOnce's two (`SET NX` at publish, `DEL` in the worker): publish "
+        f"{ud.publish_us.fmt('.0f')} vs {once.publish_us.fmt('.0f')} µs/task (plain "
+        f"{plain_e2e.publish_us.fmt('.0f')}), worker run {ud.run_us.fmt('.0f')} vs {once.run_us.fmt('.0f')} "
+        "µs/task. The worker's two are the lease itself (a claim is adopted with a fresh token, a fence and the "
+        "completion check: *Checked in the ACQUIRE round trip*; the lease freed and the record written: "
+        "*Recorded ... in the RELEASE round trip*); QueueOnce's worker checks nothing and records nothing. "
+        "The publish's confirm is what kill-safety adds (a claim taken `publishing` lapses after the grace if "
+        "its publisher dies), and it no longer costs a write of its own.\n"
     )
     _extra_e2e(res, add)
     if res.multi:
@@ -541,6 +561,7 @@ def _target_rows(res: Results) -> list[list[str]]:
         ],
         ["renewal round trips per tick, 1 to 1,000 leases", "1", f"{renew_rt:.2f}", _yes(renew_rt <= 1.0)],
     ]
+    rows += _issue33_rows(res)
     if res.handoff:
         h = res.handoff[0]
         delays = h.all_delays
@@ -558,6 +579,61 @@ def _target_rows(res: Results) -> list[list[str]]:
                 _yes(h.worst_republishes <= HANDOFF_REPUBLISH_TARGET),
             ],
         ]
+    return rows
+
+
+def _issue33_rows(res: Results) -> list[list[str]]:
+    """Issue 33's targets beyond the end-to-end row: task logic over the scripts floor, scaling."""
+    rows: list[list[str]] = []
+    bd = {b.name: b for b in res.breakdown}
+    if breakdown_mod.WIRE_FLOOR in bd and breakdown_mod.DEFAULT in bd:
+        logic = Summary([-x for x in bd[breakdown_mod.WIRE_FLOOR].cpu_vs_default.values])
+        rows.append(
+            [
+                "task logic over lockguard's own ACQUIRE and RELEASE (breakdown, in-process CPU)",
+                f"<= {LOGIC_TARGET_US:.0f} µs",
+                f"{logic.fmt('.0f')} µs",
+                _yes(logic.median <= LOGIC_TARGET_US),
+            ]
+        )
+    work = {(r.script, r.variant): r for r in res.server_work}
+    if ("ACQUIRE", "ACQUIRE") in work and ("RELEASE", "RELEASE") in work:
+        twice = work.get(("ACQUIRE", "the fence counter read twice (before issue 33)"))
+        rows.append(
+            [
+                "server work per task: each part of ACQUIRE and RELEASE measured, what the contract does not need cut",
+                "the uncontended path does only what the contract needs",
+                f"ACQUIRE {work[('ACQUIRE', 'ACQUIRE')].usec.fmt('.1f')} + RELEASE "
+                f"{work[('RELEASE', 'RELEASE')].usec.fmt('.1f')} µs of EVALSHA; the fence read once "
+                f"({'saves ' + Summary([-x for x in twice.saved.values]).fmt('.1f') + ' µs' if twice else 'n/a'}), "
+                "no `TIME` on a release "
+                "nobody waits for",
+                "**met** (cuts made; the rest is contract)",
+            ]
+        )
+    cells = {(r.lock_server, r.workers, r.entities, r.variant): r for r in res.scaling}
+    for server in ("Redis", "Cluster"):
+        counts = sorted({w for (s, w, e, _v) in cells if s == server and e == 1000})
+        if len(counts) >= 2:
+            few, many = cells[(server, counts[0], 1000, "LockedTask")], cells[(server, counts[-1], 1000, "LockedTask")]
+            rows.append(
+                [
+                    f"scaling on {server}: LockedTask/plain does not fall as workers are added (1,000 entities)",
+                    f"ratio at {counts[-1]} workers >= at {counts[0]}",
+                    f"{many.ratio.fmt('.2f')}x vs {few.ratio.fmt('.2f')}x",
+                    _yes(many.ratio.median >= few.ratio.median),
+                ]
+            )
+        for (s, w, e, v), r in cells.items():
+            if s == server and v == "LockedTask" and e == 1000 and w == max(counts or [0]) and r.cpu_vs_redis_py:
+                rows.append(
+                    [
+                        f"lock server CPU per 1,000 tasks on {server}, {w} workers: LockedTask vs redis-py `Lock`",
+                        "reported (no goal)",
+                        f"{r.cpu_vs_redis_py.fmt('.2f')}x ({r.lock_cpu_ms.fmt('.0f')} ms)",
+                        "",
+                    ]
+                )
     return rows
 
 
@@ -774,6 +850,113 @@ def _extra_e2e(res: Results, add: Callable[[str], None]) -> None:
             "another slot than the entity, so ACQUIRE's record check and RELEASE's record write each cost one "
             "more round trip (an `idempotency_key` sharing the entity's hash tag would not).\n"
         )
+    _scaling(res, add)
+
+
+def _server_work(res: Results, add: Callable[[str], None]) -> None:
+    """Issue 33: what each part of ACQUIRE and RELEASE costs the server, by taking it out (bench.server_work)."""
+    if not res.server_work:
+        return
+    add("### Where the scripts' server time goes\n")
+    add(
+        "Server µs per `EVALSHA` (`INFO commandstats`, a private server) of ACQUIRE and RELEASE as an uncontended "
+        "locked task sends them (fresh entity and completion scope per call, waiter keys given), and of copies of "
+        "each with one part replaced by a constant (measurement only: lockguard never runs them). *Saves* is the "
+        f"full script minus the copy, paired per round: what that part costs. {res.params['work_n']} calls per "
+        f"variant per round, {res.params['work_rounds']} alternating rounds.\n"
+    )
+    rows = [[r.script, r.variant, r.usec.fmt(".2f"), r.saved.fmt("+.2f")] for r in res.server_work]
+    add(_table(["script", "variant", "server µs / call", "saves µs / call"], rows) + "\n")
+    add(
+        "Cut on the uncontended path (issue 33): ACQUIRE reads the fence counter once (the corruption check hands "
+        "its read to the advance: the *read twice* row is the script before), and RELEASE reads the server's "
+        "`TIME` only when a waiter is queued (the wake-up needs it; nobody waiting, it was read for nothing). Kept, "
+        "because the contract needs them on every acquisition: the completion check (*Checked in the ACQUIRE "
+        "round trip*), the fence and its `TIME` floor (strictly increasing, also after a restart without "
+        "persistence), the slot-lease scan (the single lease excludes `lock_limit` holders: one `EXISTS`), the "
+        "holder hash's fields (the CLI, the page and other workers read them), the record (*Recorded ... in the "
+        "RELEASE round trip*) and the waiter-queue look (*Every lease end wakes*: one `LINDEX` when nobody "
+        "waits).\n"
+    )
+
+
+def _scaling(res: Results, add: Callable[[str], None]) -> None:
+    """Issue 33: W workers x -c C on one queue, many entities and one hot entity; the lock server's CPU."""
+    if not res.scaling:
+        return
+    p = res.params
+    add("### Scaling: several workers, many entities and one hot entity\n")
+    add(
+        f"W prefork workers of `-c {res.scaling[0].concurrency}` on one queue, against a lock Redis of its own "
+        "(or the three-master Cluster), the broker a private Redis. Per round and variant every worker's "
+        "consumer is off while the driver publishes the tasks, then W workers' consumers go on and the clock "
+        "runs until the run that completes them says so (each body counts itself with one `INCR` on the "
+        "broker, every variant alike). Entities are `i % E`: E = 1,000 (uncontended at this size) or 1 (one hot "
+        "entity: every task waits its turn). *redis-py Lock* takes redis-py's `Lock` on the same entity around "
+        "the same body (blocking, polling every 2 ms). *Lock server CPU* is the lock Redis's (all masters' on "
+        "Cluster) over the drain, from `/proc`, per 1,000 tasks (one clock tick is 10 ms: "
+        f"{10_000 / p['scale_n']:.0f} ms per 1,000 tasks of resolution at {p['scale_n']} tasks, "
+        f"{10_000 / p['scale_hot_n']:.0f} ms at {p['scale_hot_n']}). {p['scale_rounds']} alternating rounds. "
+        "On this 2-core machine 16 children oversubscribe the CPU: the figures show what the lock costs when "
+        "children compete for cores, not more throughput.\n"
+    )
+    rows = []
+    for r in res.scaling:
+        rows.append(
+            [
+                r.lock_server,
+                f"{r.workers} x -c {r.concurrency}",
+                f"{r.entities:,}",
+                r.variant,
+                str(r.tasks),
+                r.rate.fmt(".0f"),
+                r.ratio.fmt(".2f"),
+                r.lock_cpu_ms.fmt(".0f") if r.variant != scaling_mod.PLAIN else "-",
+                r.cpu_vs_redis_py.fmt(".2f") if r.cpu_vs_redis_py else "",
+            ]
+        )
+    header = [
+        "lock server",
+        "workers",
+        "entities",
+        "variant",
+        "tasks",
+        "tasks/s",
+        "ratio to plain",
+        "lock server CPU ms / 1,000 tasks",
+        "LockedTask / redis-py Lock CPU",
+    ]
+    add(_table(header, rows) + "\n")
+    cells = {(r.lock_server, r.workers, r.entities, r.variant): r for r in res.scaling}
+    hot = [(w, cells[(s, w, e, v)]) for (s, w, e, v) in cells if s == "Redis" and e == 1 and v == scaling_mod.LOCKED]
+    if hot:
+        w, lg = max(hot, key=lambda x: x[0])
+        rp = cells[("Redis", w, 1, scaling_mod.REDIS_PY)]
+        add(
+            f"**What limits it.** On one hot entity with {w} workers LockedTask drains {lg.rate.fmt('.0f')} tasks/s "
+            f"against redis-py's `Lock` {rp.rate.fmt('.0f')}: every task is different work on the same entity, so "
+            "all but the holder *park* (one safety copy published each) and each release hands the entity to the "
+            "oldest waiter, whose copy is published again (section 3, *Contended hand-off*: 2 re-publishes per "
+            "waiting task): each task passes through the broker and the worker's main process two more times, in "
+            "FIFO order, with no child held. redis-py's `Lock` holds a child for the whole wait, polling the lock "
+            "server every 2 ms (its CPU per 1,000 tasks above), in no order." + _many_entities(cells)
+        )
+
+
+def _many_entities(cells: dict[tuple[str, int, int, str], scaling_mod.ScaleRow]) -> str:
+    """The 1,000-entity sentence of the scaling note (empty when that cell was not measured)."""
+    many = [(w, cells[(s, w, e, v)]) for (s, w, e, v) in cells if s == "Redis" and e == 1000 and v == "LockedTask"]
+    if many:
+        w, lg = max(many, key=lambda x: x[0])
+        rp = cells[("Redis", w, 1000, scaling_mod.REDIS_PY)]
+        return (
+            f" On 1,000 entities with {w} workers LockedTask drains {lg.rate.fmt('.0f')} tasks/s and redis-py's "
+            f"`Lock` {rp.rate.fmt('.0f')}; LockedTask's lock server CPU per 1,000 tasks is "
+            f"{lg.cpu_vs_redis_py.fmt('.2f') if lg.cpu_vs_redis_py else 'n/a'}x redis-py's `Lock`'s, because "
+            "its scripts do more per task (the section above: completion check, fence, holder record, "
+            "completion record, waiter queue).\n"
+        )
+    return "\n"
 
 
 def _pg_dsn() -> str:

@@ -25,7 +25,23 @@ import structlog
 
 from celery_lockguard.testing import RedisServer, server_binary
 
-from . import breakdown, contention, cycle, debounce, e2e, env, handoff, limits, memory, multi, pg, renewal, workerapp
+from . import (
+    breakdown,
+    contention,
+    cycle,
+    debounce,
+    e2e,
+    env,
+    handoff,
+    limits,
+    memory,
+    multi,
+    pg,
+    renewal,
+    scaling,
+    server_work,
+    workerapp,
+)
 from .cluster import LocalCluster
 from .e2e import BenchFailure, E2EResult, Variant
 
@@ -52,9 +68,19 @@ PARAMS: dict[str, tuple[Any, Any]] = {
     "debounce_rounds": (9, 3),
     "debounce_n": (500, 100),
     "debounce_burst": (10, 10),
+    "work_rounds": (15, 3),
+    "work_n": (2000, 500),
+    "scale_rounds": (5, 2),
+    "scale_n": (1000, 200),
+    "scale_hot_n": (200, 50),
+    "scale_cells": ([(1, 1000), (4, 1000), (1, 1), (4, 1)], [(1, 1000), (4, 1000), (4, 1)]),
+    "scale_cluster_cells": ([(4, 1000)], [(4, 1000)]),
     "multi_rounds": (9, 3),
     "multi_n": (500, 150),
 }
+
+#: Scaling (issue 33): children per worker process.
+SCALE_CONCURRENCY = 4
 
 #: The hand-off scenario of issue 15: three charges behind a 2 s holder of the same customer.
 HANDOFF: dict[str, Any] = {"waiters": 3, "hold": 2.0, "waiter_hold": 0.1, "concurrency": 4}
@@ -82,6 +108,8 @@ class Results:
     env: dict[str, Any] = field(default_factory=dict)
     cycle: list[cycle.CycleResult] = field(default_factory=list)
     script_usec: float = 0.0
+    server_work: list[server_work.PartRow] = field(default_factory=list)
+    scaling: list[scaling.ScaleRow] = field(default_factory=list)
     e2e: list[E2EResult] = field(default_factory=list)
     concurrency: dict[int, list[E2EResult]] = field(default_factory=dict)
     pg: list[E2EResult] = field(default_factory=list)
@@ -278,16 +306,34 @@ def run(quick: bool, command: str) -> Results:
             )
         )
 
+    def do_server_work(srv: RedisServer) -> None:
+        res.server_work = server_work.measure(srv.url, p["work_rounds"], p["work_n"])
+
+    def do_scaling(srv: RedisServer) -> None:
+        common = {"concurrency": SCALE_CONCURRENCY, "rounds": p["scale_rounds"], "n": p["scale_n"]}
+        common["hot_n"] = p["scale_hot_n"]
+        with RedisServer() as locks:
+            assert locks.proc is not None
+            res.scaling = scaling.measure(srv.url, locks.url, [locks.proc.pid], cells=p["scale_cells"], **common)
+        with LocalCluster() as cluster:
+            pids = [n.proc.pid for n in cluster.nodes if n.proc is not None]
+            res.scaling += scaling.measure(
+                srv.url, cluster.url, pids, cells=p["scale_cluster_cells"], cluster=True, label="Cluster", **common
+            )
+        res.checks.append(("scaling: every task ran exactly once, every cell", True, "checked per round"))
+
     def do_memory(srv: RedisServer) -> None:
         res.memory = memory.measure(srv.url, p["memory_n"])
         res.rate_costs = memory.rate_costs(res.memory, RATES)
 
     for name, fn in (
         ("lock cycle", do_cycle),
+        ("server work", do_server_work),
         ("end-to-end", do_e2e),
         ("concurrency", do_concurrency),
         ("PostgreSQL completion", do_pg),
         ("Redis Cluster", do_cluster),
+        ("scaling", do_scaling),
         ("several entities", do_multi),
         ("breakdown", do_breakdown),
         ("contention", do_hot),

@@ -268,6 +268,35 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         if barrier is not None and rec.blpop([barrier], timeout=120) is None:
             raise RuntimeError(f"barrier {barrier} never opened")
 
+    # -- scaling (bench.scaling) -------------------------------------------------
+
+    lock_url = cfg.get("lock_url", url)
+    if cfg.get("cluster"):
+        from redis.cluster import RedisCluster
+
+        sc_locks: Any = RedisCluster.from_url(lock_url, decode_responses=True)
+    else:
+        sc_locks = redis.Redis.from_url(lock_url, decode_responses=True)
+
+    def sc_done(counter: str, total: int) -> None:
+        """Count this run on the broker's server; the run that completes ``total`` says so (the driver's clock)."""
+        if rec.incr(counter) == total:
+            rec.rpush(f"{counter}:finished", "1")
+
+    @app.task(name="sc_plain", ignore_result=True, shared=False)
+    def sc_plain(i: int, k: int, counter: str, total: int) -> None:
+        sc_done(counter, total)
+
+    @app.task(name="sc_locked", base=LockedTask, lock_key="sc:{k}", ignore_result=True, shared=False)
+    def sc_locked(i: int, k: int, counter: str, total: int) -> None:
+        sc_done(counter, total)
+
+    @app.task(name="sc_redispy", ignore_result=True, shared=False)
+    def sc_redispy(i: int, k: int, counter: str, total: int) -> None:
+        """redis-py's ``Lock`` on the same entity, blocking until it gets it (polling every 2 ms)."""
+        with sc_locks.lock(f"{prefix}:rp:{{sc:{k}}}", timeout=30, sleep=0.002):
+            sc_done(counter, total)
+
     # -- contention -------------------------------------------------------------
 
     def hot_body(name: str, task_id: str, k: str) -> str:

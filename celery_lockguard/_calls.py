@@ -72,3 +72,16 @@ def render(opts: TaskOptions, task_id: str, args: tuple[Any, ...], kwargs: dict[
     else:
         key = lock_key.render(arguments, args, kwargs)
     return CallNames(key, scope, digest, scope_is_task, record)
+
+
+def refuse_empty_fields(opts: TaskOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Render the call's names at publish only to refuse a bad key (``EmptyField``, ``UnstableText``) there.
+
+    The queue-time modes render at publish anyway (they claim); the others would otherwise accept a call
+    whose ``None`` or empty field names no entity and fail it later in a worker. Arguments that do not bind
+    are left to Celery's own check and to the delivery, as before.
+    """
+    try:
+        render(opts, "", args, kwargs)
+    except TypeError:
+        pass

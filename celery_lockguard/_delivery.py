@@ -181,7 +181,9 @@ def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kw
             if state.park_token:
                 waits.settle_parked(task, s, state.parked, state.client, state.park_token)
                 state.park_token = ""
-            got = _acquire(task, s, opts, call, state.client, token, state.replace_token, store, state.start_claim)
+            got = _acquire(
+                task, s, opts, call, state.client, token, state.replace_token, store, state.start_claim, state.reserved
+            )
         except Ignore:
             raise
         except Exception as exc:
@@ -250,24 +252,55 @@ def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kw
             else:
                 release_ops.give_back(task, s, opts, got)
         _met(task, opts, call, decision, holder, failure, throttled)
+        kept = ""  # several entities: the park token our reservations kept for the wait carry
+        countdown: float | None = None
         if state.reserved and call.keys:
-            # Several entities, one of them reserved for us, another held: give the reservation back (its
-            # entity's next waiter is woken) before waiting; a delivery never waits holding part of its set.
-            handoff.abandon(task.app, s, state.parked.key, state.reserved, task.name, req.id)
+            # Several entities, some reserved for us, another held: keep the reservations on the entities
+            # sorted before the blocker (through our wait: the global order makes that deadlock-free) and
+            # give back the others, waking their waiters (_multi.keep_before). Not parking: give back all.
+            blocker = ""
+            if action is Action.PARK and holder is not None and holder.entity:
+                blocker, countdown = holder.entity, handoff.safety_countdown(holder.pttl_ms, s)
+            kept = release_ops.keep_before(task, s, call, state.client, state.reserved, blocker, countdown or 0.0)
             state.reserved = ""
         if action is Action.PARK:
             assert holder is not None
             at = multi.parked_on(call, holder.entity or "")  # park on the entity that blocked us
-            parked = waits.park(task, s, opts, at, state.client, decision, holder, state.free_retries, state.first_ms)
+            try:
+                parked = waits.park(
+                    task,
+                    s,
+                    opts,
+                    at,
+                    state.client,
+                    decision,
+                    holder,
+                    state.free_retries,
+                    state.first_ms,
+                    kept,
+                    countdown,
+                )
+            except Ignore:
+                raise  # the woken copy of this wait is out: it adopts what we kept
+            except Exception:
+                if kept:  # e.g. a workflow member refused to wait in a lock-order cycle: keep nothing
+                    release_ops.keep_before(task, s, call, state.client, kept, "", 0.0)
+                raise
             if parked == "acquire_again":
                 state.free_retries += 1
+                if kept:  # our kept reservations: adopted by the next ACQUIRE, kept or given back if blocked again
+                    state.replace_token = state.reserved = kept
                 continue
             if isinstance(parked, str) and parked.startswith("adopt:"):
                 state.replace_token = parked[len("adopt:") :]  # our publish failed, yet a releaser woke us
                 state.parked = at
+                if call.keys:
+                    state.reserved = state.replace_token
                 continue
             if parked is not None:
                 raise Retry(exc=waits.contention_error(task, call, holder, None), when=waits.when(parked), sig=parked)
+            if kept:  # could not park: nothing of the set is held while backing off
+                release_ops.keep_before(task, s, call, state.client, kept, "", 0.0)
             decision = Decision(Action.WAIT, decision.reason)  # could not park: back off as before
             action = decision.action
         if action in FREES_CLAIM and not (action is Action.FAIL_OPEN and opts.mode == "until_done"):
@@ -370,8 +403,12 @@ def _acquire(
     replace_token: str,
     store: Store | None,
     claim_token: str = "",
+    reserved: str = "",
 ) -> Lease | Holder | Done | Throttled:
-    """ACQUIRE for this call: a lease, the holder it met, its record, or a full start window (``lock_rate``)."""
+    """ACQUIRE for this call: a lease, the holder it met, its record, or a full start window (``lock_rate``).
+
+    ``reserved``: a woken copy's park token (several entities: what Cluster's in-order path keeps).
+    """
     req = task.request
     if call.keys:  # several entities: all or nothing (_multi)
         return multi.acquire(
@@ -392,6 +429,7 @@ def _acquire(
             reserve_ms=handoff.reserve_ms(),
             replicas=opts.replicas,
             replicas_timeout_ms=max(1, min(opts.replicas_timeout_ms, int(s.socket_timeout * 500))),
+            reserved=reserved,
         )
     return lease_ops.acquire(
         client,

@@ -731,8 +731,11 @@ def confirm_claim(
 ) -> bool:
     """The claim's message is published: ``publishing`` → ``queued`` for ``ttl_ms``.
 
-    With ``on_reply``, the reply is read later where a channel serves the client (nothing
-    waits on it: the message is out either way) and ``on_reply`` gets it; returns True then.
+    With ``on_reply``, where a channel serves the client, the command is *held* (``_wire.Channel.hold``): it
+    goes out with the channel's next write (a burst of publishes pays one write each, not two) or within
+    ``_wire.DRAIN_DELAY``, and its reply is read later (nothing waits on it: the message is out either way);
+    ``on_reply`` gets it; returns True then. A publisher killed before the write leaves the claim
+    ``publishing``, which lapses after the grace, as when it is killed before the publish.
     """
     keys = [claim_key] if isinstance(claim_key, str) else claim_key
     ch = _wire.channel(client) if on_reply is not None else None
@@ -742,7 +745,7 @@ def confirm_claim(
         def read(reply: Any) -> None:
             report(reply if isinstance(reply, BaseException) else bool(reply))
 
-        ch.defer(scripts.confirm_claim, keys, [token, ttl_ms], read)
+        ch.hold(scripts.confirm_claim, keys, [token, ttl_ms], read)
         return True
     confirmed = bool(scripts.confirm_claim(client, keys, [token, ttl_ms]))
     if on_reply is not None:

@@ -21,8 +21,12 @@ the operator views read to show the holder once per entity and name its siblings
 the whole acquisition; one fence per entity (:attr:`~celery_lockguard._lease.MultiLease.fences`).
 
 A multi-entity waiter parks on the entity that blocked it (that entity's waiter queue): its release
-wakes it, and if another entity then blocks it, it gives the reservation back (waking that entity's
-next waiter) and parks there. No entity wakes every waiter of the set.
+wakes it (a reservation on that entity), and if another entity then blocks it, it keeps the
+reservations it holds on entities sorted *before* the blocker, gives back the ones on the blocker and
+after (waking their next waiters) and parks on the blocker (:func:`keep_before`). The order is the
+sorted one every acquisition uses, so a waiter only ever waits for an entity above all it keeps: no
+cycle, and two woken waiters crossing each other's reservations cannot hand them to each other forever
+(they did: a livelock under sustained contention). No entity wakes every waiter of the set.
 """
 
 from __future__ import annotations
@@ -113,6 +117,7 @@ def acquire(
     reserve_ms: int = 0,
     replicas: int = 0,
     replicas_timeout_ms: int = 0,
+    reserved: str = "",
 ) -> MultiLease | Holder | Done:
     """Take every entity of ``keys`` (sorted, distinct, two or more) or none; check ``scope``'s record first.
 
@@ -122,6 +127,9 @@ def acquire(
     parked behind one meanwhile is handed it (``reserve_ms`` > 0) and ``wake`` publishes its copy.
     ``replicas`` > 0 sends ``WAIT`` in the same round trip as ACQUIRE_MULTI (``lock_replicas``, as
     ``_lease.acquire`` does); the in-order Cluster path does not wait (``MultiLease.replicas`` is ``None``).
+    ``reserved``: the park token of a woken copy's reservations (``replace_token`` adopts them): on Cluster,
+    when an entity blocks it, the entities it took before that one stay reserved under this token (the
+    order's prefix, see :func:`keep_before`) instead of being given back.
     """
     token = token or new_token()
     base = [token, ttl_ms, meta(task_id), meta(task_name), meta(digest), meta(HOST), os.getpid(), meta(worker)]
@@ -143,7 +151,7 @@ def acquire(
         if isinstance(got, MultiLease):
             got.replicas = acked
         return got
-    order = _InOrder(client, prefix, keys, token, wake, reserve_ms)
+    order = _InOrder(client, prefix, keys, token, wake, reserve_ms, reserved)
     return order.acquire(base, done_key, sent_at, ttl_ms, task_id, task_name)
 
 
@@ -210,9 +218,11 @@ class _InOrder:
         token: str,
         wake: Callable[[Woken], Any] | None,
         reserve_ms: int,
+        reserved: str = "",
     ) -> None:
         self.client, self.prefix, self.keys, self.token = client, prefix, keys, token
         self.wake, self.reserve_ms = wake, reserve_ms if wake is not None else 0
+        self.reserved = reserved
 
     def acquire(
         self, base: list[Any], done_key: str | None, sent_at: float, ttl_ms: int, task_id: str, task_name: str
@@ -240,7 +250,10 @@ class _InOrder:
                 self.roll_back(list(fences))
                 raise
             if reply[0] == "blocked":
-                self.roll_back(list(fences))
+                if self.reserved:  # a woken copy: what it took before the blocker stays reserved for it
+                    self.keep(list(fences))
+                else:
+                    self.roll_back(list(fences))
                 return blocker(reply[2], key)
             fences[key] = int(reply[1])
         lease = MultiLease(keys, prefix, self.token, fences, ttl_ms, sent_at, task_id, task_name)
@@ -251,6 +264,17 @@ class _InOrder:
                 lease.released = True
                 return Done(record)
         return lease
+
+    def keep(self, taken: list[str]) -> None:
+        """Turn the entities taken (all sorted before the blocker) into reservations under ``reserved``.
+
+        For :data:`~celery_lockguard._handoff.RESERVATION_TTL`; the delivery's :func:`keep_before` then
+        extends them to its wait. Token-checked (KEEP_BEFORE, one entity per call: several slots).
+        """
+        ttl = max(self.reserve_ms, 1000)
+        for key in taken:
+            names = [lock_name(self.prefix, key), wait_name(self.prefix, key), waiters_name(self.prefix, key)]
+            scripts.keep_before(self.client, names, [self.token, self.reserved, ttl, self.reserve_ms, 1, 1])
 
     def roll_back(self, taken: list[str]) -> None:
         """Give back the entities taken (token-checked), handing each to a waiter that parked behind it meanwhile."""
@@ -343,6 +367,43 @@ def release_others(client: Any, lease: MultiLease, wake: Callable[[Woken], Any] 
         woken = _woken((key,), scripts.release_multi(client, names, [lease.token, "", 0, reserve_ms, 1])[2])
         if woken is not None and wake is not None:
             wake(woken)
+
+
+def keep_before(
+    client: Any,
+    prefix: str,
+    keys: tuple[str, ...],
+    token: str,
+    new_token: str,
+    blocker: str,
+    keep_ms: int,
+    reserve_ms: int,
+) -> tuple[list[str], Woken | None]:
+    """A woken waiter blocked on ``blocker``: keep its reservations (``token``) on the entities sorted before it.
+
+    They are re-tokened to ``new_token`` (the park token of the wait to come, so that its copies' ACQUIRE_MULTI
+    adopts them with the reservation the wake makes) for ``keep_ms``; the reservations on ``blocker`` and
+    after are given back, waking their entities' waiters (KEEP_BEFORE). ``blocker`` ``""`` gives back all.
+    Returns the entities kept and the waiters woken (publish them: :func:`_handoff.wake`).
+    """
+    k = keys.index(blocker) if blocker in keys else 0
+    names: list[str] = []
+    for key in keys:
+        names += [lock_name(prefix, key), wait_name(prefix, key), waiters_name(prefix, key)]
+    if one_slot(client, names):
+        reply = scripts.keep_before(client, names, [token, new_token, keep_ms, reserve_ms, len(keys), k])
+        codes, woken = [int(c) for c in reply[0]], _woken(keys, reply[1])
+    else:  # Cluster, several slots: one entity per call (each keeps or gives back on its own)
+        codes, found = [], []
+        for i, key in enumerate(keys):
+            args = [token, new_token, keep_ms, reserve_ms, 1, 1 if i < k else 0]
+            reply = scripts.keep_before(client, names[3 * i : 3 * i + 3], args)
+            codes.append(int(reply[0][0]))
+            w = _woken((key,), reply[1])
+            if w is not None:
+                found.append(w)
+        woken = Woken(found[0].key, found[0].park_token, found[0].message, tuple(found[1:])) if found else None
+    return [key for key, code in zip(keys, codes, strict=True) if code == 2], woken
 
 
 def release_later(

@@ -17,6 +17,7 @@ from . import _events as events
 from . import _handoff as handoff
 from . import _lease as lease_ops
 from . import _metrics as metrics
+from . import _multi as multi
 from . import _records as records
 from . import _republish as republish
 from . import _tracing as tracing
@@ -50,6 +51,32 @@ def give_back(task: Any, s: Settings, opts: TaskOptions, lease: Lease) -> None:
             task_id=lease.task_id,
             reason=f"start not taken back from the window: {errors.describe(exc)}",
         )
+
+
+def keep_before(
+    task: Any, s: Settings, call: CallNames, client: Any, token: str, blocker: str, countdown: float
+) -> str:
+    """A woken multi-entity copy blocked on ``blocker``: keep its reservations sorted before it, give back the rest.
+
+    The kept ones get a fresh park token (returned; ``""`` when nothing was kept) for the wait to use, and
+    last its safety copy's ``countdown`` plus the wake's grace and the reservation's own TTL, so the copy
+    that comes back (woken or safety) still finds them, and a killed waiter's still lapse. ``blocker`` ``""``:
+    give back every one. Wakes the given-back entities' waiters; a store error leaves them to their TTL.
+    """
+    new_token = lease_ops.new_token() if blocker else ""
+    keep_ms = int((countdown + handoff.WAKE_GRACE + handoff.RESERVATION_TTL) * 1000)
+    try:
+        kept, woken = multi.keep_before(
+            client, s.key_prefix, call.keys, token, new_token, blocker, keep_ms, handoff.reserve_ms()
+        )
+    except Exception as exc:
+        if errors.classify(exc) is None:
+            raise
+        reason = f"reservations left to their TTL: {errors.describe(exc)}"
+        emit("lock.backend_unavailable", task.name, **event_fields(task, call), reason=reason)
+        return ""
+    handoff.wake(task.app, s, woken, task.name, str(task.request.id), client)
+    return new_token if kept else ""
 
 
 def release(

@@ -36,22 +36,24 @@ _NEXT_FENCE = (
 local MAX_FENCE = """
     + str(MAX_FENCE)
     + """
--- nil when the counter is absent or an integer a next fence can exactly follow; else the error reply text
+-- nil, last (0 when absent) when the counter is absent or an integer a next fence can exactly follow;
+-- else the error reply text. Pass last on to next_fence: the counter is then read once per script.
 local function corrupt_fence(fence_key)
   local v = redis.pcall('GET', fence_key)
-  if not v then return nil end
+  if not v then return nil, 0 end
   if type(v) == 'table' then
     v = '<' .. tostring(v.err or v.ok or 'not a string') .. '>'  -- WRONGTYPE: not a string key
   elseif string.match(v, '^%d+$') and #v <= 16 and tonumber(v) < MAX_FENCE then
-    return nil
+    return nil, tonumber(v)
   end
   return '"""
     + CORRUPT_FENCE
     + """ ' .. fence_key .. ' ' .. (string.gsub(string.sub(v, 1, 64), '%c', '?'))
 end
--- call corrupt_fence first: the counter is then absent or an integer below MAX_FENCE
-local function next_fence(fence_key, fence_ttl, now_us)
-  local last = tonumber(redis.call('GET', fence_key) or '0')
+-- call corrupt_fence first: the counter is then absent or an integer below MAX_FENCE; last: what it read
+-- (nil: read it again here)
+local function next_fence(fence_key, fence_ttl, now_us, last)
+  last = last or tonumber(redis.call('GET', fence_key) or '0')
   local f = string.format('%.0f', math.max(last + 1, now_us))
   redis.call('SET', fence_key, f, 'PX', fence_ttl)
   return f
@@ -142,9 +144,9 @@ if cur[1] then
 end
 local slot, busy = held_slot(KEYS[1], KEYS[2])
 if slot then return held_slot_reply(KEYS[1], slot, busy, now_ms) end
-local bad = corrupt_fence(KEYS[2])
+local bad, last = corrupt_fence(KEYS[2])
 if bad then return redis.error_reply(bad) end
-local fence = next_fence(KEYS[2], ARGV[10], now_us)
+local fence = next_fence(KEYS[2], ARGV[10], now_us, last)
 if cur[1] then redis.call('DEL', KEYS[1]) end  -- replacing: drop the old holder's fields
 redis.call('HSET', KEYS[1], 'token', ARGV[1], 'task_id', ARGV[3], 'task_name', ARGV[4],
            'digest', ARGV[5], 'host', ARGV[6], 'pid', ARGV[7], 'worker', ARGV[8], 'state', ARGV[9],
@@ -265,9 +267,9 @@ if rate > 0 then
   end
 end
 local fence_key = KEYS[n + slot]
-local bad = corrupt_fence(fence_key)
+local bad, last = corrupt_fence(fence_key)
 if bad then return redis.error_reply(bad) end
-local fence = next_fence(fence_key, ARGV[10], now_us)
+local fence = next_fence(fence_key, ARGV[10], now_us, last)
 if cur[slot][1] then redis.call('DEL', KEYS[slot]) end  -- replacing: drop the old holder's fields
 redis.call('HSET', KEYS[slot], 'token', ARGV[1], 'task_id', ARGV[3], 'task_name', ARGV[4],
            'digest', ARGV[5], 'host', ARGV[6], 'pid', ARGV[7], 'worker', ARGV[8], 'state', ARGV[9],
@@ -431,8 +433,9 @@ RELEASE = (
 --   their deadline) are dropped. The lease hash becomes its reservation (token = park_token,
 --   state 'handed', PX ARGV[4]) and its entry 'waking' (waking_at = now): the releaser publishes
 --   the entry's message, then CONFIRM_WAKE makes it 'woken'.
+-- The server's TIME is read only when a waiter is queued (wake_oldest needs now_ms): not on the uncontended path.
+local now_ms = nil
 """
-    + _NOW
     + _HELD_SLOTS
     + _WAKE_OLDEST
     + """
@@ -450,6 +453,9 @@ if KEYS[4] then
 end
 local reserve_ms = tonumber(ARGV[4] or '') or 0
 if released == -1 or not KEYS[3] or reserve_ms <= 0 then return {released, recorded} end
+if not redis.call('LINDEX', KEYS[2], 0) then return {released, recorded} end  -- nobody waits
+local t = redis.call('TIME')
+now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local woken = wake_oldest(KEYS[2], KEYS[3], KEYS[1], reserve_ms)
 if woken then return {released, recorded, woken[1], woken[2]} end
 return {released, recorded}
@@ -502,6 +508,57 @@ for i = 1, n do
   end
 end
 return {recorded, released, woken}
+"""
+)
+
+KEEP_BEFORE = (
+    """
+-- KEEP_BEFORE: a woken multi-entity waiter whose ACQUIRE_MULTI met entity B held parks on B; of the
+-- reservations it holds (token ARGV[1]) it KEEPS those on entities sorted before B (re-tokened to its new
+-- park token ARGV[2], state 'handed', PX ARGV[3]: its safety copy's countdown + the wake grace, so a killed
+-- waiter's reservation still lapses) and GIVES BACK the others (deleted, each freed entity's oldest waiter
+-- woken, as RELEASE_MULTI). Entities are passed in sorted order, so waits only ever point up that order:
+-- no cycle (deadlock-free), and two woken waiters never give their reservations to each other forever.
+-- One round trip; every key must share a slot (on Cluster: one entity per call).
+-- N = ARGV[5] entities. KEYS[3i-2] lease hash of entity i  KEYS[3i-1] its waiter queue {K_i}:wait
+-- KEYS[3i] its waiter entries {K_i}:waiters
+-- ARGV[1] the reservations' token (the park token the woken copy came with)  ARGV[2] the new park token
+-- ARGV[3] keep_ms  ARGV[4] reservation ttl_ms for a woken waiter  ARGV[5] N
+-- ARGV[6] K: entities 1..K are kept (those sorted before the blocker), K+1..N given back (K = 0: all)
+-- Returns {{code_1, ..., code_N}, {i, park_token, entry, ...}}
+--   code_i: 2 kept (re-tokened); 1 given back (deleted); 0 not ours (another token or none: left alone)
+--   then one (i, park token, entry) triple per given-back entity whose oldest waiter was woken
+"""
+    + _NOW
+    + _HELD_SLOTS
+    + _WAKE_OLDEST
+    + """
+local n, k = tonumber(ARGV[5]), tonumber(ARGV[6])
+local reserve_ms = tonumber(ARGV[4] or '') or 0
+local codes, woken = {}, {}
+for i = 1, n do
+  local key = KEYS[3 * i - 2]
+  codes[i] = 0
+  if redis.call('HGET', key, 'token') == ARGV[1] then
+    if i <= k then
+      redis.call('HSET', key, 'token', ARGV[2], 'state', 'handed', 'renewed_at', now_ms, 'ttl', ARGV[3])
+      redis.call('PEXPIRE', key, ARGV[3])
+      codes[i] = 2
+    else
+      redis.call('DEL', key)
+      codes[i] = 1
+      if reserve_ms > 0 then
+        local w = wake_oldest(KEYS[3 * i - 1], KEYS[3 * i], key, reserve_ms)
+        if w then
+          woken[#woken + 1] = i
+          woken[#woken + 1] = w[1]
+          woken[#woken + 1] = w[2]
+        end
+      end
+    end
+  end
+end
+return {codes, woken}
 """
 )
 
@@ -563,11 +620,11 @@ FORCE_RELEASE = (
     + _HELD_SLOTS
     + _WAKE_OLDEST
     + """
-local bad = corrupt_fence(KEYS[2])
+local bad, last = corrupt_fence(KEYS[2])
 if bad then return redis.error_reply(bad) end
 local holder = redis.call('HGET', KEYS[1], 'task_id') or ''
 local deleted = redis.call('DEL', KEYS[1])
-local fence = next_fence(KEYS[2], ARGV[1], now_us)
+local fence = next_fence(KEYS[2], ARGV[1], now_us, last)
 local reserve_ms = tonumber(ARGV[2] or '') or 0
 if KEYS[4] and reserve_ms > 0 then
   local woken = wake_oldest(KEYS[3], KEYS[4], KEYS[1], reserve_ms)
@@ -927,9 +984,9 @@ if cur[1] and cur[11] == ARGV[1] then
       return {'self', cur[1], cur[9], now_ms - (tonumber(cur[13]) or now_ms), cur[5] or '', cur[6] or '',
               now_ms - (tonumber(cur[8]) or now_ms), tonumber(cur[10]) or 0}
     end
-    local bad = corrupt_fence(KEYS[2])
+    local bad, last = corrupt_fence(KEYS[2])
     if bad then return redis.error_reply(bad) end
-    return enter(ARGV[4], next_fence(KEYS[2], ARGV[11], now_us), false)
+    return enter(ARGV[4], next_fence(KEYS[2], ARGV[11], now_us, last), false)
   end
   return {'passed', cur[7] or '', cur[2] or '', cur[12] or ''}
 end
@@ -941,9 +998,9 @@ end
 if ARGV[12] ~= '1' then return {'lost'} end
 local slot, busy = held_slot(KEYS[1], KEYS[2])  -- the workflow lease is exclusive, as the single lease
 if slot then return held_slot_reply(KEYS[1], slot, busy, now_ms) end
-local bad = corrupt_fence(KEYS[2])
+local bad, last = corrupt_fence(KEYS[2])
 if bad then return redis.error_reply(bad) end
-local fence = next_fence(KEYS[2], ARGV[11], now_us)
+local fence = next_fence(KEYS[2], ARGV[11], now_us, last)
 local par, active = '', 0
 if parallel then par, active = ARGV[14], 1 end
 redis.call('HSET', KEYS[1], 'token', ARGV[4], 'task_id', ARGV[2], 'task_name', ARGV[6], 'digest', ARGV[7],
@@ -1307,6 +1364,7 @@ acquire = Script("ACQUIRE", ACQUIRE)
 acquire_slots = Script("ACQUIRE_SLOTS", ACQUIRE_SLOTS)
 acquire_multi = Script("ACQUIRE_MULTI", ACQUIRE_MULTI)
 release_multi = Script("RELEASE_MULTI", RELEASE_MULTI)
+keep_before = Script("KEEP_BEFORE", KEEP_BEFORE)
 release = Script("RELEASE", RELEASE)
 renew = Script("RENEW", RENEW)
 shorten = Script("SHORTEN", SHORTEN)

@@ -351,6 +351,8 @@ class LockGuard(Task):
         if opts.debounce is not None and s.enabled and not self.app.conf.task_always_eager:
             return debounce.publish(self, s, opts, args, kwargs, task_id, link, options, super().apply_async)
         if opts.mode == "while_running" or not s.enabled or not opts.locked or self.app.conf.task_always_eager:
+            if opts.locked and s.enabled:
+                calls.refuse_empty_fields(opts, tuple(args or ()), dict(kwargs or {}))
             return super().apply_async(args, kwargs, task_id, link=link, **options)
         publisher = claims.publishing_task_id()
         own = task_id is not None and publisher is not None and publisher == task_id

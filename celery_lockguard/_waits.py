@@ -163,8 +163,13 @@ def park(
     holder: Holder,
     free_retries: int,
     first_ms: int = 0,
+    park_token: str = "",
+    countdown: float | None = None,
 ) -> Any:
     """Park behind ``holder`` and publish the one safety copy; see :mod:`celery_lockguard._handoff`.
+
+    ``park_token``/``countdown``: chosen by the caller when it already handed something to this wait
+    (a multi-entity waiter's kept reservations carry the park token and last the countdown).
 
     Returns the safety copy's signature (the caller raises ``Retry``), ``"acquire_again"`` (the
     lease was gone by PARK), ``"adopt:<P>"`` (the safety copy's publish failed, yet a releaser had
@@ -173,7 +178,7 @@ def park(
     """
     req = task.request
     workflow.check_lock_order(task, call.key)  # a workflow member: never park in a lock-order cycle
-    park_token = lease_ops.new_token()
+    park_token = park_token or lease_ops.new_token()
     # A copy of a delivery that parked before keeps its place in the queue (not the tail).
     first = headers.read_int(req, headers.PARKED_AT) or None
     hdrs = {
@@ -185,7 +190,7 @@ def park(
     hdrs.pop(headers.WOKEN, None)
     args, kwargs = req.args or (), req.kwargs or {}
     message = handoff.message_for(task, req, args, kwargs, {**hdrs, headers.WOKEN: 1})
-    countdown = handoff.safety_countdown(holder.pttl_ms, s)
+    countdown = handoff.safety_countdown(holder.pttl_ms, s) if countdown is None else countdown
     fields = {**event_fields(task, call), "reason": decision.reason, "waits": headers.read_int(req, headers.WAITS)}
     answer: Any = "unserializable"
     if message is not None:
@@ -299,10 +304,9 @@ def contention_error(
     return BackendUnavailable(f"task {task.name!r}: lock store unavailable for {call.key!r}: {reason}")
 
 
-def when(sig: Any) -> float | None:
-    """The republished copy's countdown, for ``Retry(when=...)``: Celery logs "Retry in 2.5s", not "at None"."""
-    countdown = (getattr(sig, "options", None) or {}).get("countdown")
-    return round(float(countdown), 3) if isinstance(countdown, (int, float)) else None
+#: The republished copy's countdown, for ``Retry(when=...)`` (one rule for every self-republish: the
+#: debounce and workflow waits use it too).
+when = republish.retry_when
 
 
 def policy_of(opts: TaskOptions, reason: str) -> str:

@@ -18,6 +18,15 @@ so that read costs no round trip), or by the renewer thread within
 process shutdown (:func:`drain_all`). Its callback then logs and counts what
 the synchronous path would have.
 
+A command can also be *held* (:meth:`Channel.hold`): written with the channel's
+next command, in the same write, or by the renewer thread within
+:data:`DRAIN_DELAY`, or when the channel is closed (its thread ended, or the
+interpreter exits: :func:`_give_back`), whichever comes first. Only for a
+command whose effect may come that much later and be lost with a killed
+process: ``CONFIRM_CLAIM`` after a publish, whose claim then
+lapses after the publishing grace exactly as when the publisher is killed
+before it (a burst of publishes pays one write per publish, not two).
+
 RELEASE is deferred only to a server on another host: to one on this host
 (loopback, a unix socket; :attr:`Channel.near`) the task waits for its reply,
 because there the wait is time the server needs on the same CPUs anyway
@@ -173,6 +182,8 @@ class Channel:
         self._made: list[Any] = []  # the connection, for the finalizer (which must not hold self)
         self._lock = threading.Lock()
         self._inflight: deque[_Sent] = deque()
+        # Packed commands held for the next write (their _Sent are in _inflight already, in order).
+        self._held: list[bytes] = []
         # Scripts known to be in the server's cache since this connection was made: only those are
         # deferred (a deferred NOSCRIPT would hold the release back until its reply is read).
         self._loaded: set[bytes] = set()
@@ -181,9 +192,11 @@ class Channel:
         self.pid = os.getpid()
         #: Commands sent whose reply is read later (tests and the bench count them).
         self.deferred = 0
+        #: Commands held for a later write (:meth:`hold`; tests and the bench count them).
+        self.held = 0
         #: The server is on this host: RELEASE waits for its reply (unless :data:`DEFER_NEAR`).
         self.near = on_this_host(self._pool.connection_kwargs)
-        weakref.finalize(self, _give_back, self._pool, self._made, self._lock, self._inflight)
+        weakref.finalize(self, _give_back, self._pool, self._made, self._lock, self._inflight, self._held, self.pid)
 
     def _connection(self) -> Any:
         conn = self._conn
@@ -269,6 +282,23 @@ class Channel:
             _run(done)
         drain_soon(self)
 
+    def hold(self, script: Any, keys: list[str], args: list[Any], on_reply: OnReply) -> None:
+        """As :meth:`defer`, but the bytes go out with this channel's next write (see the module docstring).
+
+        Written within :data:`DRAIN_DELAY` at the latest (the renewer thread), or when the channel is
+        closed (thread end, interpreter exit: ``weakref.finalize`` runs :func:`_give_back` then); lost
+        with a killed process. A script not yet in the server's cache on this
+        connection is deferred instead (which runs it at once, synchronously).
+        """
+        if script.sha_bytes not in self._loaded or self._conn is None:
+            self.defer(script, keys, args, on_reply)
+            return
+        with self._lock:
+            self._held.append(pack_evalsha(script.sha_bytes, keys, args))
+            self._inflight.append(_Sent(script, keys, args, on_reply))
+            self.held += 1
+        drain_soon(self)
+
     def drain(self, block: bool = True) -> int:
         """Read every reply still in flight and hand each to its callback; how many were read.
 
@@ -278,6 +308,8 @@ class Channel:
             return 0
         done: list[tuple[OnReply, Any]] = []
         try:
+            if self._held and self._conn is not None:
+                self._write_held(self._conn, done)
             if self._inflight and self._conn is not None:
                 self._read_through(self._conn, None, done)
         finally:
@@ -297,12 +329,25 @@ class Channel:
     # -- with the lock held --------------------------------------------------
 
     def _send(self, conn: Any, sent: _Sent, done: list[tuple[OnReply, Any]]) -> None:
+        packed = pack_evalsha(sent.script.sha_bytes, sent.keys, sent.args)
+        if self._held:  # held commands first, in the same write: their replies come first too
+            packed = b"".join([*self._held, packed])
+            self._held.clear()
         try:
-            conn.send_packed_command([pack_evalsha(sent.script.sha_bytes, sent.keys, sent.args)], False)
+            conn.send_packed_command([packed], False)
         except BaseException as exc:
             self._conn_lost(conn, exc, done)  # what was in flight on it is lost too
             raise
         self._inflight.append(sent)
+
+    def _write_held(self, conn: Any, done: list[tuple[OnReply, Any]]) -> None:
+        """Write the held commands (their replies are then read as deferred ones')."""
+        packed = b"".join(self._held)
+        self._held.clear()
+        try:
+            conn.send_packed_command([packed], False)
+        except BaseException as exc:  # noqa: BLE001 - every reply still expected on the link is lost
+            self._conn_lost(conn, exc, done)
 
     def _read_through(self, conn: Any, until: _Sent | None, done: list[tuple[OnReply, Any]]) -> Any:
         """Read replies in order up to ``until`` (every one if ``None``); returns ``until``'s reply.
@@ -377,6 +422,7 @@ class Channel:
     def _conn_lost(self, conn: Any, exc: BaseException, done: list[tuple[OnReply, Any]]) -> None:
         """Close ``conn``; every reply still expected on it is lost (``exc``). The next command reconnects."""
         self._loaded.clear()
+        self._held.clear()  # their _Sent are in _inflight: lost with the rest
         try:
             conn.disconnect()
         except Exception:  # noqa: BLE001 - already broken
@@ -461,8 +507,10 @@ def _dispatch(done: list[tuple[OnReply, Any]]) -> None:
         _replies.get().put(done)
 
 
-def _give_back(pool: Any, holder: list[Any], lock: Any, inflight: deque[Any]) -> None:
-    """A channel's thread ended: close its connection (replies may be unread) and return it to the pool.
+def _give_back(
+    pool: Any, holder: list[Any], lock: Any, inflight: deque[Any], held: list[bytes] | None = None, pid: int = 0
+) -> None:
+    """A channel's thread ended: write what it held, close its connection (replies may be unread), return it.
 
     Under the channel's lock (waited for a moment): at interpreter exit the renewer thread may be reading a
     deferred reply; closing the socket under it made that read fail and report a release and a completion
@@ -470,6 +518,13 @@ def _give_back(pool: Any, holder: list[Any], lock: Any, inflight: deque[Any]) ->
     """
     got = lock.acquire(True, 1.0)
     try:
+        if held and holder and pid == os.getpid():  # never from a forked child: the socket is the parent's
+            try:
+                holder[-1].send_packed_command([b"".join(held)], False)
+            except Exception:  # noqa: BLE001 - best effort: a held CONFIRM_CLAIM lapses after its grace
+                pass
+        if held:
+            held.clear()
         inflight.clear()
         for conn in holder:
             try:

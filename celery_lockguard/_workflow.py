@@ -575,6 +575,12 @@ def deliver(
     if spec.unlocked or spec.id in _failed_open:
         emit("lock.fail_open", task.name, **fields, policy="fail_open", reason="an earlier member ran unlocked")
         return _run_unlocked(task, s, opts, spec, args, kwargs)
+    if _already_ran(task):
+        # A copy of a member that ran to its end (a lost ack, the visibility timeout): a chord's page joins its
+        # slot's lease whoever left it, and a first member starts the workflow again once its lease is gone (a
+        # forced release, gap_ttl), so the lease cannot tell such a copy from new work: its stored result can.
+        emit("workflow.member_dropped", task.name, **fields, reason="already_ran")
+        raise Ignore()
     client = connection.client(s)
     take_over = False
     # A parked copy (woken or safety) of a member with its own lock: its twin may be inside the workflow for
@@ -622,6 +628,8 @@ def deliver(
             continue
         if action is MemberAction.DROP:
             emit("workflow.member_dropped", task.name, **fields, reason=decision.reason)
+            if decision.reason == "workflow_ended":
+                _give_back_own_wait(task, args, kwargs)
             if decision.reason == "workflow_ended" and _never_answered(task):
                 # not a stale copy of a member that ran: say so in its result rather than leave it PENDING
                 raise WorkflowEnded(spec.key, spec.name)
@@ -644,6 +652,7 @@ def deliver(
             continue  # waited in this process (the publish failed)
         if action is MemberAction.LOST:
             emit("workflow.lost", task.name, **fields, reason=decision.reason)
+            _give_back_own_wait(task, args, kwargs)
             raise LockLost(spec.key)
         if action is MemberAction.FAIL_OPEN:
             emit("lock.fail_open", task.name, **fields, policy="fail_open", reason=_describe(failure))
@@ -653,7 +662,32 @@ def deliver(
             raise errors.configuration_error(failure, task.name, "WORKFLOW_ENTER") from failure
         if action is MemberAction.GIVE_UP:
             emit("lock.wait_budget_exhausted", task.name, **fields, reason=decision.reason, policy=spec.on_locked)
+        _give_back_own_wait(task, args, kwargs)
         raise _contention_error(task, spec, holder, failure)
+
+
+def _give_back_own_wait(task: Any, args: Any, kwargs: Any) -> None:
+    """A member that ends here, never to take its own lock: free what its own entity's waiter queue holds for
+    it -- the reservation it was woken into (the next waiter is woken), or its parked entry -- else that lease
+    end would wake nobody for ``RESERVATION_TTL``. Best effort: the reservation lapses by its TTL anyway."""
+    from . import _signals as signals
+
+    try:
+        signals.free_reservation_from_main(task, task.request, args, kwargs)
+    except Exception:  # noqa: BLE001 - the member's own outcome stands; the reservation lapses by its TTL
+        pass
+
+
+def _already_ran(task: Any) -> bool:
+    """Whether this delivery is a copy of a member that ran to its end (its result is stored as ready)."""
+    from celery.backends.base import DisabledBackend
+
+    if isinstance(task.backend, DisabledBackend) or task.request.is_eager:
+        return False
+    try:
+        return bool(task.backend.get_state(task.request.id) in states.READY_STATES)
+    except Exception:  # noqa: BLE001 - an unreachable backend: enter as before (the lease decides)
+        return False
 
 
 def _never_answered(task: Any) -> bool:

@@ -611,3 +611,36 @@ def test_a_held_entity_on_another_slot_rolls_back_what_was_taken(
     assert L.renew(rc, [lease]) == [0]  # one entity gone: the lease is lost
     assert M.release(rc, lease, cprefix)[0] == 0
     assert not rc.exists(lock_name(cprefix, a))
+
+
+def test_a_woken_copy_keeps_what_it_took_before_the_blocker_on_another_slot(
+    cluster: LocalCluster, rc: Any, cprefix: str
+) -> None:
+    from celery_lockguard import _multi as M
+
+    a, b, c = sorted(entities_on_distinct_slots(rc, cprefix, 1)[:3])
+    blocker = L.acquire(
+        rc, cprefix, b, ttl_ms=10_000, task_id="blocker", task_name="x", digest="d", worker="w", fence_ttl_ms=60_000
+    )
+    assert isinstance(blocker, L.Lease)
+    rc.hset(lock_name(cprefix, c), mapping={"token": "p-old", "state": "handed", "ttl": 5000})  # woken on c
+    rc.pexpire(lock_name(cprefix, c), 5000)
+    got = M.acquire(
+        rc, cprefix, (a, b, c), ttl_ms=5000, task_id="t", task_name="n", digest="d", worker="w",
+        fence_ttl_ms=60_000, replace_token="p-old", reserved="p-old", reserve_ms=2000,
+    )  # fmt: skip
+    assert isinstance(got, L.Holder) and got.entity == b
+    # a (before the blocker) stays reserved for the woken copy instead of being rolled back
+    assert rc.hget(lock_name(cprefix, a), "token") == "p-old" and rc.hget(lock_name(cprefix, a), "state") == "handed"
+    # the delivery then keeps a for its wait and gives back c (after b): one KEEP_BEFORE per slot
+    kept, woken = M.keep_before(rc, cprefix, (a, b, c), "p-old", "p-new", b, 40_000, 2000)
+    assert (kept, woken) == ([a], None)
+    assert rc.hget(lock_name(cprefix, a), "token") == "p-new" and rc.pttl(lock_name(cprefix, a)) > 30_000
+    assert not rc.exists(lock_name(cprefix, c))
+    L.release(rc, blocker, cprefix)
+    lease = M.acquire(
+        rc, cprefix, (a, b, c), ttl_ms=5000, task_id="t", task_name="n", digest="d", worker="w",
+        fence_ttl_ms=60_000, replace_token="p-new",
+    )  # fmt: skip
+    assert isinstance(lease, L.MultiLease)  # the kept reservation is adopted
+    assert M.release(rc, lease, cprefix)[0] == 1

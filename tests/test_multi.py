@@ -294,6 +294,50 @@ def test_release_multi_wakes_each_freed_entitys_oldest_waiter(r: redis.Redis, pr
     assert r.hget(lock_name(prefix, "a"), "token") == "pa" and r.hget(lock_name(prefix, "b"), "state") == "handed"
 
 
+def reserve(r: redis.Redis, prefix: str, key: str, token: str, ttl_ms: int = 5000) -> None:
+    """A hand-off reservation of ``key`` for park token ``token`` (as wake_oldest writes it)."""
+    r.hset(lock_name(prefix, key), mapping={"token": token, "state": "handed", "pid": 0, "ttl": ttl_ms, "fence": ""})
+    r.pexpire(lock_name(prefix, key), ttl_ms)
+
+
+def test_keep_before_keeps_the_reservations_sorted_before_the_blocker_and_gives_back_the_rest(
+    r: redis.Redis, prefix: str
+) -> None:
+    from celery_lockguard import _handoff as handoff
+
+    keys = ("a", "b", "c", "d")
+    for key in ("a", "b", "d"):
+        reserve(r, prefix, key, "p-old")
+    got = handoff.park(r, prefix, "d", "pd", "{}", task_id="w-d", task_name="n", digest="d", countdown=5)
+    assert got.kind == "parked"
+    # blocked on c (another holder's): a and b (before c) are kept, d (after c) is given back and woken
+    kept, woken = multi.keep_before(r, prefix, keys, "p-old", "p-new", "c", 40_000, 2000)
+    assert kept == ["a", "b"]
+    for key in ("a", "b"):
+        h = r.hgetall(lock_name(prefix, key))
+        assert (h["token"], h["state"], h["ttl"]) == ("p-new", "handed", "40000")
+        assert 35_000 < r.pttl(lock_name(prefix, key)) <= 40_000
+    assert woken is not None and (woken.key, woken.park_token, woken.also) == ("d", "pd", ())
+    assert r.hget(lock_name(prefix, "d"), "token") == "pd"  # d's own waiter now holds its reservation
+    # the kept reservations are adopted by one ACQUIRE_MULTI with the new park token
+    lease = take(r, prefix, ("a", "b"), replace_token="p-new")
+    assert isinstance(lease, L.MultiLease)
+
+
+def test_keep_before_touches_no_other_token_and_gives_back_all_without_a_blocker(r: redis.Redis, prefix: str) -> None:
+    reserve(r, prefix, "a", "someone-else")
+    reserve(r, prefix, "b", "p-old")
+    kept, woken = multi.keep_before(r, prefix, ("a", "b"), "p-old", "p-new", "b", 40_000, 2000)
+    assert (kept, woken) == ([], None)  # a is not ours: left alone; b is the blocker's own entity
+    assert r.hget(lock_name(prefix, "a"), "token") == "someone-else"
+    assert not r.exists(lock_name(prefix, "b"))
+    reserve(r, prefix, "b", "p-old")
+    assert multi.keep_before(r, prefix, ("a", "b"), "p-old", "", "", 0, 0) == ([], None)  # no blocker: all back
+    assert not r.exists(lock_name(prefix, "b"))
+    names = [lock_name(prefix, "zz"), wait_name(prefix, "zz"), waiters_name(prefix, "zz")]
+    assert scripts.keep_before(r, names, ["nobody", "x", 1000, 0, 1, 1]) == [[0], []]  # missing key
+
+
 def test_acquire_multi_reports_a_corrupt_fence_and_writes_nothing(r: redis.Redis, prefix: str) -> None:
     from celery_lockguard.exceptions import CorruptFence
 

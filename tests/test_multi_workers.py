@@ -85,7 +85,7 @@ def test_the_release_of_the_blocking_entity_wakes_a_multi_waiter_and_a_new_block
     cfg = make_cfg(prefix, redis_url)
     app = fleet.app(cfg)
     fleet.worker(cfg)
-    x, y = (uuid.uuid4().hex[:8] for _ in range(2))
+    x, y = sorted(uuid.uuid4().hex[:8] for _ in range(2))  # x first in the set's order: y is given back
     first = hold(r, prefix, y)
     waiter = app.tasks["multi_pair"].delay(x, y, "", "waiter")
     parked(r, prefix, f"pair:{y}")
@@ -102,6 +102,33 @@ def test_the_release_of_the_blocking_entity_wakes_a_multi_waiter_and_a_new_block
     ended = time.time()
     assert started(r, prefix, waiter.id, BOUND) - ended < BOUND
     assert waiter.get(timeout=30)["tag"] == "waiter"
+
+
+def test_a_woken_multi_waiter_blocked_further_up_the_order_keeps_its_reservation_through_the_wait(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg)
+    lo, hi = sorted(uuid.uuid4().hex[:8] for _ in range(2))
+    first = hold(r, prefix, lo)
+    waiter = app.tasks["multi_pair"].delay(hi, lo, "", "waiter")
+    parked(r, prefix, f"pair:{lo}")
+    second = hold(r, prefix, hi)  # the entity after lo in the order is taken meanwhile
+    s = settings(app)
+    handoff.release(app, s, r, f"pair:{lo}", first.token, "ops.holder", first.task_id)  # wakes the waiter
+    # its woken copy meets hi held: it keeps lo reserved (sorted before hi) for its wait and parks on hi
+    parked(r, prefix, f"pair:{hi}")
+    kept = r.hgetall(f"{prefix}:v1:{{pair:{lo}}}:lock")
+    assert kept.get("state") == "handed", kept
+    # as long as the safety copy's countdown (the holder's 30 s TTL) plus the grace, not a 5 s reservation
+    assert r.pttl(f"{prefix}:v1:{{pair:{lo}}}:lock") > handoff.RESERVATION_TTL * 1000 + 10_000
+    assert r.llen(f"{prefix}:v1:{{pair:{lo}}}:wait") == 0
+    handoff.release(app, s, r, f"pair:{hi}", second.token, "ops.holder", second.task_id)
+    ended = time.time()
+    assert started(r, prefix, waiter.id, BOUND) - ended < BOUND
+    assert waiter.get(timeout=30)["tag"] == "waiter"
+    assert not r.exists(f"{prefix}:v1:{{pair:{lo}}}:lock"), "the kept reservation was adopted, then released"
 
 
 def test_a_terminated_multi_entity_holder_frees_every_entity_and_wakes_each_ones_waiter(
@@ -123,3 +150,27 @@ def test_a_terminated_multi_entity_holder_frees_every_entity_and_wakes_each_ones
     for w in waiters:
         assert started(r, prefix, w.id, BOUND + 2) - revoked_at < BOUND
     assert sorted(w.get(timeout=30)["tag"] for w in waiters) == ["wx", "wy"]
+
+
+def test_many_crossed_transfers_among_few_entities_all_finish(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """Regression (the transfer soak's livelock): woken multi-entity waiters met each other's reservations,
+    each gave its own back to the other and parked on the other's entity, over and over; calls stayed
+    parked for minutes. A woken waiter now keeps the reservations sorted before its blocker (global order)."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg)
+    fleet.worker(cfg)
+    task = app.tasks["multi_pair"]
+    rng = random.Random(5)
+    names = [f"{prefix[-4:]}{c}" for c in "abcd"]
+    pairs = [tuple(rng.sample(names, 2)) for _ in range(120)]
+    results = [task.delay(a, b, "", f"t{i}", 0.01) for i, (a, b) in enumerate(pairs)]
+    deadline = time.monotonic() + 60  # one entity's lock_key: ~10 s; the livelock left calls parked for minutes
+    outs = [res.get(timeout=max(0.1, deadline - time.monotonic())) for res in results]
+    assert [o["tag"] for o in outs] == [f"t{i}" for i in range(len(pairs))]
+    rows = records(r, prefix)
+    for name in names:
+        spans = intervals([x for x in rows if f"pair:{name}" in x["keys"]])
+        assert overlapping(spans) == [], f"two bodies held pair:{name} at once"

@@ -156,3 +156,29 @@ def test_the_held_now_gauge_counts_a_multi_entity_lease_once_per_entity() -> Non
     finally:
         metrics.lease_ended(several)
         metrics.lease_ended(single)
+
+
+def test_a_real_multi_entity_acquisition_shows_once_per_entity_with_its_siblings(
+    app: Celery,  # noqa: F811
+    r: redis.Redis,
+    prefix: str,
+) -> None:
+    """The contract end to end: what ACQUIRE_MULTI writes is what the views read (no planted field)."""
+    from celery_lockguard import _multi as multi
+    from celery_lockguard._lease import MultiLease
+
+    keys = ("acct:1", "acct:2", "acct:\u00e9")
+    lease = multi.acquire(
+        r, prefix, keys, ttl_ms=60_000, task_id="t-real", task_name="bank.transfer", digest="d", worker="w@h",
+        fence_ttl_ms=60_000,
+    )  # fmt: skip
+    assert isinstance(lease, MultiLease)
+    rows = {row["key"]: row for row in strict_json(invoke(app, "locks", "--json").stdout)}
+    assert set(rows) == set(keys)
+    assert {k: sorted(row["siblings"]) for k, row in rows.items()} == {k: sorted(set(keys) - {k}) for k in keys}
+    assert "acct:2 (with acct:1, acct:\u00e9 [acct:\\xe9])" in invoke(app, "locks").stdout
+    metrics.lease_held(lease, "w@h")
+    try:
+        assert {row["task"]: row["held"] for row in metrics.held_now()} == {"bank.transfer": 3}
+    finally:
+        metrics.lease_ended(lease)

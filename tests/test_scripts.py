@@ -21,6 +21,7 @@ from celery_lockguard._keys import (
     wait_name,
     waiters_name,
 )
+from celery_lockguard.exceptions import CorruptFence
 from celery_lockguard.testing import RedisServer
 
 from .harness import wait_for
@@ -1165,6 +1166,28 @@ def test_the_single_lease_waits_for_the_slot_that_frees_last_and_an_expired_slot
     assert isinstance(plain(c), L.Lease), "expired slots hold nothing"
 
 
+def test_the_uncontended_path_reads_the_fence_once_and_a_release_nobody_waits_for_reads_no_time(c: Any) -> None:
+    """Issue 33: ACQUIRE reads the fence counter once (the check and the advance share the read); RELEASE
+    reads the server's TIME only when a waiter is queued (the wake needs it), never on the uncontended path."""
+    plain(c, key="warm", scope="warm")  # loads the script
+    before = commands(c)
+    lease = plain(c, key="once", scope="once")
+    after = commands(c)
+    assert isinstance(lease, L.Lease)
+    assert after["get"] - before.get("get", 0) == 2, "the completion record and the fence counter, once each"
+    assert after["time"] - before.get("time", 0) == 1, "ACQUIRE floors the fence by the server's TIME"
+    before = commands(c)
+    assert L.release_and_wake(c, lease, P, "once", '{"result":1}', 10_000, reserve_ms=5000)[:2] == (1, 1)
+    after = commands(c)
+    assert after.get("time", 0) == before.get("time", 0), "nobody waits: the release reads no TIME"
+    assert after["lindex"] - before.get("lindex", 0) == 1, "the one look at the waiter queue"
+    # A corrupt counter is still refused before anything is written, from the same single read.
+    c.set(fence_name(P, "bad"), "nope")
+    with pytest.raises(CorruptFence):
+        plain(c, key="bad")
+    assert not c.exists(lock_name(P, "bad"))
+
+
 def test_the_single_lease_acquire_is_one_round_trip_and_one_exists_on_a_plain_entity(c: Any) -> None:
     plain(c, key="warm")  # loads the script
     before = commands(c)
@@ -1375,9 +1398,7 @@ def test_park_behind_slots_parks_only_while_every_slot_is_taken(c: Any) -> None:
 def park_shared(c: Any, p: str, key: str = "e", limit: int = 2, task_id: str = "w") -> handoff.Parked:
     """PARK as a lock_limit task's waiter: behind all ``limit`` slots (a shared waiter)."""
     message = f'{{"task":"n","id":"{p}"}}'
-    return handoff.park(
-        c, P, key, p, message, task_id=task_id, task_name="n", digest="dw", countdown=5.0, limit=limit
-    )
+    return handoff.park(c, P, key, p, message, task_id=task_id, task_name="n", digest="dw", countdown=5.0, limit=limit)
 
 
 def test_an_exclusive_head_waiter_holds_the_queue_until_the_entity_is_wholly_free(c: Any) -> None:

@@ -533,3 +533,134 @@ def test_closing_a_channel_waits_for_a_reader_and_forgets_the_unread_replies(
     assert ch.drain(block=False) == 0 and replies.got == []  # nothing read, nothing reported as failed
     other = redis.Redis(port=c.connection_pool.connection_kwargs["port"], decode_responses=True)
     assert other.exists(done_name(P, "s-exit"))  # the server had the release and its record all along
+
+
+# -- held commands: CONFIRM_CLAIM rides in the next write (issue 33) ----------------------------------------
+
+
+def publishing(c: Any, key: str, token: str = "c1") -> list[str]:
+    """A claim taken ``publishing`` (as ``apply_async`` takes it) on ``key``: its keys, for CONFIRM_CLAIM."""
+    keys = [lock_name(P, key), f"{lock_name(P, key)}:claim-behind"]
+    args = {"ttl_ms": 60_000, "task_name": "n", "digest": "d", "publish_ttl_ms": 5_000}
+    # This channel's first CONFIRM_CLAIM runs at once (the server may not have the script yet): one ahead.
+    assert L.claim(c, [lock_name(P, "warm-claim")], token="w", task_id="w", **args).kind in ("ok", "own")
+    L.confirm_claim(c, [lock_name(P, "warm-claim")], "w", 60_000)
+    assert L.claim(c, keys, token=token, task_id=f"t-{key}", **args).kind == "ok"
+    return keys
+
+
+def state_of(port: int, key: str) -> str | None:
+    """The claim's state as another connection sees it (what is on the server, not in a channel)."""
+    other = redis.Redis(port=port, decode_responses=True)
+    try:
+        return other.hget(lock_name(P, key), "state")
+    finally:
+        other.close()
+
+
+def test_a_held_confirm_goes_out_in_the_next_write_and_its_reply_is_read_first(
+    c: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(wire, "DRAIN_DELAY", 60.0)  # keep the renewer's drain out of this test's window
+    port = c.connection_pool.connection_kwargs["port"]
+    keys = publishing(c, "held")
+    ch = wire.channel(c)
+    assert ch is not None
+    writes: list[bytes] = []
+    conn = ch._conn
+    send = conn.send_packed_command
+    monkeypatch.setattr(conn, "send_packed_command", lambda cmd, check=True: (writes.append(cmd[0]), send(cmd, check)))
+    replies = Replies()
+    assert L.confirm_claim(c, keys, "c1", 60_000, on_reply=replies)
+    assert writes == [] and ch.pending == 1 and ch.held == 1, "held: nothing written yet"
+    assert state_of(port, "held") == "publishing"
+    lease = take(c, "next")  # the next command on the channel carries it
+    assert isinstance(lease, L.Lease)
+    assert len(writes) == 1 and writes[0].count(b"EVALSHA") == 2, "one write: the held confirm, then ACQUIRE"
+    assert replies.got == [True] and ch.pending == 0
+    assert state_of(port, "held") == "queued"
+
+
+def test_a_held_confirm_on_an_idle_channel_is_written_by_the_renewer_within_the_delay(c: Any) -> None:
+    port = c.connection_pool.connection_kwargs["port"]
+    keys = publishing(c, "idle")
+    replies = Replies()
+    assert L.confirm_claim(c, keys, "c1", 60_000, on_reply=replies)
+    wait_for(lambda: state_of(port, "idle") == "queued", 2.0, interval=0.005, what="the renewer to write it")
+    wait_for(lambda: replies.got, 2.0, interval=0.005, what="its reply to be read")
+    assert replies.got == [True]
+
+
+def test_a_thread_that_ends_right_after_a_publish_still_confirms_its_claim(own_redis: RedisServer) -> None:
+    """The renewer keeps the channel until its drain, which writes what the ended thread held."""
+    client = warm(own_redis.client())
+    failures: list[BaseException] = []
+
+    def job() -> None:
+        try:
+            keys = publishing(client, "thread")
+            assert L.confirm_claim(client, keys, "c1", 60_000, on_reply=Replies())
+            ch = wire.channel(client)
+            assert ch is not None and ch.held == 1 and state_of(own_redis.port, "thread") == "publishing"
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            failures.append(exc)
+
+    t = threading.Thread(target=job)
+    t.start()
+    t.join(10)
+    gc.collect()
+    assert failures == []
+    wait_for(lambda: state_of(own_redis.port, "thread") == "queued", 5.0, what="the ended thread's write")
+
+
+def test_a_process_that_exits_right_after_a_publish_still_confirms_its_claim(own_redis: RedisServer) -> None:
+    """A script that publishes and exits: the held confirm is written at interpreter exit, not lost."""
+    import subprocess
+    import sys
+
+    code = f"""
+import redis
+from celery_lockguard import _lease as L, _wire as wire
+wire.DRAIN_DELAY = 60.0
+c = redis.Redis(port={own_redis.port}, decode_responses=True)
+keys = ["{lock_name(P, "exit")}", "{lock_name(P, "exit")}:claim-behind"]
+args = dict(ttl_ms=60_000, task_name="n", digest="d", publish_ttl_ms=5_000)
+L.claim(c, ["{lock_name(P, "exit-warm")}"], token="w", task_id="w", **args)  # the channel knows CLAIM
+L.confirm_claim(c, ["{lock_name(P, "exit-warm")}"], "w", 60_000, on_reply=print)  # and CONFIRM_CLAIM
+assert L.claim(c, keys, token="c1", task_id="t", **args).kind == "ok"
+assert L.confirm_claim(c, keys, "c1", 60_000, on_reply=print)
+assert wire.channel(c).held == 1
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    wait_for(lambda: state_of(own_redis.port, "exit") == "queued", 5.0, what="the exit's write")
+
+
+def test_a_publisher_killed_before_its_held_confirm_is_written_blocks_identical_work_only_for_the_grace(
+    own_redis: RedisServer,
+) -> None:
+    """The held confirm is lost with a SIGKILLed process: its claim stays ``publishing`` and lapses after the
+    publishing grace, exactly as when the publisher is killed between CLAIM and the publish."""
+    import subprocess
+    import sys
+
+    key = lock_name(P, "killed")
+    code = f"""
+import os, signal, redis
+from celery_lockguard import _lease as L, _wire as wire
+wire.DRAIN_DELAY = 60.0
+c = redis.Redis(port={own_redis.port}, decode_responses=True)
+args = dict(ttl_ms=60_000, task_name="n", digest="d", publish_ttl_ms=800)
+L.claim(c, ["{key}-warm"], token="w", task_id="w", **args)
+L.confirm_claim(c, ["{key}-warm"], "w", 60_000, on_reply=print)  # the channel knows CONFIRM_CLAIM: held next
+assert L.claim(c, ["{key}"], token="c1", task_id="t", **args).kind == "ok"
+assert L.confirm_claim(c, ["{key}"], "c1", 60_000, on_reply=print) and wire.channel(c).held == 1
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -9, done.stderr
+    c = own_redis.client()
+    assert c.hget(key, "state") == "publishing" and 0 < c.pttl(key) <= 800
+    identical = {"ttl_ms": 60_000, "task_name": "n", "digest": "d", "publish_ttl_ms": 800}
+    assert L.claim(c, [key], token="c2", task_id="t2", **identical).kind == "held"
+    wait_for(lambda: L.claim(c, [key], token="c2", task_id="t2", **identical).kind == "ok", 3.0, what="the grace")

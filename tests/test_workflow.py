@@ -796,3 +796,123 @@ def test_describe_says_a_keyless_member_takes_the_workflows_key(own_redis: Redis
     out = CliRunner().invoke(lockguard, ["describe"], obj=CLIContext(app=app, no_color=True, workdir=None, quiet=True))
     row = next(line for line in out.stdout.splitlines() if "describe.member" in line)
     assert "(none: unlocked)" not in row and "a workflow's key in one" in row, row
+
+
+def test_a_redelivered_chord_page_that_already_ran_is_dropped_not_run_again(redis_url: str, prefix: str) -> None:
+    """A chord page's copy delivered again after the page ran (a lost ack, the visibility timeout) while the
+    workflow still waits for its other page or its callback: it ran its body a second time, since a page joins
+    the lease of its slot whoever left it (a chain member's copy finds the lease at the next member and is
+    dropped). The model of crossing features found it (tests/test_model_crossings.py). Real tracer and Redis."""
+    from celery import chord
+
+    from .tracer import make_app, published, redeliver_with_canvas
+
+    app = make_app("wf-page-again", redis_url, prefix)
+    ran: list[str] = []
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="wfp.step")
+    def step(self: Any, *prev: Any, tag: str) -> str:
+        ran.append(tag)
+        return tag
+
+    import redis as redis_lib
+
+    r = redis_lib.Redis.from_url(redis_url)
+    queue = f"{prefix}:kombu:{app.conf.task_default_queue}"
+    workflow(
+        chord([step.si(tag="p1"), step.si(tag="p2")], step.s(tag="cb")), lock_key="e:{e}", e=1, app=app
+    ).apply_async()
+    p1, p2 = published(r, app)
+    r.delete(queue)
+    assert redeliver_with_canvas(step, p1).state == "SUCCESS"
+    again = redeliver_with_canvas(step, p1)  # before its sibling ran
+    assert ran == ["p1"], ran
+    assert again.state == "SUCCESS" and app.AsyncResult(p1.task_id).get(timeout=5) == "p1"
+    assert redeliver_with_canvas(step, p2).state == "SUCCESS"
+    redeliver_with_canvas(step, p1)  # after both pages, the callback not yet run
+    assert ran == ["p1", "p2"], ran
+    (callback,) = published(r, app)
+    r.delete(queue)
+    assert redeliver_with_canvas(step, callback).state == "SUCCESS"
+    assert ran == ["p1", "p2", "cb"], ran
+
+
+def test_a_redelivered_first_member_that_ran_does_not_start_the_workflow_again_after_a_forced_release(
+    redis_url: str, prefix: str
+) -> None:
+    """The operator force-releases a workflow between its members; a copy of its first member, which ran, is
+    delivered again (a lost ack): it found the entity free and ran again, starting the workflow anew."""
+    import redis as redis_lib
+
+    from .tracer import make_app, published, redeliver_with_canvas
+
+    app = make_app("wf-first-again", redis_url, prefix)
+    ran: list[str] = []
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="wff.step")
+    def step(self: Any, *prev: Any, tag: str) -> str:
+        ran.append(tag)
+        return tag
+
+    r = redis_lib.Redis.from_url(redis_url)
+    queue = f"{prefix}:kombu:{app.conf.task_default_queue}"
+    workflow(chain(step.si(tag="m0"), step.si(tag="m1")), lock_key="e:{e}", e=1, app=app).apply_async()
+    (first,) = published(r, app)
+    r.delete(queue)
+    assert redeliver_with_canvas(step, first).state == "SUCCESS"
+    L.force_release(r, prefix, "e:1", 60_000)  # `celery lockguard release e:1 -y`
+    redeliver_with_canvas(step, first)
+    assert ran == ["m0"], ran
+    assert app.AsyncResult(first.task_id).get(timeout=5) == "m0"
+
+
+def test_a_member_that_fails_before_its_own_lock_gives_back_the_reservation_it_was_woken_into(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member waiting for its own entity (``o:1``) parks there; the operator force-releases the workflow's
+    entity meanwhile; the holder of ``o:1`` ends and wakes the member into a reservation of ``o:1``. The woken
+    copy fails ``LockLost`` (its workflow lease is gone) before taking ``o:1``: the reservation stayed for
+    ``RESERVATION_TTL`` with nobody to adopt it, so whoever parked behind it waited for its safety copy. The
+    model of crossing features found it (another workflow's member then spent its wait budget on it)."""
+    import redis as redis_lib
+
+    from celery_lockguard import LockLost
+    from celery_lockguard import _handoff as handoff
+
+    from .tracer import make_app, published, redeliver_with_canvas
+
+    monkeypatch.setattr(handoff, "WAKE_GRACE", 0.05)
+    app = make_app("wf-own-gone", redis_url, prefix)
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="wfo.step")
+    def step(self: Any, *prev: Any, e: int, tag: str) -> str:
+        return tag
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="wfo.own", lock_key="o:{e}", on_locked="retry")
+    def own(self: Any, *prev: Any, e: int, tag: str) -> str:
+        return tag
+
+    r = redis_lib.Redis.from_url(redis_url, decode_responses=True)
+    queue = f"{prefix}:kombu:{app.conf.task_default_queue}"
+
+    def take(woken: bool = False) -> Any:
+        msg = next(m for m in published(r, app) if bool(m.custom().get("lockguard_woken")) == woken)
+        r.lrem(queue, 1, next(raw for raw in r.lrange(queue, 0, -1) if msg.task_id in raw and (
+            ("lockguard_woken" in raw) == woken)))  # fmt: skip
+        return msg
+
+    other = L.acquire(r, prefix, "o:1", ttl_ms=30_000, task_id="other", task_name="other", digest="d",
+                      worker="elsewhere", fence_ttl_ms=60_000)  # fmt: skip
+    assert isinstance(other, L.Lease)
+    sig = chain(step.si(e=1, tag="m0"), own.si(e=1, tag="own"), step.si(e=1, tag="m2"))
+    workflow(sig, lock_key="e:{e}", e=1, app=app).apply_async()
+    assert redeliver_with_canvas(step, take()).state == "SUCCESS"
+    parked = take()
+    assert redeliver_with_canvas(own, parked).state == "RETRY"  # parked on o:1, the workflow lease in its gap
+    L.force_release(r, prefix, "e:1", 60_000)  # `celery lockguard release e:1 -y`
+    _, _, woken = L.release_and_wake(r, other, prefix, reserve_ms=handoff.reserve_ms())
+    assert handoff.wake(app, settings(app), woken, "other", "other")
+    assert r.hget(lock_name(prefix, "o:1"), "state") == "handed"
+    out = redeliver_with_canvas(own, take(woken=True))
+    assert out.state == "FAILURE" and isinstance(out.retval.exception, LockLost)
+    assert r.hget(lock_name(prefix, "o:1"), "task_id") != parked.task_id, r.hgetall(lock_name(prefix, "o:1"))

@@ -56,6 +56,8 @@ class Message:
     args: list[Any]
     kwargs: dict[str, Any]
     headers: dict[str, Any] = field(default_factory=dict)
+    #: The canvas the message carries (Celery's embed: chain, chord, callbacks, errbacks).
+    embed: dict[str, Any] = field(default_factory=dict)
 
     def custom(self) -> dict[str, Any]:
         return {k: v for k, v in self.headers.items() if k.startswith("lockguard_")}
@@ -106,6 +108,22 @@ def redeliver(task: Any, msg: Message) -> Traced:
     )
 
 
+def redeliver_with_canvas(task: Any, msg: Message) -> Traced:
+    """Deliver a message read from the queue with the canvas it carries, as a worker reads it (a chord's page
+    counts its part and publishes the callback; a chain's member publishes the next)."""
+    canvas = {k: msg.embed.get(k) for k in ("chord", "callbacks", "errbacks")}
+    group = {k: msg.headers.get(k) for k in ("group", "group_index", "root_id")}
+    return deliver(
+        task,
+        tuple(msg.args),
+        msg.kwargs,
+        task_id=msg.task_id,
+        headers={**msg.custom(), **canvas, **group},
+        chain=msg.embed.get("chain"),
+        parent_id=msg.headers.get("parent_id"),
+    )
+
+
 def published(r: redis.Redis, app: Celery) -> list[Message]:
     """Every message in the app's default queue, oldest first (the queue is left as it is)."""
     prefix = app.conf.broker_transport_options["global_keyprefix"]
@@ -114,5 +132,5 @@ def published(r: redis.Redis, app: Celery) -> list[Message]:
         payload = json.loads(raw)
         body = json.loads(base64.b64decode(payload["body"]))
         h = payload["headers"]
-        out.append(Message(h["id"], h["task"], body[0], body[1], h))
+        out.append(Message(h["id"], h["task"], body[0], body[1], h, body[2] or {}))
     return out

@@ -1,0 +1,87 @@
+"""The end of an exclusive (single-lease) holder wakes the parked shared (``lock_limit``) waiters a slot is free
+for, one after another: each woken waiter that takes its slot passes the wake on while a slot remains, and the
+rest stay parked until a slot frees. Through Celery's real tracer on the real Redis (the real-worker versions
+are in tests/test_review_crossings.py, with timing bounds; this one checks the hand-off at each step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_lockguard import LockedTask
+from celery_lockguard import _handoff as handoff
+from celery_lockguard import _lease as L
+from celery_lockguard._config import settings
+from celery_lockguard._keys import slot_lock_name, wait_name, waiters_name
+
+from .tracer import Message, make_app, published, redeliver
+
+
+def _state(r: redis.Redis, prefix: str, slot: int) -> tuple[str, str]:
+    h = r.hgetall(slot_lock_name(prefix, "t:1", slot))
+    return h.get("state", ""), h.get("task_id", "")
+
+
+def _take(r: redis.Redis, app: Celery, task_id: str, woken: bool) -> Message:
+    """Take the woken copy (or the safety copy) of ``task_id`` from the queue."""
+    queue = f"{app.conf.broker_transport_options['global_keyprefix']}{app.conf.task_default_queue}"
+    raws = list(reversed(r.lrange(queue, 0, -1)))
+    for raw, msg in zip(raws, published(r, app), strict=True):
+        if msg.task_id == task_id and bool(msg.custom().get("lockguard_woken")) == woken:
+            r.lrem(queue, 1, raw)
+            return msg
+    raise AssertionError(f"no {'woken' if woken else 'safety'} copy of {task_id} queued")
+
+
+def test_an_exclusive_end_wakes_a_shared_waiter_which_passes_the_wake_on_while_slots_remain(
+    redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(handoff, "WAKE_GRACE", 0.05)  # a safety copy meeting a 'waking' entry: keep it quick
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    app = make_app("shared-wake", redis_url, prefix)
+    seen: dict[str, list[tuple[str, str]]] = {}
+    parked: dict[str, list[str]] = {}  # the waiters still parked while each body runs
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="sw.export", lock_key="t:{t}", lock_limit=2,
+              on_locked="retry", lock_ttl=30)  # fmt: skip
+    def export(self: Any, t: int, tag: str) -> str:
+        seen[tag] = [_state(r, prefix, 0), _state(r, prefix, 1)]
+        entries = r.hgetall(waiters_name(prefix, "t:1"))
+        parked[tag] = [entries[f"t:{p}"] for p in r.lrange(wait_name(prefix, "t:1"), 0, -1)]
+        return tag
+
+    # the exclusive single lease of another task on the entity (a delete beside the exports)
+    delete = L.acquire(r, prefix, "t:1", ttl_ms=30_000, task_id="del", task_name="delete", digest="d",
+                       worker="elsewhere", fence_ttl_ms=60_000)  # fmt: skip
+    assert isinstance(delete, L.Lease)
+    ids = {tag: export.delay(1, tag).id for tag in ("w1", "w2", "w3")}
+    for msg in published(r, app):  # each parks behind the delete: its safety copy goes out
+        r.rpop(f"{prefix}:kombu:{app.conf.task_default_queue}")
+        assert redeliver(export, msg).state == "RETRY"
+    assert r.llen(wait_name(prefix, "t:1")) == 3 and seen == {}
+
+    _, _, woken = L.release_and_wake(r, delete, prefix, reserve_ms=handoff.reserve_ms())
+    assert handoff.wake(app, settings(app), woken, "delete", "del")
+    assert _state(r, prefix, 0) == ("handed", ids["w1"])  # one waiter per freed lease hash: w1, into slot 0
+
+    assert redeliver(export, _take(r, app, ids["w1"], woken=True)).state == "SUCCESS"
+    # w1 took its slot and passed the wake on: w2 holds a reservation for slot 1; w3 stays parked (no slot left)
+    assert seen["w1"] == [("running", ids["w1"]), ("handed", ids["w2"])], seen
+    assert parked["w1"] == [ids["w3"]], parked
+    # w1's end freed slot 0: w3 is woken into it
+    assert _state(r, prefix, 0) == ("handed", ids["w3"])
+
+    assert redeliver(export, _take(r, app, ids["w2"], woken=True)).state == "SUCCESS"
+    assert seen["w2"] == [("handed", ids["w3"]), ("running", ids["w2"])], seen
+    assert parked["w2"] == [], parked
+    assert redeliver(export, _take(r, app, ids["w3"], woken=True)).state == "SUCCESS"
+    assert seen["w3"][0] == ("running", ids["w3"]), seen
+    for tag in ("w1", "w2", "w3"):  # the safety copies find their entries run and drop themselves
+        redeliver(export, _take(r, app, ids[tag], woken=False))
+    assert sorted(seen) == ["w1", "w2", "w3"] and published(r, app) == []
+    assert [export.AsyncResult(ids[t]).get(timeout=5) for t in ("w1", "w2", "w3")] == ["w1", "w2", "w3"]
+    assert not r.exists(slot_lock_name(prefix, "t:1", 0), slot_lock_name(prefix, "t:1", 1))
