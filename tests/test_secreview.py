@@ -39,8 +39,8 @@ def _hold(r: redis.Redis, prefix: str, key: str, **fields: str) -> None:
         worker="w@h", fence_ttl_ms=600_000,
     )  # fmt: skip
     assert isinstance(got, L.Lease)
-    if fields:
-        r.hset(lock_name(prefix, key), mapping=fields)
+    for field, value in fields.items():
+        r.hset(lock_name(prefix, key), field, value)
 
 
 def _stop(page: object) -> str:
