@@ -917,115 +917,172 @@ return 1
 
 WORKFLOW_ENTER = (
     """
--- WORKFLOW_ENTER: a member of a workflow (celery_lockguard.workflow) enters the workflow's lease on
--- entity K: the first member takes it when it is free; a later member takes it over from the member
--- that handed it on (state 'gap', field next = this member's slot). One round trip per member.
--- KEYS[1] lease hash {prefix}:v1:{K}:lock   KEYS[2] fence counter {prefix}:v1:{K}:fence
--- KEYS[3] ended workflows {prefix}:v1:{K}:wfended (sorted set of workflow ids, WORKFLOW_END)
+-- WORKFLOW_ENTER: a member of a workflow (celery_lockguard.workflow) enters the workflow's lease on its
+-- N entities (N = 1, or lock_key as a sequence): the first member takes them when every one is free (all
+-- or none: a held entity makes it take nothing); a later member takes them over from the member that
+-- handed them on (state 'gap', field next = this member's slot). The workflow state lives on every
+-- entity alike (entity 1, the anchor, is read; all are written). One round trip per member.
+-- N = (#KEYS - 1) / 2 entities, sorted.
+-- KEYS[1..N] lease hashes {prefix}:v1:{K_i}:lock   KEYS[N+1..2N] fence counters {prefix}:v1:{K_i}:fence
+-- KEYS[2N+1] ended workflows of the anchor {prefix}:v1:{K_1}:wfended (sorted set of ids, WORKFLOW_END)
 -- ARGV[1] workflow id  ARGV[2] member task id  ARGV[3] member task name
 -- ARGV[4] token: the token of a fresh lease (a first member starting, or a take-over)
 -- ARGV[5] ttl_ms  ARGV[6] workflow name  ARGV[7] workflow digest
 -- ARGV[8] host  ARGV[9] pid  ARGV[10] worker nodename  ARGV[11] fence_ttl_ms
 -- ARGV[12] '1' when this member is the workflow's first (it may start the workflow), else ''
 -- ARGV[13] '1' to take over a 'running' entry of this very member (its earlier delivery died):
---          fresh token ARGV[4] and a new fence, so a paused earlier delivery can neither renew nor
---          write past the fence; else ''
+--          fresh token ARGV[4] and a new fence per entity, so a paused earlier delivery can neither
+--          renew nor write past the fence; else ''
 -- ARGV[14] this member's slot in the workflow ('#<index>', the same for its retries and redeliveries)
 -- ARGV[15] a slot that admits this member too ('' none): a chord's callback enters when the lease waits
 --          for (or still runs) its header's slot, since Celery runs it only after every header member
 -- ARGV[16] '1' for a member running in parallel with others of its slot (a chord's header): it joins
 --          the running lease (field par = its slot, active = members of the slot running) instead of
 --          waiting for it; else ''
--- Returns:
---   {'started', token, fence, 0}         the lease was free; this first member took it (fresh fence)
---   {'entered', token, fence, held_ms}   handed to this member (or taken over by it); held_ms: since
---                                        the workflow took the lease (server time)
---   {'self', token, fence, held_ms, host, pid, ms_since_renewal, ttl}  a delivery of this member runs
---                                        under the lease already (nothing written)
+-- ARGV[16+i] (N > 1 only) 'siblings' of entity i: a JSON array of the workflow's other entity keys
+-- Returns (N > 1: fences = {fence_1, ..., fence_N} appended where noted):
+--   {'started', token, fence, 0[, fences]}        every entity was free; this first member took them
+--   {'entered', token, fence, held_ms[, fences]}  handed to this member (or taken over by it); held_ms:
+--                                        since the workflow took the lease (server time)
+--   {'self', token, fence, held_ms, host, pid, ms_since_renewal, ttl[, fences]}  a delivery of this
+--                                        member runs under the lease already (nothing written)
 --   {'passed', state, task_id, next}     the workflow holds the lease but is at another member
 --   {'held', task_id, task_name, digest, host, pid, state, pttl_ms, ms_since_renewal, token, ttl_ms}
---                                        another holder (as ACQUIRE answers; a first member also meets
---                                        the slot leases of a lock_limit task on K, as ACQUIRE does)
---   {'lost'}                             no lease, and this member is not the first
+--                                        (N = 1) another holder (as ACQUIRE answers; a first member also
+--                                        meets the slot leases of a lock_limit task on K, as ACQUIRE does)
+--   {'blocked', i, held}                 (N > 1) entity i is held by another holder (the first in order);
+--                                        held as above; nothing written
+--   {'lost'}                             no lease, and this member is not the first; or (N > 1) the
+--                                        workflow no longer holds every one of its entities
 --   {'ended'}                            the lease is not this workflow's, and the workflow ended
---                                        (KEYS[3]): a stale copy of a member, nothing written
--- Errors (nothing written): 'LOCKGUARD_CORRUPT_FENCE <fence key> <value>' (see ACQUIRE)
+--                                        (KEYS[2N+1]): a stale copy of a member, nothing written
+-- Errors (nothing written): 'LOCKGUARD_CORRUPT_FENCE <fence key> <value>' (see ACQUIRE), for any entity
 """
     + _NOW
     + _NEXT_FENCE
     + _HELD_SLOTS
     + """
+local n = (#KEYS - 1) / 2
 local cur = redis.call('HMGET', KEYS[1], 'token', 'task_id', 'task_name', 'digest', 'host', 'pid',
                        'state', 'renewed_at', 'fence', 'ttl', 'workflow', 'next', 'acquired_at', 'par')
 local parallel = ARGV[16] == '1'
-local function enter(token, fence, joining)
-  redis.call('HSET', KEYS[1], 'token', token, 'task_id', ARGV[2], 'member', ARGV[3], 'host', ARGV[8],
-             'pid', ARGV[9], 'worker', ARGV[10], 'state', 'running', 'renewed_at', now_ms, 'ttl', ARGV[5],
-             'fence', fence, 'next', '')
-  if parallel then
-    if not joining then redis.call('HSET', KEYS[1], 'active', 0) end
-    redis.call('HSET', KEYS[1], 'par', ARGV[14])
-    redis.call('HINCRBY', KEYS[1], 'active', 1)
-  else  -- a chord's tallies (WORKFLOW_LEAVE) start afresh for the next chord
-    redis.call('HSET', KEYS[1], 'par', '', 'active', 0, 'left', 0, 'failed', '', 'hold', 0)
+local function with_fences(reply, fences)
+  if n > 1 then reply[#reply + 1] = fences end
+  return reply
+end
+local function current_fences()
+  local f = {cur[9]}
+  for i = 2, n do f[i] = redis.call('HGET', KEYS[i], 'fence') end
+  return f
+end
+-- fresh fences for every entity, or nil and the error reply (nothing written) for a corrupt counter
+local function fresh_fences()
+  local last = {}
+  for i = 1, n do
+    local bad, seen = corrupt_fence(KEYS[n + i])
+    if bad then return nil, bad end
+    last[i] = seen
   end
-  redis.call('HSET', KEYS[1], 'waits_on', '')
-  redis.call('PEXPIRE', KEYS[1], ARGV[5])
-  return {'entered', token, fence, now_ms - (tonumber(cur[13]) or now_ms)}
+  local f = {}
+  for i = 1, n do f[i] = next_fence(KEYS[n + i], ARGV[11], now_us, last[i]) end
+  return f
+end
+local function enter(token, fences, joining)
+  for i = 1, n do
+    local key = KEYS[i]
+    redis.call('HSET', key, 'token', token, 'task_id', ARGV[2], 'member', ARGV[3], 'host', ARGV[8],
+               'pid', ARGV[9], 'worker', ARGV[10], 'state', 'running', 'renewed_at', now_ms, 'ttl', ARGV[5],
+               'fence', fences[i], 'next', '')
+    if parallel then
+      if not joining then redis.call('HSET', key, 'active', 0) end
+      redis.call('HSET', key, 'par', ARGV[14])
+      redis.call('HINCRBY', key, 'active', 1)
+    else  -- a chord's tallies (WORKFLOW_LEAVE) start afresh for the next chord
+      redis.call('HSET', key, 'par', '', 'active', 0, 'left', 0, 'failed', '', 'hold', 0)
+    end
+    redis.call('HSET', key, 'waits_on', '')
+    redis.call('PEXPIRE', key, ARGV[5])
+  end
+  return with_fences({'entered', token, fences[1], now_ms - (tonumber(cur[13]) or now_ms)}, fences)
 end
 if cur[1] and cur[11] == ARGV[1] then
+  for i = 2, n do  -- the workflow holds all its entities or none: a part gone (forced, expired) is a loss
+    if redis.call('HGET', KEYS[i], 'token') ~= cur[1] then return {'lost'} end
+  end
   local admitted = cur[12] == ARGV[14] or (ARGV[15] ~= '' and cur[12] == ARGV[15])
-  if cur[7] == 'gap' and admitted then return enter(cur[1], cur[9], false) end
-  if parallel and cur[7] == 'running' and cur[14] == ARGV[14] then return enter(cur[1], cur[9], true) end
+  if cur[7] == 'gap' and admitted then return enter(cur[1], current_fences(), false) end
+  if parallel and cur[7] == 'running' and cur[14] == ARGV[14] then return enter(cur[1], current_fences(), true) end
   -- a chord's callback runs only once every header member ended: it may enter past a member that died
-  if ARGV[15] ~= '' and cur[7] == 'running' and cur[14] == ARGV[15] then return enter(cur[1], cur[9], false) end
+  if ARGV[15] ~= '' and cur[7] == 'running' and cur[14] == ARGV[15] then
+    return enter(cur[1], current_fences(), false)
+  end
   if not parallel and cur[7] == 'running' and cur[2] == ARGV[2] then
     if ARGV[13] ~= '1' then
-      return {'self', cur[1], cur[9], now_ms - (tonumber(cur[13]) or now_ms), cur[5] or '', cur[6] or '',
-              now_ms - (tonumber(cur[8]) or now_ms), tonumber(cur[10]) or 0}
+      return with_fences({'self', cur[1], cur[9], now_ms - (tonumber(cur[13]) or now_ms), cur[5] or '',
+                          cur[6] or '', now_ms - (tonumber(cur[8]) or now_ms), tonumber(cur[10]) or 0},
+                         current_fences())
     end
-    local bad, last = corrupt_fence(KEYS[2])
+    local fences, bad = fresh_fences()
     if bad then return redis.error_reply(bad) end
-    return enter(ARGV[4], next_fence(KEYS[2], ARGV[11], now_us, last), false)
+    return enter(ARGV[4], fences, false)
   end
   return {'passed', cur[7] or '', cur[2] or '', cur[12] or ''}
 end
-if redis.call('ZSCORE', KEYS[3], ARGV[1]) then return {'ended'} end
-if cur[1] then
-  return {'held', cur[2] or '', cur[3] or '', cur[4] or '', cur[5] or '', cur[6] or '', cur[7] or '',
-          redis.call('PTTL', KEYS[1]), now_ms - (tonumber(cur[8]) or now_ms), cur[1], tonumber(cur[10]) or 0}
+if redis.call('ZSCORE', KEYS[2 * n + 1], ARGV[1]) then return {'ended'} end
+local function blocked(i, reply)
+  if n > 1 then return {'blocked', i, reply} end
+  return reply
 end
-if ARGV[12] ~= '1' then return {'lost'} end
-local slot, busy = held_slot(KEYS[1], KEYS[2])  -- the workflow lease is exclusive, as the single lease
-if slot then return held_slot_reply(KEYS[1], slot, busy, now_ms) end
-local bad, last = corrupt_fence(KEYS[2])
+for i = 1, n do
+  local h = cur
+  if i > 1 then
+    h = redis.call('HMGET', KEYS[i], 'token', 'task_id', 'task_name', 'digest', 'host', 'pid', 'state',
+                   'renewed_at', 'fence', 'ttl')
+  end
+  if h[1] then
+    return blocked(i, {'held', h[2] or '', h[3] or '', h[4] or '', h[5] or '', h[6] or '', h[7] or '',
+                       redis.call('PTTL', KEYS[i]), now_ms - (tonumber(h[8]) or now_ms), h[1], tonumber(h[10]) or 0})
+  end
+  if i == 1 and ARGV[12] ~= '1' then return {'lost'} end
+end
+for i = 1, n do
+  local slot, busy = held_slot(KEYS[i], KEYS[n + i])  -- the workflow lease is exclusive, as the single lease
+  if slot then return blocked(i, held_slot_reply(KEYS[i], slot, busy, now_ms)) end
+end
+local fences, bad = fresh_fences()
 if bad then return redis.error_reply(bad) end
-local fence = next_fence(KEYS[2], ARGV[11], now_us, last)
 local par, active = '', 0
 if parallel then par, active = ARGV[14], 1 end
-redis.call('HSET', KEYS[1], 'token', ARGV[4], 'task_id', ARGV[2], 'task_name', ARGV[6], 'digest', ARGV[7],
-           'host', ARGV[8], 'pid', ARGV[9], 'worker', ARGV[10], 'state', 'running', 'acquired_at', now_ms,
-           'renewed_at', now_ms, 'ttl', ARGV[5], 'fence', fence, 'workflow', ARGV[1], 'member', ARGV[3],
-           'next', '', 'par', par, 'active', active)
-redis.call('PEXPIRE', KEYS[1], ARGV[5])
-return {'started', ARGV[4], fence, 0}
+for i = 1, n do
+  redis.call('HSET', KEYS[i], 'token', ARGV[4], 'task_id', ARGV[2], 'task_name', ARGV[6], 'digest', ARGV[7],
+             'host', ARGV[8], 'pid', ARGV[9], 'worker', ARGV[10], 'state', 'running', 'acquired_at', now_ms,
+             'renewed_at', now_ms, 'ttl', ARGV[5], 'fence', fences[i], 'workflow', ARGV[1], 'member', ARGV[3],
+             'next', '', 'par', par, 'active', active)
+  if n > 1 then redis.call('HSET', KEYS[i], 'siblings', ARGV[16 + i]) end
+  redis.call('PEXPIRE', KEYS[i], ARGV[5])
+end
+return with_fences({'started', ARGV[4], fences[1], 0}, fences)
 """
 )
 
 WORKFLOW_PASS = """
 -- WORKFLOW_PASS: a workflow member that ended hands the lease on to the member that runs next (the
 -- chain's next step, or its own retry or wait copy): state 'gap', next = that member's slot, for the
--- gap TTL (the next member's renewer takes over when it enters). Token-checked: a lease that is no
--- longer ours is left alone.
--- KEYS[1] lease hash
+-- gap TTL (the next member's renewer takes over when it enters). Token-checked on every entity: a
+-- lease that is no longer ours (any entity of it) is left alone.
+-- KEYS[1..N] lease hashes of the workflow's entities (N = 1, or lock_key as a sequence)
 -- ARGV[1] token  ARGV[2] the next member's slot ('#<index>')
 -- ARGV[3] gap ttl_ms (at least the delayed copy's countdown plus the publish grace)
 -- ARGV[4] the entity the member waits for with its own lock ('' none): read by a member of another
 --         workflow to tell a lock-order deadlock (cleared when the member enters again)
--- Returns 1 handed on; 0 the token is gone (the workflow lost its lease; nothing written)
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'state', 'gap', 'next', ARGV[2], 'waits_on', ARGV[4] or '')
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
+-- Returns 1 handed on; 0 the token is gone from an entity (the workflow lost its lease; nothing written)
+for i = 1, #KEYS do
+  if redis.call('HGET', KEYS[i], 'token') ~= ARGV[1] then return 0 end
+end
+for i = 1, #KEYS do
+  redis.call('HSET', KEYS[i], 'state', 'gap', 'next', ARGV[2], 'waits_on', ARGV[4] or '')
+  redis.call('PEXPIRE', KEYS[i], ARGV[3])
+end
 return 1
 """
 
@@ -1037,18 +1094,33 @@ WORKFLOW_LEAVE = (
 -- any member of the slot asked for (a retry's countdown plus the publish grace outlives a short gap).
 -- Once every member of the slot ended for good and one of them failed, the chord's callback never
 -- comes (Celery fails it): the last one out is told to end the workflow.
--- KEYS[1] lease hash
+-- KEYS[1..N] lease hashes of the workflow's entities (N = 1, or lock_key as a sequence): the tallies
+--          are counted on KEYS[1] (the anchor) and copied, with the state and TTL, to the others
 -- ARGV[1] token  ARGV[2] the member's slot ('#<index>')  ARGV[3] gap ttl_ms
 -- ARGV[4] '1' the member ended for good (not a retry)  ARGV[5] '1' it failed
 -- ARGV[6] members in the slot (0: not known)
 -- ARGV[7] '1' the member already left for a retry that was never published (its retries ran out): it is
 --         not counted out of the running again, only as ended
--- Returns the members of the slot still running (>= 0); -1 the token is gone (nothing written);
---   -2 the slot is done and one of its members failed: the caller ends the workflow (nothing written)
+-- Returns the members of the slot still running (>= 0); -1 the token is gone from an entity (nothing
+--   written); -2 the slot is done and one of its members failed: the caller ends the workflow
 """
     + _NOW
     + """
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return -1 end
+for i = 1, #KEYS do
+  if redis.call('HGET', KEYS[i], 'token') ~= ARGV[1] then return -1 end
+end
+local function mirror(result)  -- every entity carries the anchor's workflow state and TTL
+  if #KEYS > 1 then
+    local f = redis.call('HMGET', KEYS[1], 'active', 'left', 'failed', 'hold', 'state', 'next')
+    local pttl = redis.call('PTTL', KEYS[1])
+    for i = 2, #KEYS do
+      redis.call('HSET', KEYS[i], 'active', f[1] or 0, 'left', f[2] or 0, 'failed', f[3] or '',
+                 'hold', f[4] or 0, 'state', f[5] or '', 'next', f[6] or '')
+      if pttl > 0 then redis.call('PEXPIRE', KEYS[i], pttl) end
+    end
+  end
+  return result
+end
 local active
 if ARGV[7] == '1' then
   active = tonumber(redis.call('HGET', KEYS[1], 'active')) or 0
@@ -1062,24 +1134,26 @@ local hold = math.max(now_ms + tonumber(ARGV[3]), tonumber(redis.call('HGET', KE
 redis.call('HSET', KEYS[1], 'hold', hold)
 if active <= 0 then
   local width = tonumber(ARGV[6]) or 0
-  if redis.call('HGET', KEYS[1], 'failed') == '1' and (width == 0 or left >= width) then return -2 end
+  if redis.call('HGET', KEYS[1], 'failed') == '1' and (width == 0 or left >= width) then return mirror(-2) end
   redis.call('HSET', KEYS[1], 'state', 'gap', 'next', ARGV[2], 'active', 0)
   redis.call('PEXPIRE', KEYS[1], math.max(1, hold - now_ms))
-  return 0
+  return mirror(0)
 end
-return active
+return mirror(active)
 """
 )
 
 WORKFLOW_WAITS_ON = """
 -- WORKFLOW_WAITS_ON: a workflow member about to wait for its own lock on another entity says so in the
 -- workflow's lease (before it looks for a lock-order cycle), so a member of another workflow that
--- waits for this workflow's entity finds the cycle even when both look at the same moment.
--- KEYS[1] lease hash
+-- waits for any of this workflow's entities finds the cycle even when both look at the same moment.
+-- KEYS[1..N] lease hashes of the workflow's entities (N = 1, or lock_key as a sequence)
 -- ARGV[1] token  ARGV[2] the entity the member waits for
--- Returns 1 recorded; 0 the token is gone (nothing written)
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'waits_on', ARGV[2])
+-- Returns 1 recorded on every entity; 0 the token is gone from an entity (nothing written)
+for i = 1, #KEYS do
+  if redis.call('HGET', KEYS[i], 'token') ~= ARGV[1] then return 0 end
+end
+for i = 1, #KEYS do redis.call('HSET', KEYS[i], 'waits_on', ARGV[2]) end
 return 1
 """
 
@@ -1089,6 +1163,7 @@ WORKFLOW_END = (
 -- remember its id for a while, so that a redelivered copy of one of its members (a broker
 -- redelivery after a lost ack) is dropped by WORKFLOW_ENTER instead of starting the workflow again.
 -- Called before the lease is released, so no copy can find the lease free and the id unknown.
+-- A workflow over several entities records it on its anchor (the first entity), where ENTER looks.
 -- KEYS[1] ended workflows {prefix}:v1:{K}:wfended (sorted set: workflow id -> end time, ms)
 -- ARGV[1] workflow id  ARGV[2] window_ms: how long ids are remembered (older ones are trimmed)
 -- Returns 1
@@ -1105,8 +1180,8 @@ return 1
 WORKFLOW_ABORT = """
 -- WORKFLOW_ABORT: from the worker's main process, which has no token: end the workflow lease a
 -- member of workflow W holds or is waiting for, when that member will not go on (revoked while
--- queued, terminated while running).
--- KEYS[1] lease hash
+-- queued, terminated while running). Decided on KEYS[1] (the anchor); done to every entity still W's.
+-- KEYS[1..N] lease hashes of the workflow's entities (N = 1, or lock_key as a sequence)
 -- ARGV[1] workflow id  ARGV[2] member task id
 -- ARGV[3] grace_ms for a running member (its child may not be dead yet: cut to the grace, never
 --         lengthened); a member the lease waits for in the gap (next = ARGV[4]) frees it at once
@@ -1114,16 +1189,19 @@ WORKFLOW_ABORT = """
 -- Returns 1 shortened or freed; 0 the lease is not W's at that member (nothing written)
 local cur = redis.call('HMGET', KEYS[1], 'workflow', 'state', 'task_id', 'next')
 if cur[1] ~= ARGV[1] then return 0 end
-if cur[2] == 'gap' and cur[4] == ARGV[4] then
-  redis.call('DEL', KEYS[1])
-  return 1
+local free = cur[2] == 'gap' and cur[4] == ARGV[4]
+if not free and not (cur[2] == 'running' and cur[3] == ARGV[2]) then return 0 end
+for i = 1, #KEYS do
+  if i == 1 or redis.call('HGET', KEYS[i], 'workflow') == ARGV[1] then
+    if free then
+      redis.call('DEL', KEYS[i])
+    else
+      local pttl = redis.call('PTTL', KEYS[i])
+      if pttl < 0 or pttl > tonumber(ARGV[3]) then redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
+    end
+  end
 end
-if cur[2] == 'running' and cur[3] == ARGV[2] then
-  local pttl = redis.call('PTTL', KEYS[1])
-  if pttl < 0 or pttl > tonumber(ARGV[3]) then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
-  return 1
-end
-return 0
+return 1
 """
 
 

@@ -34,6 +34,13 @@ it out between them, one Lua script per step (``_scripts.WORKFLOW_*``):
 * the worker's main process ends the lease of a member revoked while queued (freed at once) or
   terminated while running (cut to the shorten grace): WORKFLOW_ABORT, by workflow id and task id.
 
+Several entities (``lock_key`` as a sequence, :attr:`Spec.keys`, sorted): every WORKFLOW_* script takes
+the N lease hashes and writes the same workflow state (plus ``siblings``) to each, token-checked on all;
+the first member takes every entity or none (never a partial hold while it waits); one token, one
+fence per entity (the member's lease is a :class:`MultiLease`: ``.fences``); the end frees them all
+with RELEASE_MULTI, waking each entity's oldest waiter. The ended ids live on the anchor (the first
+key). One slot only: on Redis Cluster such a workflow is refused at build (:func:`workflow`).
+
 The token and fence are read from the lease hash by workflow id and member task id, not carried in
 the messages: a member that dies is taken over by its redelivery with a *fresh* token and a new
 fence (a paused earlier delivery then can neither renew nor write past the fence), and later
@@ -42,6 +49,7 @@ members still find their workflow.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import time
@@ -56,12 +64,14 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from . import _calls as calls
 from . import _claims as claims
+from . import _cluster as cluster
 from . import _connection as connection
 from . import _errors as errors
 from . import _handoff as handoff
 from . import _headers as headers
 from . import _keys as keys
 from . import _lease as lease_ops
+from . import _multi as multi
 from . import _republish as republish
 from . import _request as request_state
 from . import _scripts as scripts
@@ -70,7 +80,7 @@ from ._config import Settings, TaskOptions, settings
 from ._decision import HolderFacts, Member, MemberAction, MemberDecision, OnLocked, OnUnavailable, decide_member
 from ._entities import EntityKeys, is_sequence
 from ._events import emit
-from ._lease import Lease
+from ._lease import Lease, MultiLease
 from ._metrics import observe_hold
 from ._renewer import renewer
 from .exceptions import (
@@ -126,6 +136,14 @@ class Spec:
     #: An earlier member ran without the lease (``fail_open``): this one runs unlocked too, rather than be
     #: dropped or fail with ``LockLost`` on a lease the workflow no longer keeps.
     unlocked: bool = False
+    #: Several entities (``lock_key`` as a sequence): every entity key, sorted and distinct; ``key`` is the
+    #: first (the anchor, where the ended ids live). Empty for one entity.
+    keys: tuple[str, ...] = ()
+
+    @property
+    def entities(self) -> tuple[str, ...]:
+        """Every entity the workflow holds: ``keys``, or ``(key,)``."""
+        return self.keys or (self.key,)
 
     @property
     def first(self) -> bool:
@@ -143,7 +161,9 @@ class Spec:
     def header(
         self, index: int | None = None, parallel: bool = False, after: int = -1, width: int = 0
     ) -> dict[str, Any]:
+        several = {"keys": list(self.keys)} if self.keys else {}  # one entity: the header is as before
         return {
+            **several,
             "id": self.id,
             "key": self.key,
             "name": self.name,
@@ -183,12 +203,14 @@ class Spec:
                 max_waits=int(value["max_waits"]),
                 max_hold=float(value["max_hold"]),
                 unlocked=bool(value.get("unlocked", False)),
+                keys=tuple(str(k) for k in value.get("keys") or ()),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigurationError(
                 f"task {task_name!r}: header {headers.WORKFLOW}={value!r} is not a workflow header ({exc!r})"
             ) from None
         valid = spec.ttl_ms > 0 and spec.gap_ms > 0 and 0 <= spec.index < spec.count
+        valid = valid and (not spec.keys or (len(spec.keys) > 1 and spec.keys[0] == spec.key))
         if spec.on_locked not in _POLICIES or spec.on_unavailable not in _OUTAGE or not valid:
             raise ConfigurationError(f"task {task_name!r}: header {headers.WORKFLOW}={value!r} is not valid")
         return spec
@@ -200,9 +222,19 @@ def slot(index: int) -> str:
 
 
 def claims_own_entity(options: dict[str, Any], key: str) -> bool:
-    """Whether a publish with ``options`` is a workflow member whose own entity is the workflow's ``key``."""
+    """Whether a publish with ``options`` is a workflow member whose own entity is one of the workflow's."""
     value = (options.get("headers") or {}).get(headers.WORKFLOW)
-    return isinstance(value, dict) and value.get("key") == key
+    return isinstance(value, dict) and (value.get("key") == key or key in (value.get("keys") or ()))
+
+
+def own_entities(spec: Spec, own: str | tuple[str, ...] | None) -> bool:
+    """Whether a member's own ``lock_key`` (rendered: a key or a tuple) names only entities the workflow holds.
+
+    Such a member runs under the workflow lease; acquiring its own would wait on its own workflow.
+    """
+    if own is None:
+        return False
+    return set((own,) if isinstance(own, str) else own) <= set(spec.entities)
 
 
 def member_of(request: Any, task_name: str) -> Spec | None:
@@ -324,6 +356,9 @@ def workflow(
 ) -> Workflow:
     """Run the chain ``sig`` under one lease on the entity ``lock_key`` (a template over ``fields``).
 
+    ``lock_key`` as a sequence of templates: the workflow holds every entity they name, all or none, on
+    one token (refused on Redis Cluster when they fall in different slots: ``ConfigurationError``).
+
     ``workflow(chain(fetch.s(t), load.s()), lock_key="tenant:{tenant_id}:pipeline", tenant_id=t)``.
     ``lock_ttl``: the lease TTL while a member runs (renewed every third, as for a task; default
     ``lockguard_default_ttl``); ``gap_ttl``: how long a handed-on lease waits for the next member
@@ -359,12 +394,17 @@ def workflow(
     waits = s.max_waits if lock_max_waits is None else lock_max_waits
     if not isinstance(waits, int) or isinstance(waits, bool) or waits < 0:
         raise ConfigurationError(f"{where}: option lock_max_waits={waits!r} must be an int >= 0")
-    key = _render_key(where, lock_key, fields)
+    entities = _render_key(where, lock_key, fields)
+    key = entities[0]
+    if len(entities) > 1:
+        _refuse_cluster_slots(where, lock_key, entities, s)
     digest = keys.digest(
-        {str(i): [m.task, list(m.args or ()), dict(m.kwargs or {})] for i, m in enumerate(members)} | {"key": key}
+        {str(i): [m.task, list(m.args or ()), dict(m.kwargs or {})] for i, m in enumerate(members)}
+        | {"key": key if len(entities) == 1 else list(entities)}
     )
     spec_fields = {
         "key": key,
+        "keys": entities if len(entities) > 1 else (),
         "name": keys.meta(label),
         "digest": digest,
         "ttl_ms": int(ttl * 1000),
@@ -455,24 +495,37 @@ def _seconds(where: str, option: str, value: Any) -> float:
     return float(value)
 
 
-def _render_key(where: str, template: Any, fields: dict[str, Any]) -> str:
-    """``lock_key`` rendered over ``fields`` with the task keys' rules (escaped, bounded, no empty field)."""
+def _render_key(where: str, template: Any, fields: dict[str, Any]) -> tuple[str, ...]:
+    """``lock_key`` rendered over ``fields`` with the task keys' rules (escaped, bounded, no empty field).
+
+    Several templates: every entity key, sorted and distinct (``src == dst`` is one entity, one key).
+    """
     params = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in fields]
     name = where.split(" ", 1)[-1].strip("'")
     try:
         if is_sequence(template):
-            # Several templates: accepted when they name one entity (src == dst); a workflow holds one lease.
             rendered = EntityKeys(template, inspect.Signature(params), name).render_keys(fields, (), fields)
-            if len(rendered) > 1:
-                raise ConfigurationError(
-                    f"option lock_key={template!r} names several entities {list(rendered)!r}: a workflow holds "
-                    "one entity's lease; several entities are taken by a task (lock_key as a sequence on the "
-                    "member that touches them), all or nothing"
-                )
-            return rendered[0]
-        return keys.KeyRenderer(template, inspect.Signature(params), name, "lock_key").render(fields, (), fields)
+            return tuple(sorted(set(rendered)))
+        return (keys.KeyRenderer(template, inspect.Signature(params), name, "lock_key").render(fields, (), fields),)
     except ConfigurationError as exc:
         raise ConfigurationError(f"{where}: {exc}") from None
+
+
+def _refuse_cluster_slots(where: str, template: Any, entities: tuple[str, ...], s: Settings) -> None:
+    """Redis Cluster with the entities in different slots: refused (the WORKFLOW_* scripts touch every entity).
+
+    A task over several entities acquires them one by one in sorted order with roll-back
+    (``_multi``); a workflow's hand-overs, leaves and aborts would each need that too, with a window in
+    which part of the workflow's hold is visible between members. One slot (one Redis, Sentinel) only.
+    """
+    names = [keys.lock_name(s.key_prefix, k) for k in entities]
+    if s.redis_cluster and len({cluster.slot(n) for n in names}) > 1:  # settings only: no connection at build
+        raise ConfigurationError(
+            f"{where}: option lock_key={template!r} names entities {list(entities)!r} in different Redis "
+            "Cluster slots: a workflow over several entities needs them in one slot (one Redis or Sentinel); "
+            "on Cluster, hold several entities in one task (lock_key as a sequence on the member), or one "
+            "entity per workflow"
+        )
 
 
 # -- the member's delivery ---------------------------------------------------------------
@@ -487,13 +540,16 @@ class Entry:
     fence: int = 0
     held_ms: int = 0
     holder: lease_ops.Holder | None = None
+    #: Several entities: entity key -> fence (every entity's own); empty for one entity.
+    fences: dict[str, int] | None = None
 
 
 def enter(client: Any, s: Settings, spec: Spec, request: Any, token: str, take_over: bool) -> Entry:
     """One WORKFLOW_ENTER round trip for this member's delivery."""
+    entities = spec.entities
     keys_ = [
-        keys.lock_name(s.key_prefix, spec.key),
-        keys.fence_name(s.key_prefix, spec.key),
+        *(keys.lock_name(s.key_prefix, k) for k in entities),
+        *(keys.fence_name(s.key_prefix, k) for k in entities),
         keys.workflows_ended_name(s.key_prefix, spec.key),
     ]
     args: list[Any] = [
@@ -514,16 +570,20 @@ def enter(client: Any, s: Settings, spec: Spec, request: Any, token: str, take_o
         slot(spec.after) if spec.after >= 0 else "",
         "1" if spec.parallel else "",
     ]
+    if spec.keys:
+        args += [multi.siblings(spec.keys, i) for i in range(len(spec.keys))]
     try:
         reply = scripts.workflow_enter(client, keys_, args)
     except Exception as exc:
-        corrupt = scripts.corrupt_fence(exc, keys_[1])
+        named = [f for f in keys_[len(entities) : 2 * len(entities)] if f" {f} " in str(exc)]
+        corrupt = scripts.corrupt_fence(exc, keys_[1] if len(entities) == 1 else next(iter(named), None))
         if corrupt is not None:
             raise corrupt from exc
         raise
     kind = str(reply[0])
+    fences = _fences(spec, reply, 4 if kind in ("started", "entered") else 8)
     if kind in ("started", "entered"):
-        return Entry(kind, str(reply[1]), int(reply[2]), int(reply[3]))
+        return Entry(kind, str(reply[1]), int(reply[2]), int(reply[3]), fences=fences)
     if kind == "self":
         holder = lease_ops.Holder(
             task_id=str(request.id),
@@ -537,11 +597,30 @@ def enter(client: Any, s: Settings, spec: Spec, request: Any, token: str, take_o
             token=str(reply[1]),
             ttl_ms=int(reply[7]),
         )
-        return Entry(kind, str(reply[1]), int(reply[2] or 0), int(reply[3]), holder)
+        return Entry(kind, str(reply[1]), int(reply[2] or 0), int(reply[3]), holder, fences)
     if kind == "held":
         holder = lease_ops.held_reply(reply)
         return Entry(kind, holder=holder)
+    if kind == "blocked":  # several entities: the one that blocked is named (entity, task, id)
+        entity = spec.keys[int(reply[1]) - 1]
+        holder = dataclasses.replace(lease_ops.held_reply(reply[2]), entity=entity)
+        return Entry("held", holder=holder)
     return Entry(kind)
+
+
+def _fences(spec: Spec, reply: Any, at: int) -> dict[str, int] | None:
+    """Several entities: WORKFLOW_ENTER's trailing fences as entity key -> fence; else ``None``."""
+    if not spec.keys or len(reply) <= at:
+        return None
+    return {k: int(f or 0) for k, f in zip(spec.keys, reply[at], strict=True)}
+
+
+def new_lease(spec: Spec, s: Settings, entry: Entry, sent_at: float, task_id: str) -> Lease:
+    """The workflow lease a member holds: a :class:`MultiLease` (``.fences``) over several entities."""
+    if spec.keys:
+        fences = entry.fences or {}
+        return MultiLease(spec.keys, s.key_prefix, entry.token, fences, spec.ttl_ms, sent_at, task_id, spec.name)
+    return Lease(spec.key, s.key_prefix, entry.token, entry.fence, spec.ttl_ms, sent_at, task_id, spec.name)
 
 
 def facts(spec: Spec, entry: Entry) -> HolderFacts | None:
@@ -615,9 +694,9 @@ def deliver(
         )
         action = decision.action
         if action is MemberAction.RUN:
-            lease = Lease(spec.key, s.key_prefix, entry.token, entry.fence, spec.ttl_ms, sent_at, req.id, spec.name)
+            lease = new_lease(spec, s, entry, sent_at, req.id)
             event = "workflow.started" if entry.kind == "started" else "workflow.entered"
-            emit(event, task.name, **fields, fence=lease.fence, reason=decision.reason)
+            emit(event, task.name, **fields, fence=lease.fence_field, reason=decision.reason)
             return _run(task, s, opts, spec, client, lease, sent_at - entry.held_ms / 1000, args, kwargs)
         if action is MemberAction.ADOPT:
             emit("workflow.taken_over", task.name, **fields, reason=decision.reason)
@@ -741,7 +820,7 @@ def _run_unlocked(
     from . import _delivery as delivery  # the delivery's door (it imports this module: lock order)
 
     try:
-        if opts.locked and task.lock_key_for(*args, **kwargs) != spec.key:
+        if opts.locked and not own_entities(spec, task.lock_key_for(*args, **kwargs)):
             return delivery.deliver(task, s, opts, args, kwargs)
         return delivery.run_body(task, args, kwargs)
     finally:
@@ -788,7 +867,7 @@ def _end_unlocked(task: Any, s: Settings, spec: Spec) -> None:
 
 def _contention_error(task: Any, spec: Spec, holder: lease_ops.Holder | None, failure: BaseException | None) -> Any:
     if holder is not None:
-        return LockContended(spec.key, holder.task_id, holder.pttl_ms)
+        return LockContended(holder.entity or spec.key, holder.task_id, holder.pttl_ms)
     return BackendUnavailable(f"task {task.name!r}: lock store unavailable for {spec.key!r}: {_describe(failure)}")
 
 
@@ -867,7 +946,7 @@ def _run(
     setattr(req, WORKFLOW_LEASE, lease)
     request_state.hold(req, lease)
     renewer().track(lease, client, spec.max_hold)
-    nested = opts.locked and task.lock_key_for(*args, **kwargs) != spec.key
+    nested = opts.locked and not own_entities(spec, task.lock_key_for(*args, **kwargs))
     outcome = "failed"
     try:
         if nested:
@@ -933,8 +1012,13 @@ def _finish(task: Any, s: Settings, spec: Spec, client: Any, lease: Lease, start
     hold_ms = (time.monotonic() - started_at) * 1000
     try:
         mark_ended(client, s, spec)  # before the release: a stale copy never finds the lease free and W unknown
-        # The one path that ends a lease and wakes the entity's oldest waiter (_handoff.release).
-        released = handoff.release(task.app, s, client, spec.key, lease.token, task.name, req.id)
+        # The one path that ends a lease and wakes the entity's oldest waiter (_handoff.release); several
+        # entities: RELEASE_MULTI frees every one still ours and wakes each freed entity's oldest waiter.
+        if isinstance(lease, MultiLease):
+            released, _, woken = multi.release(client, lease, s.key_prefix, reserve_ms=handoff.reserve_ms())
+            handoff.wake(task.app, s, woken, task.name, req.id, client)
+        else:
+            released = handoff.release(task.app, s, client, spec.key, lease.token, task.name, req.id)
     except Exception as exc:  # noqa: BLE001 - the body's outcome stands; the lease expires by its TTL
         lease.released = True
         emit("lock.backend_unavailable", task.name, **fields, reason=f"release: {_describe(exc)}")
@@ -945,20 +1029,22 @@ def _finish(task: Any, s: Settings, spec: Spec, client: Any, lease: Lease, start
         event = "workflow.released" if released == 1 else "lock.expired_before_release"
     else:
         event = "workflow.released_on_error" if released == 1 else "lock.expired_before_release"
-    emit(event, task.name, **fields, fence=lease.fence, hold_ms=round(hold_ms), reason=outcome)
+    emit(event, task.name, **fields, fence=lease.fence_field, hold_ms=round(hold_ms), reason=outcome)
 
 
 def abort(client: Any, s: Settings, spec: Spec, task_id: Any, app: Any = None) -> bool:
     """WORKFLOW_ABORT for the member ``task_id`` (a gap waiting for its slot freed, its running lease cut to the
     shorten grace), then WORKFLOW_END if it ended the lease: True if it did."""
     args = [spec.id, keys.meta(str(task_id)), int(s.shorten_grace * 1000), spec.slot]
-    ended = bool(scripts.workflow_abort(client, [keys.lock_name(s.key_prefix, spec.key)], args))
+    names = [keys.lock_name(s.key_prefix, k) for k in spec.entities]
+    ended = bool(scripts.workflow_abort(client, names, args))
     if ended:
         mark_ended(client, s, spec)
-        # Freed (a gap) or cut to the grace (a running member): either way its end wakes the oldest waiter.
+        # Freed (a gap) or cut to the grace (a running member): either way its end wakes each entity's oldest waiter.
         if app is not None:
-            handoff.wake_if_free(app, s, spec.key, spec.name, str(task_id))
-            handoff.wake_later(app, s, spec.key, s.shorten_grace + 0.05, spec.name, str(task_id))
+            for key in spec.entities:
+                handoff.wake_if_free(app, s, key, spec.name, str(task_id))
+                handoff.wake_later(app, s, key, s.shorten_grace + 0.05, spec.name, str(task_id))
     return ended
 
 
@@ -1001,7 +1087,7 @@ def hand_on(
     req = task.request
     fields = {"lock_key": spec.key, "task_id": req.id, "workflow_id": spec.id, "workflow": spec.name}
     renewer().untrack(lease)
-    name = [keys.lock_name(s.key_prefix, spec.key)]
+    name = [keys.lock_name(s.key_prefix, k) for k in spec.entities]
     gap = gap_ms_for(spec.gap_ms, gap_ms)
     try:
         if spec.parallel:  # one of a chord's header: leave the slot; the last one out hands it on
@@ -1027,7 +1113,7 @@ def hand_on(
     lease.released = True
     lease.handed_to = index  # type: ignore[attr-defined]
     if handed:
-        emit("workflow.handed_over", task.name, **fields, fence=lease.fence, next_member=index)
+        emit("workflow.handed_over", task.name, **fields, fence=lease.fence_field, next_member=index)
     else:
         emit("workflow.lost", task.name, **fields, reason="lease_gone_at_hand_over")
     return handed
@@ -1085,17 +1171,19 @@ def check_lock_order(task: Any, key: str) -> None:
     """
     req = task.request
     lease: Lease | None = getattr(req, WORKFLOW_LEASE, None)
-    if lease is None or lease.released or key == lease.key:
+    if lease is None or lease.released or key in lease.keys:
         return
     spec = member_of(req, task.name)
     if spec is None or spec.parallel:
         return
+    ours = set(spec.entities)
     s = settings(task.app)
     lease.waits_on = key  # type: ignore[attr-defined]
     cycle, at = [spec.key], key
     try:
         client = connection.client(s)
-        scripts.workflow_waits_on(client, [keys.lock_name(s.key_prefix, spec.key)], [lease.token, key])
+        names = [keys.lock_name(s.key_prefix, k) for k in spec.entities]
+        scripts.workflow_waits_on(client, names, [lease.token, key])
         for _ in range(LOCK_ORDER_HOPS):
             holder, waits_on = (
                 _text(v) for v in client.hmget(keys.lock_name(s.key_prefix, at), "workflow", "waits_on")
@@ -1103,7 +1191,7 @@ def check_lock_order(task: Any, key: str) -> None:
             if not holder or not waits_on or holder == spec.id:
                 return
             cycle.append(at)
-            if waits_on == spec.key:
+            if waits_on in ours:  # several entities: a wait for any of ours closes the cycle
                 break
             if waits_on in cycle:
                 return  # a cycle that does not pass through us: its own members find it

@@ -323,6 +323,7 @@ def test_a_gap_past_its_ttl_is_caught_the_late_member_fails_and_its_fence_is_sta
                 "key": f"tenant:{tenant}:pipeline",
                 "fence_row": f"tenant:{tenant}:pipeline",
                 "fence": written["a1"],
+                "several": False,
                 "task_name": "t",
                 "task_id": "x",
             },

@@ -37,10 +37,11 @@ def create_app(cfg: dict[str, Any]) -> Celery:
             "pid": os.getpid(),
             "t": time.time(),
             "key": lease.key if lease else None,
-            "fence": lease.fence if lease else None,
+            "fence": lease.fence if lease and not lease.several else None,
+            "fences": lease.fences if lease else None,  # every entity's (a workflow over several: each its own)
             "held": lease.held if lease else None,
             "wf_key": wf.key if wf else None,
-            "wf_fence": wf.fence if wf else None,
+            "wf_fence": wf.fence if wf and not wf.several else None,
             **fields,
         }
         rec.rpush(rec_key, json.dumps(row))
@@ -52,7 +53,8 @@ def create_app(cfg: dict[str, Any]) -> Celery:
             time.sleep(0.02)
         record(self, "end", tenant, tag, **extra)
         tags = list(prev["tags"]) if isinstance(prev, dict) else []
-        return {"tags": [*tags, tag], "fence": self.lock.fence if self.lock else None}
+        fence = self.lock.fences if self.lock and self.lock.several else (self.lock.fence if self.lock else None)
+        return {"tags": [*tags, tag], "fence": fence}
 
     def wait_gate(gate: str) -> None:
         deadline = time.monotonic() + 60
@@ -149,6 +151,19 @@ def create_app(cfg: dict[str, Any]) -> Celery:
     )
     def plain(self: Any, tenant: str = "", tag: str = "") -> dict[str, Any]:
         """A plain locked task on the workflow's entity: it waits behind the workflow."""
+        return run(self, None, tenant, tag, 0.05)
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="wf.account",
+        lock_key="account:{acct}",
+        lock_ttl=5,
+        on_locked="retry",
+    )
+    def account(self: Any, tenant: str = "", tag: str = "", acct: str = "") -> dict[str, Any]:
+        """A plain locked task on one account: it waits behind a workflow holding that account."""
         return run(self, None, tenant, tag, 0.05)
 
     @app.task(base=LockedTask, bind=True, shared=False, name="wf.fenced")
