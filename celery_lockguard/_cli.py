@@ -900,8 +900,8 @@ def completions_carry_over(ctx: click.Context, yes: bool, **_: Any) -> None:
     metavar="NAME",
     cls=CeleryOption,
     help_group="Page Options",
-    help="On a loopback --bind, the page answers to loopback names only (against DNS rebinding); also to NAME "
-    "(repeatable), e.g. the name a local reverse proxy forwards in Host.",
+    help="On a loopback --bind, the page and /metrics answer to loopback names only (against DNS rebinding); "
+    "also to NAME (repeatable), e.g. the name a local reverse proxy forwards in Host.",
 )
 @click.option(
     "--insecure",
@@ -953,7 +953,8 @@ def exporter(
         )
     state = page_state.PageState(_app(ctx), s, page_interval, doctor_interval) if page else None
     hosts = allow_hosts if page_server.loopback_host(bind.lower()) else None  # bound wider: any Host
-    front = page_server.Front(state, credentials, hosts) if (state or credentials) else None
+    # On loopback the Host rule (DNS rebinding) holds for /metrics too, with or without --page.
+    front = page_server.Front(state, credentials, hosts) if (state or credentials or hosts is not None) else None
     try:
         server = exporter_server.serve(s, bind, port, timeout=timeout, max_connections=max_connections, front=front)
     except OSError as exc:  # a port in use, an address this host does not have: the operator's input

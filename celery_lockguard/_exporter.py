@@ -26,13 +26,21 @@ scanner, or a half-open load balancer) can hold it:
   closed;
 * **a handler timeout** (``timeout``): a handler whose client stops reading
   or sending for that long is closed;
+* **stalled writers yield**: a handler whose client has not taken a 64 KiB
+  chunk of its answer for ``STALLED`` (1 s) is closed when a fresh request
+  finds every slot (or its peer's share) taken, and that request gets its
+  slot. Slow readers from four addresses (a quarter of the slots each) used to
+  hold every slot for the handler timeout and answer real scrapes 503;
 * **a deadline** (``4 * timeout``): a handler still running that long after
   its request arrived is cut off, by a reaper thread;
 * **backoff on accept errors**: out of file descriptors (``EMFILE``), the
   listening socket stays readable while ``accept`` keeps failing, and the
   serving loop spun on it at 100% CPU, starving the scrapes it was failing;
   it now sleeps 50 ms doubling to 1 s between attempts, and logs once per run
-  of failures.
+  of failures;
+* **quiet about clients that go away**: a connection reset, a broken pipe or
+  a timed-out client is logged at debug, not warning (a warning per reset
+  socket let anyone who can connect grow the log).
 
 Read-only: GET and HEAD are served, any other method is answered 405. With
 ``--page`` the same server (and so every bound above) also serves the lock
@@ -84,6 +92,10 @@ PEER_SHARE = 4
 MAX_WAITING, MAX_WAITING_PER_PEER = 512, 64
 #: The largest request head (request line and headers) read; larger closes the connection with 431.
 MAX_HEAD = 65536
+#: Bytes a handler writes at once; a chunk the client has not taken for :data:`STALLED` seconds marks a stalled writer.
+WRITE_CHUNK = 65536
+#: Seconds a handler may wait on a client that does not read before its slot can go to a fresh request.
+STALLED = 1.0
 #: Waiting connections closed at once to free descriptors when ``accept`` fails with ``EMFILE``.
 EVICT_ON_EMFILE = 16
 _TOO_LARGE = (
@@ -105,6 +117,7 @@ class MetricsHandler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         self.connection.settimeout(self.server.handler_timeout)  # a silent client is dropped, not waited for
+        self.wfile = _Tracked(self.wfile, self.server, self.connection)  # type: ignore[assignment]
         head = self.server.take_head(self.connection)
         if head:  # the bytes the waiting room already read are read again first
             self.rfile.close()
@@ -181,6 +194,39 @@ class _Replay(io.RawIOBase):
         return self._sock.recv_into(b)
 
 
+class _Tracked:
+    """A handler's ``wfile`` that writes in chunks and tells the server while a chunk waits on the client.
+
+    A client that stops reading leaves its handler blocked in ``send`` with a full buffer: the server
+    sees since when (:meth:`MetricsServer._writing_since`), and takes that slot back when the slots run out.
+    """
+
+    def __init__(self, stream: Any, server: MetricsServer, sock: socket.socket) -> None:
+        self._stream = stream
+        self._server = server
+        self._sock = sock
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data)
+        for start in range(0, len(view), WRITE_CHUNK):
+            self._server._writing_since(self._sock, time.monotonic())
+            try:
+                self._stream.write(view[start : start + WRITE_CHUNK])
+            finally:
+                self._server._writing_since(self._sock, None)
+        return len(data)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def close(self) -> None:
+        self._stream.close()
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._stream.closed)
+
+
 class _Waiting:
     """One connection in the waiting room: its peer, when it was accepted, the bytes read so far."""
 
@@ -239,6 +285,8 @@ class MetricsServer(ThreadingHTTPServer):
         #: Requests being served: when each arrived, and its peer (for the per-peer share of the slots).
         self._open: dict[socket.socket, tuple[float, str]] = {}
         self._per_peer: dict[str, int] = {}
+        #: Handlers blocked writing to their client, and since when (``_open_lock``).
+        self._writing: dict[socket.socket, float] = {}
         self.max_per_peer = max(1, max_connections // PEER_SHARE)
         self._open_lock = threading.Lock()
         self._backoff = 0.0
@@ -296,12 +344,21 @@ class MetricsServer(ThreadingHTTPServer):
     def _dispatch(self, request: socket.socket, client_address: Any, head: bytes) -> None:
         """A complete request head: a slot and a thread, or 503 at once past the cap (or the peer's share)."""
         peer = str(client_address[0]) if isinstance(client_address, tuple) and client_address else "?"
+        evicted = None
         with self._open_lock:
             mine = self._per_peer.get(peer, 0)
             admitted = mine < self.max_per_peer and self._slots.acquire(blocking=False)
+            if not admitted:  # the slots (or this peer's share) are taken: a stalled writer's slot is handed on
+                evicted = self._stalled_writer(peer if mine >= self.max_per_peer else None)
+                admitted = evicted is not None
             if admitted:
-                self._per_peer[peer] = mine + 1
+                self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
                 self._open[request] = (time.monotonic(), peer)
+        if evicted is not None:
+            try:
+                evicted.shutdown(socket.SHUT_RDWR)  # its blocked send fails; its thread ends, releasing nothing
+            except OSError:
+                pass
         if not admitted:
             try:
                 request.setblocking(False)
@@ -328,15 +385,48 @@ class MetricsServer(ThreadingHTTPServer):
 
     def _done(self, request: Any) -> None:
         with self._open_lock:
-            known = self._open.pop(request, None)
-            if known is not None:
-                left = self._per_peer.get(known[1], 1) - 1
-                if left > 0:
-                    self._per_peer[known[1]] = left
-                else:
-                    self._per_peer.pop(known[1], None)
-        if known is not None:
+            known = self._forget_open(request)
+        if known:
             self._slots.release()
+
+    def _forget_open(self, request: Any) -> bool:
+        """Take ``request`` off the served ones (``_open_lock`` held); whether it held a slot."""
+        self._writing.pop(request, None)
+        known = self._open.pop(request, None)
+        if known is not None:
+            left = self._per_peer.get(known[1], 1) - 1
+            if left > 0:
+                self._per_peer[known[1]] = left
+            else:
+                self._per_peer.pop(known[1], None)
+        return known is not None
+
+    def _writing_since(self, request: socket.socket, since: float | None) -> None:
+        """A handler starts (``since``) or ends (None) writing a chunk to its client."""
+        with self._open_lock:
+            if since is None:
+                self._writing.pop(request, None)
+            elif request in self._open:
+                self._writing[request] = since
+
+    def _stalled_writer(self, peer: str | None) -> socket.socket | None:
+        """The request (of ``peer``, else of anyone) whose client has not read for longest, if past
+        :data:`STALLED`: taken off the served ones, its slot now the caller's (``_open_lock`` held).
+
+        Slow readers from a few addresses could otherwise hold every slot (a quarter each) for the whole
+        handler timeout, and answer every fresh scrape 503 (issue 30).
+        """
+        cutoff = time.monotonic() - STALLED
+        stalled = [
+            (since, sock)
+            for sock, since in self._writing.items()
+            if since < cutoff and (peer is None or self._open.get(sock, (0.0, ""))[1] == peer)
+        ]
+        if not stalled:
+            return None
+        sock = min(stalled, key=lambda item: item[0])[1]
+        self._forget_open(sock)
+        return sock
 
     # -- the waiting room -----------------------------------------------------------------
 
@@ -450,11 +540,20 @@ class MetricsServer(ThreadingHTTPServer):
         self.shutdown_request(sock)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        """One line in the log, not a traceback on the operator's terminal."""
+        """One line in the log, not a traceback on the operator's terminal.
+
+        A client that goes away (reset, broken pipe, timed out) is routine and
+        logged at debug: anyone who can connect could otherwise grow the log
+        with a warning per reset socket (issue 30).
+        """
         import sys
 
         exc = sys.exc_info()[1]
-        logger.warning("exporter.connection_failed", reason=f"{exc.__class__.__name__}: {exc}")
+        reason = f"{exc.__class__.__name__}: {exc}"
+        if isinstance(exc, (ConnectionError, TimeoutError)):  # the client went away
+            logger.debug("exporter.connection_failed", reason=reason)
+        else:
+            logger.warning("exporter.connection_failed", reason=reason)
 
     # -- the deadline ---------------------------------------------------------------------
 

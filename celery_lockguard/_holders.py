@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._keys import MAX_KEY, lock_name, parse_lock_name, parse_rate_name, parse_slot_lock_name, rate_name, wait_name
-from ._terminal import entity, plural
+from ._terminal import MAX_SHOWN, entity, plural
 
 #: A counter or a timestamp as the scripts write it: ASCII digits (at most 18, an int64's worth).
 _NUMBER = re.compile(r"[0-9]{1,18}\Z")
@@ -80,9 +80,33 @@ def sibling_names(siblings: tuple[str, ...], count: int) -> str:
     """``acct:2, acct:3 and 4 more``: the other entities of a multi-entity holder as text ("" for none)."""
     if not count:
         return ""
-    named = ", ".join(entity(k, MAX_KEY) for k in siblings[:SHOWN_SIBLINGS])
+    named = ", ".join(_sibling(k) for k in siblings[:SHOWN_SIBLINGS])
     more = count - min(len(siblings), SHOWN_SIBLINGS)
     return f"{named} and {more} more" if more and named else f"{more} more" if more else named
+
+
+#: Text in a sibling's key that could forge the list it is shown in (``a, b) (with c``, ``x and 4 more``).
+_FORGES_LIST = re.compile(r'[,()"]| and |\bmore\b|^\s|\s$')
+
+
+def _sibling(key: str) -> str:
+    """One sibling as :func:`sibling_names` lists it: quoted (``"`` and ``\\`` escaped) where its text
+    could pass for list syntax, so a planted key reads as one entity, never as several (issue 30)."""
+    shown = entity(key, MAX_KEY)
+    if not _FORGES_LIST.search(shown):
+        return shown
+    return '"' + shown.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+#: Longest text field of a ``--json`` / ``data.json`` row (the table's cut, :data:`~._terminal.MAX_SHOWN`).
+MAX_FIELD = MAX_SHOWN
+
+
+def _cut(text: str | None) -> str | None:
+    """``text`` cut to :data:`MAX_FIELD` characters, ``...[N more]`` saying how many were cut (None stays)."""
+    if text is None or len(text) <= MAX_FIELD:
+        return text
+    return f"{text[:MAX_FIELD]}...[{len(text) - MAX_FIELD} more]"
 
 
 def number(value: object) -> int | None:
@@ -194,15 +218,20 @@ class HeldLease:
         )
 
     def as_dict(self) -> dict[str, Any]:
-        """The row of ``lockguard locks --json`` (``workflow_id`` and ``member`` only for a workflow's lease)."""
+        """The row of ``lockguard locks --json`` and the page's ``data.json`` (``workflow_id`` and ``member`` only
+        for a workflow's lease).
+
+        Every text field is cut to :data:`MAX_FIELD` characters as the table cuts it (``...[N more]``): a
+        field planted with megabytes is one bounded row, not megabytes per answer (issue 30).
+        """
         row: dict[str, Any] = {
-            "key": self.key,
-            "redis_key": self.redis_key,
-            "state": self.state,
-            "task_name": self.task_name,
-            "task_id": self.task_id,
-            "worker": self.worker,
-            "host": self.host,
+            "key": _cut(self.key),
+            "redis_key": _cut(self.redis_key),
+            "state": _cut(self.state),
+            "task_name": _cut(self.task_name),
+            "task_id": _cut(self.task_id),
+            "worker": _cut(self.worker),
+            "host": _cut(self.host),
             "pid": self.pid,
             "fence": self.fence,
             "held_for_ms": self.held_for_ms,
@@ -218,9 +247,9 @@ class HeldLease:
             ),
         }
         if self.workflow_id is not None:  # a workflow's lease: its id and the member at it
-            row.update(workflow_id=self.workflow_id, member=self.member)
+            row.update(workflow_id=_cut(self.workflow_id), member=_cut(self.member))
         if self.sibling_count:  # a multi-entity holder: the other entities of its acquisition
-            row.update(siblings=list(self.siblings), sibling_count=self.sibling_count)
+            row.update(siblings=[_cut(k) for k in self.siblings], sibling_count=self.sibling_count)
         return row
 
     @property

@@ -9,13 +9,18 @@ The exporter's handler asks :meth:`Front.answer` first on every GET or HEAD
   answered 401. The comparison is :func:`hmac.compare_digest` over the
   whole decoded ``user:password``, so its time does not tell how much of a
   guess was right; the credentials are never printed or logged.
-* answers the page only to a loopback ``Host`` when the server listens on
-  loopback (``localhost``, ``*.localhost``, ``127.0.0.0/8``, ``[::1]``, and
-  the names given with ``--allow-host``), else ``403``. Loopback alone does
-  not keep a web page out: with **DNS rebinding** a site the operator visits
-  renames itself to 127.0.0.1, and its script then reads ``/page/data.json``
+* answers every path (the page, ``/metrics`` and ``/``) only to a loopback
+  ``Host`` when the server listens on loopback (``localhost``,
+  ``*.localhost``, ``127.0.0.0/8``, ``[::1]``, and the names given with
+  ``--allow-host``), else ``403``. Loopback alone does not keep a web page
+  out: with **DNS rebinding** a site the operator visits renames itself to
+  127.0.0.1, and its script then reads ``/page/data.json`` or ``/metrics``
   as same-origin -- every task id, argument-bearing key and worker name. Its
   requests carry its own name in ``Host``; a browser cannot forge that.
+  Prometheus sends its target's ``host:port`` as ``Host`` (``127.0.0.1:9808``,
+  ``localhost:9808``: allowed); a target named otherwise (an ``/etc/hosts``
+  alias of loopback) needs ``--allow-host NAME``. A request without ``Host``
+  (HTTP/1.0, not a browser) is answered.
 * serves the page (when enabled) under :data:`BASE`:
 
   ==========================  =================================================
@@ -151,13 +156,13 @@ class Front:
             body = b"authentication required\n"
             send(handler, 401, "text/plain; charset=utf-8", body, (("WWW-Authenticate", f'Basic realm="{REALM}"'),))
             return True
+        if not self.host_allowed(handler.headers.get("Host")):  # every path: /metrics names tasks and workers too
+            body = b"this server answers to loopback names only (add yours with --allow-host)\n"
+            send(handler, 403, "text/plain; charset=utf-8", body)
+            return True
         route = self._routes.get(handler.path.split("?", 1)[0])
         if route is None:
             return False
-        if not self.host_allowed(handler.headers.get("Host")):
-            body = b"this page answers to loopback names only (add yours with --allow-host)\n"
-            send(handler, 403, "text/plain; charset=utf-8", body)
-            return True
         if self.state is not None and route in (self._page, self._live, self._data):
             self.state.viewed()  # someone looks: the sampler reads leases (the first view waits for a sample)
         try:

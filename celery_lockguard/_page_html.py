@@ -290,6 +290,7 @@ table { border-collapse: collapse; background: #fff; } th, td { padding: .25em .
   border-bottom: 1px solid #e3e7eb; vertical-align: top; } th { font-weight: 600; background: #f0f3f6; }
 td { font-family: ui-monospace, monospace; font-size: .92em; max-width: 32em; overflow-wrap: anywhere; }
 td ul { margin: 0; padding-left: 1.1em; font-family: system-ui, sans-serif; }
+.key { white-space: pre-wrap; }  /* a key's leading, trailing or repeated spaces stay visible */
 .cards { display: flex; flex-wrap: wrap; gap: .8em; margin-bottom: .8em; }
 .card { background: #fff; border: 1px solid #e3e7eb; border-radius: 6px; padding: .5em .8em; }
 .card .label { color: #5a6570; font-size: .85em; } .card .value { font-size: 1.4em; font-weight: 600; }

@@ -41,6 +41,8 @@ _PG_SCHEMES = ("postgresql://", "postgres://")
 _SECRET_KEY = re.compile(r"pass|secret|token|credential|auth")
 #: ``key=value`` in free text (a query string, a keyword DSN quoted in a message); the key may be percent-encoded.
 _KEYWORD = re.compile(r"([A-Za-z0-9_.%\-]+)(\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s&;'\"]*)")
+#: Between two URLs of a failover list (``;`` or ``,``, as kombu writes it): split there, show each.
+_LIST_SEP = re.compile(r"(\s*[;,]\s*)(?=[a-z][a-z0-9+.\-]*://)", re.I)
 #: Something URL-shaped in free text.
 _URL = re.compile(r"(?i)\b[a-z][a-z0-9+.\-]*://[^\s'\"<>`]*")
 
@@ -68,12 +70,23 @@ def redact(url: object) -> str:
 
 
 def _display(text: str) -> str | None:
+    parts = _LIST_SEP.split(text.strip())
+    if len(parts) > 1:  # a failover list (``redis://h1/0;redis://:pw@h2/0``): each URL shown as parsed
+        each = [_display(part) for part in parts[::2]]
+        if any(one is None for one in each):
+            return None
+        return "".join(f"{one}{sep}" for one, sep in zip(each, [*parts[1::2], ""], strict=True))
     low = text.strip().lower()
     if low.startswith(_REDIS_SCHEMES):
         from redis.connection import parse_url
 
         parse_url(text)  # what redis-py would refuse is not shown
-        return _url(text, set())
+        shown = _url(text, set())
+        if low.startswith(("redis://", "rediss://")):  # the path is a db number; anything else is masked
+            path = urlsplit(text.strip()).path
+            if not re.fullmatch(r"/?\d*", path):
+                shown = shown.replace(path, "/" + MASK, 1) if path else shown
+        return shown
     if low.startswith(_PG_SCHEMES):
         return _url(text, _libpq_secrets(text))
     if "://" in text:  # another scheme (a mistyped one, a broker URL): the standard URL parser
@@ -133,6 +146,11 @@ def passwords(dsn: object) -> list[str] | None:
     if redact(text) == UNPARSED:
         return None
     found: set[str] = set()
+    listed = _LIST_SEP.split(text.strip())
+    if len(listed) > 1:  # a failover list: the secrets of each URL
+        for part in listed[::2]:
+            found |= set(passwords(part) or [])
+        return sorted((p for p in found if p), key=len, reverse=True)
     low = text.strip().lower()
     if "://" in text:
         parts = urlsplit(text.strip())

@@ -29,9 +29,12 @@ process index belongs) is read as empty and named under ``unreadable``: every
 reader (``stats``, the exporter, the page, ``doctor``) survives it.
 
 What is held *now* comes from the processes' gauges (``_metrics`` module
-docstring): one ``ZRANGE`` names them and one ``MGET`` reads them, in a second
-round trip only when any exist -- never a ``SCAN``, whatever the number of
-leases. A gauge that does not parse, or is older than the TTL it states, is
+docstring): one ``ZREVRANGEBYSCORE`` names them and one ``MGET`` reads them, in
+a second round trip only when any exist -- never a ``SCAN``, whatever the
+number of leases. Only the live window of the index is read (flushed in the
+last ``WINDOW_KEEP``, at most :data:`MAX_SKEW` ahead), newest first, at most
+:data:`MAX_PROCS`; the members left out are counted
+(``lockguard_folded_labels{label="process"}``). A gauge that does not parse, or is older than the TTL it states, is
 skipped.
 """
 
@@ -49,6 +52,7 @@ from ._metrics import (
     HISTOGRAM_FIELD_PREFIXES,
     HISTOGRAMS,
     OPERATOR_RELEASE,
+    WINDOW_KEEP,
     bucket_names,
     minute_key,
     parse_count,
@@ -86,12 +90,16 @@ def read(client: Any, prefix: str, now: float | None = None, windows: bool = Tru
     minutes = list(range(this_minute - max(WINDOWS), this_minute + 1)) if windows else []
     pipe = client.pipeline(transaction=False)
     pipe.hgetall(total_key(prefix))
-    pipe.zrange(procs_key(prefix), 0, -1)
+    # The live window only, newest first and at most MAX_PROCS: a planted index (future scores, or a
+    # million members) costs one bounded read, not a ZRANGE and MGET of all of it (issue 30).
+    pipe.zrevrangebyscore(procs_key(prefix), now + MAX_SKEW, now - WINDOW_KEEP, start=0, num=MAX_PROCS)
     for m in minutes:
         pipe.hgetall(minute_key(prefix, m))
     keys = [total_key(prefix), procs_key(prefix), *(minute_key(prefix, m) for m in minutes)]
     # Per-command errors come back as values: one planted key of the wrong type costs its own numbers only.
+    pipe.zcard(procs_key(prefix))
     replies = pipe.execute(raise_on_error=False)
+    indexed = replies.pop()
     unreadable: list[str] = []
     for i, (key, reply) in enumerate(zip(keys, replies, strict=True)):
         expected = list if i == 1 else dict
@@ -110,8 +118,16 @@ def read(client: Any, prefix: str, now: float | None = None, windows: bool = Tru
         "total": replies[0],
         "minutes": dict(zip(minutes, replies[2:], strict=True)),
         "gauges": parse_gauges(blobs, now),
+        # Index members not read: outside the live window (a planted future score) or past MAX_PROCS.
+        "procs_skipped": max(0, indexed - len(replies[1])) if isinstance(indexed, int) else 0,
         "unreadable": unreadable,
     }
+
+
+#: Process gauges one read takes at most (the newest first): a fleet's prefork children, with room to spare.
+MAX_PROCS = 4096
+#: How far in the future (seconds) a process's flush time may be and still count: clocks of other hosts.
+MAX_SKEW = 300.0
 
 
 def is_wrong_type(exc: BaseException) -> bool:
@@ -522,9 +538,16 @@ def prometheus(raw: dict[str, Any], templates: dict[str, str] | None = None) -> 
         lines,
         "lockguard_folded_labels",
         "gauge",
-        f'Label values past the series cap, summed under "{OTHER}" (task: per family; task_worker: per gauge).',
+        f'Label values past the series cap, summed under "{OTHER}" (task: per family; task_worker: per gauge; '
+        "process: process gauges not read, outside the live window or past the cap).",
     )
-    folded = {"task": folded_tasks, "event": folded_events, "template": folded_templates, "task_worker": folded_pairs}
+    folded = {
+        "task": folded_tasks,
+        "event": folded_events,
+        "template": folded_templates,
+        "task_worker": folded_pairs,
+        "process": raw.get("procs_skipped", 0),
+    }
     for label, n in folded.items():
         lines.append(f'lockguard_folded_labels{{label="{label}"}} {n}')
     last = parse_timestamp(total.get("@last_flush_at"))

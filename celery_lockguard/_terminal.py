@@ -58,11 +58,15 @@ def entity(value: object, limit: int | None = MAX_SHOWN) -> str:
     U+0430 for a Latin ``a``, or a key written before NFC rendering (``cafe`` and U+0301 beside ``caf``
     and U+00E9). The operator sees ``caf\\xe9`` and ``cafe\\u0301`` in brackets after each, so two rows
     that look alike read apart; the key as stored stays on the left, to copy into ``release``.
+    Likewise a key whose spaces a table's padding or a browser would hide (leading, trailing or repeated:
+    ``acct:1 `` beside ``acct:1``, ``acct:  2`` beside ``acct: 2``): its brackets spell every space ``\\x20``.
     """
     shown = printable(value, limit)
-    if shown.isascii():
+    spaces = shown != shown.strip(" ") or "  " in shown
+    if shown.isascii() and not spaces:
         return shown
-    return f"{shown} [{''.join(c if c.isascii() else _escape(c) for c in shown)}]"
+    spelled = "".join(c if c.isascii() and not (spaces and c == " ") else _escape(c) for c in shown)
+    return f"{shown} [{spelled}]"
 
 
 def plural(n: int, singular: str, many: str | None = None) -> str:

@@ -362,7 +362,8 @@ def test_on_loopback_the_page_answers_to_loopback_names_only(
             code, body = get_with_host(port, path, host)
             assert code == 403, (host, path)
             assert b"inv:secret" not in body and b"loopback names only" in body
-    assert get_with_host(port, "/metrics", "attacker.example")[0] == 200  # /metrics answers as it always has
+    assert get_with_host(port, "/metrics", "attacker.example")[0] == 403  # /metrics names tasks too (issue 30)
+    assert get_with_host(port, "/metrics", f"127.0.0.1:{port}")[0] == 200  # what Prometheus sends: its target
     for host in (f"127.0.0.1:{port}", f"localhost:{port}", "LOCALHOST.", f"[::1]:{port}", "127.1.2.3", "ops.localhost",
                  None):  # fmt: skip
         code, body = get_with_host(port, "/page/data.json", host)
