@@ -1,0 +1,115 @@
+"""A second fresh-context security review of the operator surfaces (issue 30): what it reproduced.
+
+Each test fails on the code reviewed (main after the first review's fixes, tests/test_secreview.py); its
+docstring says what was observed and what was expected. The exporter tests run the real exporter process
+against the real Redis under a private key prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import selectors
+import socket
+import time
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_lockguard._config import ConfigurationError, load_settings
+from celery_lockguard._redact import redact
+
+from .conftest import make_cfg
+from .test_page import start_page
+from .test_secreview import _hold, _stop
+
+pytestmark = pytest.mark.integration
+
+LIST_PW = "Listpw9q"  # a password inside a connection-string setting given as a list
+
+
+def test_a_connection_string_given_as_a_list_prints_its_password() -> None:
+    """``redact`` prints a list or tuple of URLs whole, password included (low-medium: credential disclosure).
+
+    Repro: ``lockguard_completion_backend = ["postgresql://u:PW@h/db"]`` (a list, as Celery accepts
+    ``broker_url`` as a list), then load the app's settings (a worker, ``celery ... lockguard ...``).
+    Observed: ``ConfigurationError: setting lockguard_completion_backend="://['postgresql://u:PW@h/db']"
+    must be ...``: ``redact(value)`` turns the list into its ``str`` and, finding ``://`` in it, rebuilds it
+    with the standard URL parser, which sees no scheme and no userinfo and prints it all (``redact(["redis://
+    :PW@h/0"])`` likewise). The CLI happens to mask it again (its error passes ``redact_text``), but the
+    exception a worker or the API raises carries it. Expected: a value that is no string shown as
+    ``UNPARSED`` (or each element redacted), never echoed.
+    """
+    shown = {repr(v): redact(v) for v in ([f"redis://:{LIST_PW}@h/0"], (f"postgresql://u:{LIST_PW}@h/db",))}
+    app = Celery("secreview2", set_as_current=False)
+    app.conf.lockguard_completion_backend = [f"postgresql://u:{LIST_PW}@127.0.0.1:5432/test"]
+    with pytest.raises(ConfigurationError) as raised:
+        load_settings(app)
+    leaked = [f"{k} -> {v}" for k, v in shown.items() if LIST_PW in v]
+    if LIST_PW in str(raised.value):
+        leaked.append(f"ConfigurationError: {raised.value}")
+    assert not leaked, f"the password was printed: {leaked}"
+
+
+def test_readers_that_trickle_keep_every_slot_from_a_fresh_scrape(
+    r: redis.Redis, redis_url: str, prefix: str
+) -> None:
+    """Slow readers that read just enough are never "stalled", and still take every slot (medium: monitoring DoS).
+
+    Repro: a ``/page/data.json`` larger than the socket buffers (500 leases with 32 siblings each, as in
+    test_secreview's slow-reader test), then 8 connections from each of 127.0.0.2-127.0.0.5 that request it
+    and read 16 KiB every 0.1 s (160 KB/s each: a 64 KiB chunk never waits 1 s, so no handler counts as a
+    stalled writer and none is evicted). Observed: a fresh ``/metrics`` from 127.0.0.1 gets ``503 exporter
+    at connection limit`` for as long as they trickle (each answer takes ~30 s of the 40 s deadline, and
+    they reconnect). Expected (issue 30: slow clients must not starve real ones): a fresh scrape is
+    answered, e.g. a handler evicted by its answer's progress rate or age, not only a chunk stalled 1 s,
+    or a slot kept for scrapes.
+    """
+    siblings = json.dumps([f"s{i}:" + "y" * 300 for i in range(32)])
+    wide = "\u00e9" * 300
+    for n in range(500):
+        _hold(r, prefix, f"big:{n}", siblings=siblings, task_name=wide, worker=wide, host=wide, task_id=wide)
+    page = start_page(make_cfg(prefix, redis_url))  # defaults: 32 slots, a quarter per address
+    readers: list[socket.socket] = []
+    sel = selectors.DefaultSelector()
+    try:
+        assert len(page.get("/page/data.json", timeout=60)[2]) > 5 * 1024 * 1024  # past the socket buffers
+        for peer in ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"):
+            for _ in range(8):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock.bind((peer, 0))
+                sock.connect(("127.0.0.1", page.port))
+                sock.sendall(b"GET /page/data.json HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+                sock.setblocking(False)
+                readers.append(sock)
+        codes: list[int] = []
+        deadline = time.monotonic() + 6.0
+        next_scrape = time.monotonic() + 2.0  # the readers' handlers are all serving by then
+        while time.monotonic() < deadline:
+            for sock in readers:  # trickle: 16 KiB per reader per 0.1 s
+                try:
+                    sock.recv(16384)
+                except (BlockingIOError, OSError):
+                    pass
+            if time.monotonic() >= next_scrape:
+                code = _scrape(page.port)
+                codes.append(code)
+                next_scrape = time.monotonic() + 1.0
+            time.sleep(0.1)
+        assert codes and all(code == 200 for code in codes), f"fresh scrapes from 127.0.0.1 got {codes}"
+    finally:
+        sel.close()
+        for sock in readers:
+            sock.close()
+        _stop(page)
+
+
+def _scrape(port: int) -> int:
+    """One ``/metrics`` from 127.0.0.1 with a short timeout: its status code (0: no answer in time)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
+            sock.sendall(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+            line = sock.recv(64).split(b"\r\n", 1)[0].split()
+            return int(line[1]) if len(line) > 1 else 0
+    except OSError:
+        return 0
