@@ -17,9 +17,11 @@ import redis
 from celery import Celery
 
 from celery_lockguard._config import ConfigurationError, load_settings
+from celery_lockguard._keys import debounce_name
 from celery_lockguard._redact import redact
 
 from .conftest import make_cfg
+from .test_cli import cli
 from .test_page import start_page
 from .test_secreview import _hold, _stop
 
@@ -113,3 +115,29 @@ def _scrape(port: int) -> int:
             return int(line[1]) if len(line) > 1 else 0
     except OSError:
         return 0
+
+
+#: A planted field this large (bytes): what anyone who can write the lock Redis can store.
+HUGE = 8 * 1024 * 1024
+#: What one row of one answer may reasonably weigh, whatever its fields hold.
+BOUNDED = 1024 * 1024
+
+
+def test_locks_json_prints_a_planted_debounce_record_whole(r: redis.Redis, redis_url: str, prefix: str) -> None:
+    """``locks --json`` prints a debounce record's fields uncut (low: the operator's terminal and pipeline).
+
+    Repro: a debounce record hash (``{prefix}:v1:{acct:1}:debounce:billing.charge``, the layout
+    DEBOUNCE_PUBLISH writes) whose ``task_id`` and ``last_run`` are 8 MB each, then ``celery lockguard locks
+    --json``. Observed: over 16 MB printed for one row: the first review's fix cuts lease rows in
+    ``HeldLease.as_dict`` but ``DebounceRow.as_dict`` returns its fields as read (the text table cuts them,
+    through ``terminal.table``). Expected: every text field of every ``--json`` row cut at 256 characters
+    (``...[N more]``), as lease rows are.
+    """
+    name = debounce_name(prefix, "acct:1", "billing.charge")
+    r.hset(name, mapping={"task_id": "x" * HUGE, "state": "queued", "due_ms": "1", "last_run": "y" * HUGE})
+    r.pexpire(name, 600_000)
+    out = cli(make_cfg(prefix, redis_url), "locks", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [row for row in json.loads(out.stdout) if row.get("state") == "debounce"]
+    assert len(rows) == 1, out.stdout[:2000]
+    assert len(out.stdout) < BOUNDED, f"locks --json printed {len(out.stdout)} bytes for one debounce record"
