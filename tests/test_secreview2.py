@@ -18,6 +18,7 @@ from celery import Celery
 
 from celery_lockguard._config import ConfigurationError, load_settings
 from celery_lockguard._keys import debounce_name
+from celery_lockguard._metrics import proc_key, procs_key
 from celery_lockguard._redact import redact
 
 from .conftest import make_cfg
@@ -141,3 +142,46 @@ def test_locks_json_prints_a_planted_debounce_record_whole(r: redis.Redis, redis
     rows = [row for row in json.loads(out.stdout) if row.get("state") == "debounce"]
     assert len(rows) == 1, out.stdout[:2000]
     assert len(out.stdout) < BOUNDED, f"locks --json printed {len(out.stdout)} bytes for one debounce record"
+
+
+def _peak_rss_mb(pid: int) -> float:
+    """The process's peak resident set (VmHWM), in MB."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_a_scrape_reads_planted_process_gauges_whole(r: redis.Redis, redis_url: str, prefix: str) -> None:
+    """``/metrics`` reads every process gauge in the live window whole, whatever its size (low-medium: exporter
+    memory and CPU; the neighbour of the first review's bounded process index).
+
+    Repro: 24 process gauges (``...:metrics:{fleet}:proc:<host>:<pid>``, indexed in ``...:procs`` with a
+    current score, as a flush writes them) of 4 MB each (a valid gauge with a padding field), then a few
+    scrapes of ``/metrics``. Observed: the exporter's peak resident memory is ~210 MB above an exporter on an
+    empty prefix (62 MB): one ``MGET`` of 96 MB, decoded, then ``json.loads`` of each. The live window bounds the number of members
+    (4096) but not their bytes, so 4096 such gauges would be 16 GB per scrape. Expected: a gauge's size
+    bounded before it is read (e.g. ``STRLEN`` in the same pipeline, or ``GETRANGE`` to a cap, a larger one
+    skipped and counted), so a scrape's memory is bounded whatever Redis holds.
+    """
+    now = time.time()
+    pad = "x" * (4 * 1024 * 1024)
+    for n in range(24):
+        proc = f"planted:{n}"
+        r.set(proc_key(prefix, proc), json.dumps({"at": now, "ttl": 600, "held": [], "pad": pad}), ex=600)
+        r.zadd(procs_key(prefix), {proc: now})
+    baseline = start_page(make_cfg(f"{prefix}-empty", redis_url), page=False)  # nothing planted under it
+    try:
+        assert baseline.get("/metrics")[0] == 200
+        unplanted = _peak_rss_mb(baseline.proc.pid)
+    finally:
+        _stop(baseline)
+    page = start_page(make_cfg(prefix, redis_url), page=False)
+    try:
+        for _ in range(3):
+            assert page.get("/metrics", timeout=60)[0] == 200
+        grown = _peak_rss_mb(page.proc.pid) - unplanted
+    finally:
+        _stop(page)
+    assert grown < 64, f"the exporter's peak memory was {grown:.0f} MB above an empty prefix's after scrapes"
