@@ -18,7 +18,7 @@ from celery import Celery
 
 from celery_lockguard._config import ConfigurationError, load_settings
 from celery_lockguard._keys import debounce_name
-from celery_lockguard._metrics import proc_key, procs_key
+from celery_lockguard._metrics import proc_key, procs_key, total_key
 from celery_lockguard._redact import redact
 
 from .conftest import make_cfg
@@ -185,3 +185,21 @@ def test_a_scrape_reads_planted_process_gauges_whole(r: redis.Redis, redis_url: 
     finally:
         _stop(page)
     assert grown < 64, f"the exporter's peak memory was {grown:.0f} MB above an empty prefix's after scrapes"
+
+
+def test_stats_json_prints_a_planted_task_name_whole(r: redis.Redis, redis_url: str, prefix: str) -> None:
+    """``stats --json`` prints a task name from the metrics totals uncut (low: the operator's terminal and
+    pipeline).
+
+    Repro: one field ``<8 MB task name>|lock.acquired`` = 1 in the fleet's totals hash
+    (``...:metrics:{fleet}:total``, the layout a flush writes), and one ``<8 MB>|x`` = ``nan`` (a malformed
+    count), then ``celery lockguard stats --json``. Observed: over 16 MB printed (the task name as a key of
+    ``tasks``, the malformed field whole in ``malformed``), while ``stats`` (text) cuts both to 256
+    characters and ``/metrics`` to its label cap. Expected: text fields of ``--json`` cut as ``locks
+    --json`` now cuts lease fields (``...[N more]``), one answer bounded.
+    """
+    r.hset(total_key(prefix), mapping={"t" * HUGE + "|lock.acquired": "1", "m" * HUGE + "|x": "nan"})
+    out = cli(make_cfg(prefix, redis_url), "stats", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    json.loads(out.stdout)
+    assert len(out.stdout) < BOUNDED, f"stats --json printed {len(out.stdout)} bytes for two planted fields"
