@@ -54,9 +54,7 @@ def test_a_connection_string_given_as_a_list_prints_its_password() -> None:
     assert not leaked, f"the password was printed: {leaked}"
 
 
-def test_readers_that_trickle_keep_every_slot_from_a_fresh_scrape(
-    r: redis.Redis, redis_url: str, prefix: str
-) -> None:
+def test_readers_that_trickle_keep_every_slot_from_a_fresh_scrape(r: redis.Redis, redis_url: str, prefix: str) -> None:
     """Slow readers that read just enough are never "stalled", and still take every slot (medium: monitoring DoS).
 
     Repro: a ``/page/data.json`` larger than the socket buffers (500 leases with 32 siblings each, as in
@@ -160,8 +158,8 @@ def test_a_scrape_reads_planted_process_gauges_whole(r: redis.Redis, redis_url: 
     Repro: 24 process gauges (``...:metrics:{fleet}:proc:<host>:<pid>``, indexed in ``...:procs`` with a
     current score, as a flush writes them) of 4 MB each (a valid gauge with a padding field), then a few
     scrapes of ``/metrics``. Observed: the exporter's peak resident memory is ~210 MB above an exporter on an
-    empty prefix (62 MB): one ``MGET`` of 96 MB, decoded, then ``json.loads`` of each. The live window bounds the number of members
-    (4096) but not their bytes, so 4096 such gauges would be 16 GB per scrape. Expected: a gauge's size
+    empty prefix (62 MB): one ``MGET`` of 96 MB, decoded, then ``json.loads`` of each. The live window bounds the number
+    of members (4096) but not their bytes, so 4096 such gauges would be 16 GB per scrape. Expected: a gauge's size
     bounded before it is read (e.g. ``STRLEN`` in the same pipeline, or ``GETRANGE`` to a cap, a larger one
     skipped and counted), so a scrape's memory is bounded whatever Redis holds.
     """
@@ -203,3 +201,29 @@ def test_stats_json_prints_a_planted_task_name_whole(r: redis.Redis, redis_url: 
     assert out.returncode == 0, out.stderr[-2000:]
     json.loads(out.stdout)
     assert len(out.stdout) < BOUNDED, f"stats --json printed {len(out.stdout)} bytes for two planted fields"
+
+
+def test_a_format_character_and_its_escape_spelled_out_look_identical(
+    r: redis.Redis, redis_url: str, prefix: str
+) -> None:
+    """A key holding U+200B and a key holding the six characters ``\\u200b`` read the same (low: issue 30
+    item 7, look-alike entities).
+
+    Repro: leases on ``inv:1`` + U+200B (a zero-width space: key rendering percent-encodes whitespace and
+    control characters, but not format characters such as U+200B or U+202E, so a task renders it from an
+    argument) and on ``inv:1\\u200b`` (a literal backslash: rendering leaves backslashes alone), then
+    ``locks``. Observed: both rows show the text ``inv:1\\u200b``: ``printable`` escapes the format character to
+    ASCII text and leaves the backslash as it is, and ``entity`` adds its ``[...]`` spelling only when the
+    escaped text is non-ASCII, so neither gets one. Expected: two keys shown distinguishably (e.g. the
+    bracket spelling whenever ``printable`` escaped anything, or backslashes escaped in it).
+    """
+    keys = ("inv:1\u200b", "inv:1\\u200b")
+    assert keys[0] != keys[1] and len(keys[0]) == 6 and len(keys[1]) == 11
+    for key in keys:
+        _hold(r, prefix, key)
+    out = cli(make_cfg(prefix, redis_url), "locks")
+    lines = out.stdout.splitlines()
+    width = lines[0].index("STATE")
+    cells = [line[:width].rstrip() for line in lines if line.startswith("inv:")]
+    assert len(cells) == 2, out.stdout
+    assert cells[0] != cells[1], f"locks shows {cells} for two separate keys"
