@@ -18,12 +18,15 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import signals
 from celery.exceptions import TimeLimitExceeded
 
 from . import _metrics as metrics
+
+if TYPE_CHECKING:
+    from ._config import Settings
 
 _installed = False
 _lock = threading.Lock()
@@ -189,7 +192,8 @@ def free_reservation_from_main(task: Any, request: Any, args: Any, kwargs: Any) 
     """A parked delivery's copy discarded before it ran: free what the waiter queue holds for it.
 
     A woken copy: the reservation RELEASE made for it goes, and the next waiter is woken. A safety
-    copy: its entry leaves the queue, so no release hands the entity to a message that is gone.
+    copy: its entry leaves the queue, so no release hands the entity to a message that is gone. Either,
+    of several entities: the reservations its wait kept on the others go too (:func:`_give_back_kept`).
     """
     from . import _calls as calls
     from . import _handoff as handoff
@@ -213,9 +217,39 @@ def free_reservation_from_main(task: Any, request: Any, args: Any, kwargs: Any) 
     entity = headers.read_str(request, headers.PARK_ENTITY) or str(found.get(headers.PARK_ENTITY) or "")
     if entity and entity in names.keys:  # several entities: it parked on the one that blocked it
         key = entity
+    if len(names.keys) > 1:
+        _give_back_kept(task, s, names.keys, key, park_token, str(request.id))
     if not woken:
         return handoff.withdraw(task.app, s, key, park_token, task.name, request.id, limit=opts.limit)
     return handoff.abandon(task.app, s, key, park_token, task.name, request.id, limit=opts.limit)
+
+
+def _give_back_kept(
+    task: Any, s: Settings, keys: tuple[str, ...], parked_on: str, park_token: str, task_id: str
+) -> None:
+    """A discarded multi-entity copy: give back the reservations its wait kept on the other entities.
+
+    A woken copy blocked further up the order kept its reservations sorted before the blocker, re-tokened
+    to the park token both its copies carry (``_release.keep_before``); discarded, neither copy will adopt
+    them, and without this they would block those entities until their TTL (countdown + grace + reservation
+    TTL). KEEP_BEFORE is token-checked: another holder, or a lease the copy already took, is left alone. The
+    parked-on entity is left to ``withdraw``/``abandon``. Wakes each freed entity's waiter; never raises.
+    """
+    from . import _connection as connection
+    from . import _handoff as handoff
+    from . import _multi as multi
+    from ._events import emit
+
+    others = tuple(k for k in keys if k != parked_on)
+    if not others:
+        return
+    try:
+        client = connection.client(s)
+        _, woken = multi.keep_before(client, s.key_prefix, others, park_token, "", "", 0, handoff.reserve_ms())
+    except Exception as exc:  # noqa: BLE001 - the main process never fails on our account; they lapse by TTL
+        emit("lock.backend_unavailable", task.name, lock_key=others[0], task_id=task_id, reason=f"give back: {exc}")
+        return
+    handoff.wake(task.app, s, woken, task.name, task_id, client)
 
 
 def free_claim_from_main(task: Any, task_id: str, args: Any, kwargs: Any, reason: str) -> bool:

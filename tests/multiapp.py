@@ -33,3 +33,10 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
         fences = self.lock.fences
         record(ev="end", key="+".join(keys), keys=keys, tag=tag, task_id=self.request.id)
         return {"tag": tag, "fences": fences}
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="multi_single", lock_key="pair:{a}", lock_ttl=TTL)
+    def multi_single(self: Any, a: str, tag: str = "") -> dict[str, Any]:
+        """Work on the one entity ``pair:{a}``: a single-key task behind a multi-entity waiter's reservation."""
+        record(ev="start", key=f"pair:{a}", keys=[f"pair:{a}"], tag=tag, task_id=self.request.id)
+        record(ev="end", key=f"pair:{a}", keys=[f"pair:{a}"], tag=tag, task_id=self.request.id)
+        return {"tag": tag}

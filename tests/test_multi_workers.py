@@ -131,6 +131,35 @@ def test_a_woken_multi_waiter_blocked_further_up_the_order_keeps_its_reservation
     assert not r.exists(f"{prefix}:v1:{{pair:{lo}}}:lock"), "the kept reservation was adopted, then released"
 
 
+def test_a_revoked_multi_waiter_gives_back_its_kept_reservations_at_once(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """A waiter (lo, hi) keeps lo reserved and parks on hi; it is revoked: when its copy is discarded, lo is
+    given back with hi's reservation and lo's waiter woken, not left to the kept reservation's ~37 s TTL."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=2)
+    lo, hi = sorted(uuid.uuid4().hex[:8] for _ in range(2))
+    first = hold(r, prefix, lo)
+    waiter = app.tasks["multi_pair"].delay(hi, lo, "", "waiter")
+    parked(r, prefix, f"pair:{lo}")
+    second = hold(r, prefix, hi)
+    s = settings(app)
+    handoff.release(app, s, r, f"pair:{lo}", first.token, "ops.holder", first.task_id)  # wakes the waiter
+    parked(r, prefix, f"pair:{hi}")  # it keeps lo reserved and parks on hi
+    assert r.hgetall(f"{prefix}:v1:{{pair:{lo}}}:lock").get("state") == "handed"
+    replies = app.control.revoke(waiter.id, reply=True, timeout=5)
+    assert replies, "no worker acknowledged the revoke"
+    single = app.tasks["multi_single"].delay(lo, "single")
+    parked(r, prefix, f"pair:{lo}")  # the single-key task waits behind the kept reservation
+    # hi's end wakes the revoked waiter: the worker discards its woken copy, which frees hi and the kept lo
+    handoff.release(app, s, r, f"pair:{hi}", second.token, "ops.holder", second.task_id)
+    applied = time.time()
+    assert started(r, prefix, single.id, BOUND) - applied < BOUND
+    assert single.get(timeout=30)["tag"] == "single"
+    assert not [x for x in records(r, prefix) if x["task_id"] == waiter.id], "the revoked waiter ran"
+
+
 def test_a_terminated_multi_entity_holder_frees_every_entity_and_wakes_each_ones_waiter(
     fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
 ) -> None:
