@@ -61,6 +61,7 @@ from ._metrics import (
     procs_key,
     total_key,
 )
+from ._holders import cut_field
 from ._terminal import plural, printable
 
 #: Recent windows, in minutes (the longest must fit in ``metrics.WINDOW_KEEP``).
@@ -274,6 +275,28 @@ def summarize(raw: dict[str, Any], templates: dict[str, str] | None = None) -> d
         "malformed": sorted(malformed)[:MAX_MALFORMED_LISTED],
         "malformed_count": len(malformed),
         "unreadable": list(raw.get("unreadable", [])),
+    }
+
+
+def for_json(summary: dict[str, Any]) -> dict[str, Any]:
+    """``summary`` with every text field cut (:func:`~._holders.cut_field`), as ``stats --json`` prints it.
+
+    Task and worker names and malformed field names are read from hashes anyone with Redis access can
+    write: one planted 8 MB name would otherwise be printed whole (issue 30).
+    """
+    tasks: dict[str, Any] = {}
+    for task, entry in summary["tasks"].items():
+        entry = dict(entry)
+        if "key_template" in entry:
+            entry["key_template"] = cut_field(entry["key_template"])
+        if "held_now" in entry:
+            entry["held_now"] = {cut_field(w): v for w, v in entry["held_now"].items()}
+        tasks[str(cut_field(task))] = entry
+    return {
+        **summary,
+        "tasks": tasks,
+        "malformed": [cut_field(f) for f in summary["malformed"]],
+        "unreadable": [cut_field(k) for k in summary["unreadable"]],
     }
 
 
