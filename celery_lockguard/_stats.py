@@ -29,8 +29,10 @@ process index belongs) is read as empty and named under ``unreadable``: every
 reader (``stats``, the exporter, the page, ``doctor``) survives it.
 
 What is held *now* comes from the processes' gauges (``_metrics`` module
-docstring): one ``ZREVRANGEBYSCORE`` names them and one ``MGET`` reads them, in
-a second round trip only when any exist -- never a ``SCAN``, whatever the
+docstring): one ``ZREVRANGEBYSCORE`` names them and one pipeline reads them
+(``STRLEN`` and ``GETRANGE`` up to :data:`MAX_GAUGE_BYTES` each; a larger
+gauge is skipped and counted with the members left out), in a second round
+trip only when any exist -- never a ``SCAN``, whatever the
 number of leases. Only the live window of the index is read (flushed in the
 last ``WINDOW_KEEP``, at most :data:`MAX_SKEW` ahead), newest first, at most
 :data:`MAX_PROCS`; the members left out are counted
@@ -84,7 +86,8 @@ _WAIT_EVENTS = ("lock.retry_scheduled",)
 def read(client: Any, prefix: str, now: float | None = None, windows: bool = True) -> dict[str, Any]:
     """Totals, the processes' gauges and (unless ``windows=False``, enough for Prometheus) the last hour's minutes.
 
-    One pipeline, and one ``MGET`` after it when any process has a live gauge.
+    One pipeline, and one more after it (``STRLEN`` and a bounded ``GETRANGE`` per gauge) when any process
+    has a live gauge.
     """
     now = time.time() if now is None else now
     this_minute = int(now // 60)
@@ -113,20 +116,48 @@ def read(client: Any, prefix: str, now: float | None = None, windows: bool = Tru
             unreadable.append(key)
             replies[i] = expected()
     procs = [p for p in replies[1] if isinstance(p, str)]
-    blobs = client.mget([proc_key(prefix, p) for p in procs]) if procs else []
+    blobs, oversized = _read_gauges(client, [proc_key(prefix, p) for p in procs])
     return {
         "now": now,
         "total": replies[0],
         "minutes": dict(zip(minutes, replies[2:], strict=True)),
         "gauges": parse_gauges(blobs, now),
-        # Index members not read: outside the live window (a planted future score) or past MAX_PROCS.
-        "procs_skipped": max(0, indexed - len(replies[1])) if isinstance(indexed, int) else 0,
+        # Index members not read: outside the live window (a planted future score) or past MAX_PROCS,
+        # or a gauge past MAX_GAUGE_BYTES.
+        "procs_skipped": (max(0, indexed - len(replies[1])) if isinstance(indexed, int) else 0) + oversized,
         "unreadable": unreadable,
     }
 
 
 #: Process gauges one read takes at most (the newest first): a fleet's prefork children, with room to spare.
 MAX_PROCS = 4096
+#: Largest process gauge read (bytes): a process's held rows, one per task it runs, with room to spare. One
+#: scrape reads at most MAX_PROCS of them, so its memory is bounded whatever Redis holds.
+MAX_GAUGE_BYTES = 64 * 1024
+
+
+def _read_gauges(client: Any, names: list[str]) -> tuple[list[Any], int]:
+    """The process gauges ``names`` (None where unreadable), and how many were past :data:`MAX_GAUGE_BYTES`.
+
+    One pipeline: ``STRLEN`` and ``GETRANGE`` up to the bound of each, so a planted 4 MB gauge costs
+    :data:`MAX_GAUGE_BYTES` of this reader's memory, not 4 MB (issue 30); it is skipped and counted.
+    """
+    if not names:
+        return [], 0
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.strlen(name)
+        pipe.getrange(name, 0, MAX_GAUGE_BYTES - 1)
+    replies = pipe.execute(raise_on_error=False)  # a key of the wrong type: an error value, skipped
+    blobs: list[Any] = []
+    oversized = 0
+    for size, blob in zip(replies[::2], replies[1::2], strict=True):
+        if isinstance(size, int) and size > MAX_GAUGE_BYTES:
+            oversized += 1
+            blobs.append(None)
+        else:
+            blobs.append(blob if isinstance(size, int) and size > 0 else None)
+    return blobs, oversized
 #: How far in the future (seconds) a process's flush time may be and still count: clocks of other hosts.
 MAX_SKEW = 300.0
 
@@ -562,7 +593,7 @@ def prometheus(raw: dict[str, Any], templates: dict[str, str] | None = None) -> 
         "lockguard_folded_labels",
         "gauge",
         f'Label values past the series cap, summed under "{OTHER}" (task: per family; task_worker: per gauge; '
-        "process: process gauges not read, outside the live window or past the cap).",
+        "process: process gauges not read, outside the live window, past the cap or over the size bound).",
     )
     folded = {
         "task": folded_tasks,
