@@ -73,11 +73,25 @@ TASKS = (
 )
 
 #: ``celery lockguard``: locks (SCAN, TIME, HGETALL, PTTL), release (HGETALL + a script), stats and
-#: the exporter (HGETALL; ZRANGE + MGET for the held-now gauges), doctor (INFO; CONFIG GET only when
+#: the exporter (HGETALL; ZREVRANGEBYSCORE, then STRLEN + GETRANGE for the held-now gauges), doctor (INFO; CONFIG GET only when
 #: INFO lacks the policy, failure tolerated), completions show/forget (GET, PTTL, HGETALL, DEL), and
 #: the starts in a ``lock_rate`` entity's window (ZCOUNT, read by ``locks``); the first rows of ``locks``
 #: and the page (a read-only script run with EVALSHA: SCAN, HGET, LLEN inside; DBSIZE for its estimate).
-CLI = ("scan", "time", "hgetall", "pttl", "info", "config|get", "del", "zrange", "mget", "zcount", "dbsize")
+CLI = (
+    "scan",
+    "time",
+    "hgetall",
+    "pttl",
+    "info",
+    "config|get",
+    "del",
+    "zrange",
+    "zrevrangebyscore",
+    "strlen",
+    "getrange",
+    "zcount",
+    "dbsize",
+)
 
 #: Redis Cluster clients also read the topology and the command table.
 CLUSTER = ("cluster|slots", "cluster|shards", "cluster|nodes", "command", "readonly")

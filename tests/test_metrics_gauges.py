@@ -345,7 +345,8 @@ def test_no_round_trip_per_task_and_no_scan_per_scrape(own_redis: RedisServer, r
         text = stats.prometheus(stats.read(client, prefix, windows=False))
     scraped = commandstats(client)
     assert "scan" not in scraped and "keys" not in scraped
-    assert scraped["mget"] == 10 and scraped["zrange"] == 10 and scraped["hgetall"] == 10
+    assert scraped["getrange"] == 50 and scraped["strlen"] == 50  # one of each per gauge, in one pipeline
+    assert scraped["zrevrangebyscore"] == 10 and scraped["hgetall"] == 10
     assert sum(samples(text, "lockguard_leases_held").values()) == 50
 
 
