@@ -50,6 +50,7 @@ from typing import Any
 
 import redis
 
+from ._holders import cut_field
 from ._metrics import (
     HISTOGRAM_FIELD_PREFIXES,
     HISTOGRAMS,
@@ -63,7 +64,6 @@ from ._metrics import (
     procs_key,
     total_key,
 )
-from ._holders import cut_field
 from ._terminal import plural, printable
 
 #: Recent windows, in minutes (the longest must fit in ``metrics.WINDOW_KEEP``).
@@ -158,6 +158,8 @@ def _read_gauges(client: Any, names: list[str]) -> tuple[list[Any], int]:
         else:
             blobs.append(blob if isinstance(size, int) and size > 0 else None)
     return blobs, oversized
+
+
 #: How far in the future (seconds) a process's flush time may be and still count: clocks of other hosts.
 MAX_SKEW = 300.0
 
