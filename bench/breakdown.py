@@ -21,6 +21,8 @@ from __future__ import annotations
 import itertools
 import resource
 import socket
+import statistics
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -194,3 +196,67 @@ def measure(url: str, rounds: int, n: int) -> list[BreakdownRow]:
         )
         for name in tasks
     ]
+
+
+#: Deliveries counted per variant by :func:`calls_per_delivery` (after a warm-up of as many).
+CALL_COUNT_N = 21
+
+
+def calls_per_delivery(url: str, n: int = CALL_COUNT_N) -> dict[str, float]:
+    """Python and C function calls one ``apply()`` makes on this thread, per variant (median over ``n``).
+
+    Deterministic where the µs are weather: what a delivery *touches* (issue 33: code between two
+    blocking round trips costs several times its warm cost), so a change that adds calls to the
+    path shows here first. The median leaves out the rare delivery that also folds the metrics
+    ledger (every 2,048 entries). Only the default variant and the scripts floor are counted: their
+    difference is the task logic's calls.
+    """
+    _app_obj, tasks = _app(url)
+    args = itertools.count()
+    calls = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event == "call" or event == "c_call":
+            calls += 1
+
+    out: dict[str, float] = {}
+    for name in (DEFAULT, WIRE_FLOOR, PLAIN):
+        task = tasks[name]
+        for _ in range(n):  # warm-up: settings, options, client, scripts, renewer thread
+            task.apply((next(args),))
+        per: list[int] = []
+        for _ in range(n):
+            a = (next(args),)
+            calls = 0
+            sys.setprofile(profile)
+            try:
+                task.apply(a)
+            finally:
+                sys.setprofile(None)
+            per.append(calls)
+        out[name] = statistics.median(per)
+    return out
+
+
+def main() -> None:
+    """``python -m bench.breakdown [REDIS_URL] [ROUNDS] [N]``: this section alone, on a server you give it.
+
+    For re-measuring the task logic against the scripts floor without the full run (keys are under a
+    fresh ``benchbd*`` prefix; nothing is flushed). Prints each row and the calls per delivery.
+    """
+    url = sys.argv[1] if len(sys.argv) > 1 else "redis://127.0.0.1:6379/0"
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 30
+    n = int(sys.argv[3]) if len(sys.argv) > 3 else 300
+    rows = measure(url, rounds, n)
+    for row in rows:
+        print(f"{row.name}: CPU {row.cpu_us.fmt()} µs, CPU vs default {row.cpu_vs_default.fmt('+.0f')} µs")
+    by = {row.name: row for row in rows}
+    logic = Summary([-x for x in by[WIRE_FLOOR].cpu_vs_default.values])
+    print(f"task logic over the scripts floor (CPU, paired): {logic.fmt()} µs")
+    calls = calls_per_delivery(url)
+    print(f"calls per delivery: {calls}; task logic {calls[DEFAULT] - calls[WIRE_FLOOR]:.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -270,6 +270,17 @@ def render(res: Results, plot_name: str | None) -> str:
         f"(system time, against {plain_bd.sys_us.median:.0f} µs for the plain task): the two round trips' "
         "socket calls and the wake-ups of a server that went idle between them, which no client code removes.\n"
     )
+    calls = res.breakdown_calls
+    if breakdown_mod.DEFAULT in calls and breakdown_mod.WIRE_FLOOR in calls:
+        default_calls, floor_calls = calls[breakdown_mod.DEFAULT], calls[breakdown_mod.WIRE_FLOOR]
+        add(
+            f"**Function calls per delivery** (Python and C, `sys.setprofile` on the calling thread, median of "
+            f"{breakdown_mod.CALL_COUNT_N}; deterministic where the µs are not): the default variant makes "
+            f"{default_calls:.0f}, lockguard's ACQUIRE and RELEASE with no logic {floor_calls:.0f}, the plain "
+            f"task {calls.get(breakdown_mod.PLAIN, float('nan')):.0f}: the task logic touches "
+            f"{default_calls - floor_calls:.0f} calls per delivery (346 before issue 33's cut; checked in "
+            "every run, `bench-quick` included).\n"
+        )
 
     # -- contention ------------------------------------------------------------
     add("## 3. Contention: one hot key\n")

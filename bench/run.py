@@ -90,6 +90,10 @@ RATES = [10, 100, 1000]
 #: Hard limits checked in every mode (issue 8): more is a regression, not noise.
 MAX_LOCK_ROUND_TRIPS = 2
 MAX_RENEW_ROUND_TRIPS_PER_TICK = 1
+#: Function calls (Python and C) the task logic adds per uncontended in-process delivery over lockguard's own
+#: ACQUIRE and RELEASE (issue 33; deterministic, ``breakdown.calls_per_delivery``): 346 before the cut, 266 after.
+#: More is code added to the path between the two round trips; raise it deliberately, saying why.
+MAX_TASK_LOGIC_CALLS = 275
 #: Slack of the per-task round-trip checks (see bench.e2e.ROUND_TRIP_SLACK).
 ROUND_TRIP_SLACK = e2e.ROUND_TRIP_SLACK
 #: Debounce (issue 16): lock round trips a debounced publish sends (DEBOUNCE_PUBLISH, waited; DEBOUNCE_SETTLE,
@@ -122,6 +126,8 @@ class Results:
     limits: limits.LimitsResult | None = None
     cycle_probe: tuple[int, int] = (0, 0)
     breakdown: list[breakdown.BreakdownRow] = field(default_factory=list)
+    #: Function calls per in-process delivery, per breakdown variant (``breakdown.calls_per_delivery``).
+    breakdown_calls: dict[str, float] = field(default_factory=dict)
     hot: list[contention.ContentionResult] = field(default_factory=list)
     renewal: list[renewal.RenewalResult] = field(default_factory=list)
     memory: list[memory.MemoryRow] = field(default_factory=list)
@@ -290,6 +296,15 @@ def run(quick: bool, command: str) -> Results:
 
     def do_breakdown(srv: RedisServer) -> None:
         res.breakdown = breakdown.measure(srv.url, p["breakdown_rounds"], p["breakdown_n"])
+        res.breakdown_calls = calls = breakdown.calls_per_delivery(srv.url)
+        logic = calls[breakdown.DEFAULT] - calls[breakdown.WIRE_FLOOR]
+        res.checks.append(
+            (
+                f"task logic function calls per delivery over the scripts floor <= {MAX_TASK_LOGIC_CALLS}",
+                logic <= MAX_TASK_LOGIC_CALLS,
+                f"{logic:.0f} ({calls[breakdown.DEFAULT]:.0f} - {calls[breakdown.WIRE_FLOOR]:.0f})",
+            )
+        )
 
     def do_hot(srv: RedisServer) -> None:
         res.hot = contention.measure(srv.url, p["hot_seconds"])

@@ -502,21 +502,23 @@ class TaskOptions:
         name, in the key order the digest sorts by (made once: it is on every delivery's path)."""
         return _digest_order(self.positional_names or ())
 
-    @property
+    # The derived options below are read on every delivery: each is computed once per task (cached
+    # in the instance, so later reads are plain attribute reads).
+    @functools.cached_property
     def slotted(self) -> bool:
         """Whether ACQUIRE goes through the slot script (``lock_limit`` > 1 or a ``lock_rate``)."""
         return self.limit > 1 or self.rate is not None
 
-    @property
+    @functools.cached_property
     def ttl_ms(self) -> int:
         return max(1, int(self.ttl * 1000))
 
-    @property
+    @functools.cached_property
     def replicas_timeout_ms(self) -> int:
         """How long ``WAIT`` may block an acquisition: a tenth of the TTL, at most one second."""
         return max(10, min(1000, self.ttl_ms // 10))
 
-    @property
+    @functools.cached_property
     def locked(self) -> bool:
         """Whether calls take a lease at all (a key or a scope to lock on)."""
         return self.lock_key is not None or self.idempotency_key is not None

@@ -58,7 +58,7 @@ from ._renewer import renewer
 from ._request import event_fields
 
 
-def run_body(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def run_body(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], req: Any = None) -> Any:
     """Run the body under the delivery's own request, through the other task classes' ``__call__``.
 
     Where the next ``__call__`` in the MRO is Celery's own, the body runs as a worker runs it
@@ -68,9 +68,11 @@ def run_body(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     :meth:`LockGuard.push_request`). Outside a worker (``apply()``, eager mode) ``Task.__call__`` would
     push a copy of that request first: a second ``Context`` per call. Any other ``__call__``
     (Django's task class, a user's base, a wrapper patched onto ``Task.__call__``) is kept.
+    ``req``: ``task.request``, when the caller has it at hand.
     """
     if taskclass.runs_plainly(type(task)):
-        req = task.request
+        if req is None:
+            req = task.request
         req._protected = 1
         _task_stack.push(task)
         try:
@@ -121,20 +123,22 @@ class DeliveryState:
 
     @classmethod
     def of(
-        cls, task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kwargs: dict[str, Any]
+        cls, task: Any, req: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> DeliveryState:
-        """The state a delivery starts with, from its request's headers."""
-        req = task.request
-        # The lock wait counts from the message's first delivery (carried by its waits), else from now.
-        first_ms = headers.read_ms(req, headers.FIRST_DELIVERED) or int(time.time() * 1000)
+        """The state a delivery starts with, from its request's headers (``req``: ``task.request``)."""
         call = calls.render(opts, req.id, args, kwargs)
         client = connection.client(s)
         store = records.store_for(task, s) if opts.completion else None
-        watch_copy = headers.read(req, headers.WATCH) is not None
-        claim_token = headers.read_str(req, headers.CLAIM)
+        # A plain first delivery carries none of our headers: one test instead of a read per header.
+        carried = headers.carried(req)
+        # The lock wait counts from the message's first delivery (carried by its waits), else from now.
+        first_ms = (headers.read_ms(req, headers.FIRST_DELIVERED) if carried else 0) or int(time.time() * 1000)
+        watch_copy = carried and headers.read(req, headers.WATCH) is not None
+        claim_token = headers.read_str(req, headers.CLAIM) if carried else ""
         # A copy of a parked delivery (safety or woken) settles with its waiter entry before ACQUIRE, and
         # adopts the reservation RELEASE made for it (token = park token), if it is still there.
-        park_token = headers.read_str(req, headers.PARK) if opts.mode == "while_running" and not watch_copy else ""
+        parks = carried and opts.mode == "while_running" and not watch_copy
+        park_token = headers.read_str(req, headers.PARK) if parks else ""
         # A lock_limit waiter parks behind its N slots (a slot's release wakes it into that slot); a lock_rate
         # waiter backs off with a countdown instead (docs/limits.md): its start window is freed by time, not
         # by a release.
@@ -152,7 +156,7 @@ class DeliveryState:
             start_claim=claim_token,
             park_token=park_token,
             reserved=park_token,
-            parked=multi.parked_on(call, headers.read_str(req, headers.PARK_ENTITY)),
+            parked=multi.parked_on(call, headers.read_str(req, headers.PARK_ENTITY)) if carried else call,
             can_park=can_park and opts.rate is None,
         )
 
@@ -160,7 +164,7 @@ class DeliveryState:
 def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Acquire, decide, carry out; loop only to adopt a claim or to wait in-process."""
     req = task.request
-    state = DeliveryState.of(task, s, opts, args, kwargs)
+    state = DeliveryState.of(task, req, s, opts, args, kwargs)
     call, store = state.call, state.store
     if state.watch_copy and store is not None and not store.in_scripts:
         # A watch copy checks the record first: acquiring to read it would make copies arriving
@@ -182,7 +186,17 @@ def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kw
                 waits.settle_parked(task, s, state.parked, state.client, state.park_token)
                 state.park_token = ""
             got = _acquire(
-                task, s, opts, call, state.client, token, state.replace_token, store, state.start_claim, state.reserved
+                task,
+                req,
+                s,
+                opts,
+                call,
+                state.client,
+                token,
+                state.replace_token,
+                store,
+                state.start_claim,
+                state.reserved,
             )
         except Ignore:
             raise
@@ -232,7 +246,7 @@ def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kw
                 # A parked shared waiter got its slot: pass the wake on, so that when an exclusive holder
                 # ends, every free slot goes to a parked waiter, not only the one its release handed out.
                 handoff.wake_if_free(task.app, s, call.key, task.name, str(req.id), limit=opts.limit)
-            return _run_locked(task, s, opts, call, state.client, got, args, kwargs)
+            return _run_locked(task, req, s, opts, call, state.client, got, args, kwargs)
         if action is Action.ADOPT:
             assert holder is not None
             emit(
@@ -395,6 +409,7 @@ def _finish(
 
 def _acquire(
     task: Any,
+    req: Any,
     s: Settings,
     opts: TaskOptions,
     call: CallNames,
@@ -408,8 +423,8 @@ def _acquire(
     """ACQUIRE for this call: a lease, the holder it met, its record, or a full start window (``lock_rate``).
 
     ``reserved``: a woken copy's park token (several entities: what Cluster's in-order path keeps).
+    ``req``: ``task.request`` (read once per delivery: each read is a walk of Celery's request stack).
     """
-    req = task.request
     if call.keys:  # several entities: all or nothing (_multi)
         return multi.acquire(
             client,
@@ -428,7 +443,7 @@ def _acquire(
             wake=lambda woken: handoff.wake(task.app, s, woken, task.name, req.id, client),
             reserve_ms=handoff.reserve_ms(),
             replicas=opts.replicas,
-            replicas_timeout_ms=max(1, min(opts.replicas_timeout_ms, int(s.socket_timeout * 500))),
+            replicas_timeout_ms=_replicas_timeout_ms(s, opts),
             reserved=reserved,
         )
     return lease_ops.acquire(
@@ -446,11 +461,18 @@ def _acquire(
         replace_token=replace_token,
         claim_token=claim_token,
         replicas=opts.replicas,
-        # WAIT must answer well inside the socket timeout, or a slow replica reads as an outage.
-        replicas_timeout_ms=max(1, min(opts.replicas_timeout_ms, int(s.socket_timeout * 500))),
+        replicas_timeout_ms=_replicas_timeout_ms(s, opts),
         limit=opts.limit,
         rate=(opts.rate.count, opts.rate.window_ms) if opts.rate is not None else None,
     )
+
+
+def _replicas_timeout_ms(s: Settings, opts: TaskOptions) -> int:
+    """How long ACQUIRE's ``WAIT`` may block (0 when no replicas are asked for: nothing reads it then)."""
+    if not opts.replicas:
+        return 0
+    # WAIT must answer well inside the socket timeout, or a slow replica reads as an outage.
+    return max(1, min(opts.replicas_timeout_ms, int(s.socket_timeout * 500)))
 
 
 def _outcome(
@@ -590,6 +612,7 @@ def _holder_alive(task: Any, holder: Holder, own: bool) -> bool:
 
 def _run_locked(
     task: Any,
+    req: Any,
     s: Settings,
     opts: TaskOptions,
     call: CallNames,
@@ -598,8 +621,8 @@ def _run_locked(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
-    """Run the body under ``lease`` (renewed, on the request as ``self.lock``); release it, recording, on every exit."""
-    req = task.request
+    """Run the body under ``lease`` (renewed, on the request ``req`` as ``self.lock``); release it, recording, on
+    every exit."""
     emit(
         "lock.acquired", task.name, lock_key=call.key, task_id=req.id, fence=lease.fence_field, **multi.set_fields(call)
     )
@@ -639,12 +662,12 @@ def _run_locked(
             replaced = debounce.start(task, s, opts, client, call.key)
             if replaced is not None:  # taken while waiting for the lease, then replaced: release unrun
                 return replaced
-        result = run_body(task, args, kwargs)
+        result = run_body(task, args, kwargs, req)
         done = call
         return result
     finally:
         metrics.lease_ended(lease)
-        release_ops.release(task, s, opts, lease, done, result, later=not req.is_eager)
+        release_ops.release(task, s, opts, lease, done, result, later=not req.is_eager, client=client)
 
 
 def _fail_open(

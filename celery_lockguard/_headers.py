@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from celery.app.task import Context
+
 #: Lock/outage waits spent so far, counted apart from ``request.retries`` (budget: ``lock_max_waits``).
 WAITS = "lockguard_waits"
 #: Marks a watch copy (see ``republish.watch``), with how many watches came before it.
@@ -48,6 +50,27 @@ ALL = (WAITS, WATCH, WATCH_TOKEN, CLAIM, ATTEMPT, PARK, PARK_ENTITY, WOKEN, PARK
 #: set on every member when ``workflow()`` publishes. Not in :data:`ALL`: a retry keeps it (a new attempt
 #: of the same member), and every self-republish carries it on (``_republish``).
 WORKFLOW = "lockguard_workflow"
+
+
+#: Every header name lockguard reads from a delivered message (:data:`ALL` and :data:`WORKFLOW`).
+_OURS = frozenset((*ALL, WORKFLOW))
+
+
+def carried(request: Any) -> bool:
+    """Whether the message behind ``request`` may carry a lockguard header; ``False`` on a plain first delivery.
+
+    One set test per place a header can be (``request.headers``, the request's own fields) decides
+    what would otherwise be a :func:`read` per header, each ``None``: a delivery that is no wait,
+    park, watch, claim or workflow member reads none of them. A request that is not Celery's
+    ``Context`` answers ``True`` (read each header as usual).
+    """
+    if type(request) is not Context:
+        return True
+    found = request.__dict__
+    if not _OURS.isdisjoint(found):
+        return True
+    h = found.get("headers")
+    return isinstance(h, dict) and not _OURS.isdisjoint(h)
 
 
 def read(request: Any, name: str) -> Any:

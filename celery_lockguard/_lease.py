@@ -43,6 +43,8 @@ from ._process import PerProcess
 from .exceptions import LockLost
 
 HOST = socket.gethostname()
+#: ``HOST`` as holder metadata (bounded once, not per acquisition).
+HOST_META = meta(HOST)
 
 
 def drift_margin(ttl_ms: int) -> float:
@@ -336,7 +338,7 @@ def acquire(
         meta(task_id),
         meta(task_name),
         meta(digest),
-        meta(HOST),
+        HOST_META,
         os.getpid(),
         meta(worker),
         state,

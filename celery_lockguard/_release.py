@@ -87,6 +87,7 @@ def release(
     done: CallNames | None = None,
     result: Any = None,
     later: bool = False,
+    client: Any = None,
 ) -> None:
     """Stop renewal, then release; record completion after a successful body.
 
@@ -95,6 +96,7 @@ def release(
     the lease is free on the server either way, only its report comes later.
     A failing release never turns a successful body into a failure, whatever
     the error: the lease then expires by its TTL, and the event says so.
+    ``client``: the process's client for ``s``, when the caller has it at hand.
     """
     renewer().untrack(lease)
     if lease.released:
@@ -102,12 +104,12 @@ def release(
     scope, record, ttl_ms = None, "", 0
     if done is not None and opts.completion:
         record, ttl_ms = records.record_for(task, done, lease.task_id, result)
-        store = records.store_for(task, s)
-        if not store.in_scripts:
-            records.record_elsewhere(task, store, done, lease.task_id, record, ttl_ms)
-        else:
+        if s.completion_backend == "redis":  # the record goes in RELEASE (records.store_for: in_scripts)
             scope = done.record
-    client = connection.client(s)
+        else:
+            records.record_elsewhere(task, records.store_for(task, s), done, lease.task_id, record, ttl_ms)
+    if client is None:
+        client = connection.client(s)
     ch = wire.channel(client)
     # Deferred only to a server on another host (``_wire.Channel.defers_release``); release_later decides
     # exactly (it declines on Cluster when the record lives in another slot).

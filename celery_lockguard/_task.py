@@ -312,7 +312,7 @@ class LockGuard(Task):
             return self._call_direct(args, kwargs)
         s = settings(self.app)
         opts = self.lockguard_options
-        member = workflow.member_of(req, self.name) if s.enabled else None
+        member = workflow.member_of(req, self.name) if s.enabled and headers.carried(req) else None
         if member is not None:  # a member of a workflow: the workflow's lease first (_workflow)
             setattr(req, ENTERED, True)
             return workflow.deliver(self, s, opts, member, args, kwargs)

@@ -69,7 +69,7 @@ def current_span() -> Any:
     context; :func:`span_event` given this span puts the event on the task
     that held the lease instead of on whatever span is current there.
     """
-    trace = _api()
+    trace = _trace if _trace is not _UNSET else _api()
     if trace is None:
         return None
     span = trace.get_current_span()
@@ -89,7 +89,7 @@ def span_event(event: str, task_name: str | None, fields: dict[str, Any], span: 
     if event not in SPAN_EVENTS or span is None:
         return
     if span is CURRENT:
-        trace = _api()
+        trace = _trace if _trace is not _UNSET else _api()  # no call once looked up (each delivery emits)
         if trace is None:
             return
         span = trace.get_current_span()
