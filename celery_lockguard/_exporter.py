@@ -1,7 +1,7 @@
 """``lockguard exporter``: the fleet's metrics over HTTP for Prometheus, hardened against who connects.
 
 Each scrape of ``/metrics`` reads the flushed totals and the processes'
-gauges from Redis (one pipeline, plus one bounded read when any process holds a
+gauges from Redis (one pipeline, plus a bounded read when any process holds a
 lease: never a ``SCAN``) and answers them as Prometheus text
 (:func:`celery_lockguard._stats.prometheus`). The
 server is a thread per connection, bounded every way a client (or a port

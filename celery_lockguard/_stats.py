@@ -29,10 +29,11 @@ process index belongs) is read as empty and named under ``unreadable``: every
 reader (``stats``, the exporter, the page, ``doctor``) survives it.
 
 What is held *now* comes from the processes' gauges (``_metrics`` module
-docstring): one ``ZREVRANGEBYSCORE`` names them and one pipeline reads them
-(``STRLEN`` and ``GETRANGE`` up to :data:`MAX_GAUGE_BYTES` each; a larger
-gauge is skipped and counted with the members left out), in a second round
-trip only when any exist -- never a ``SCAN``, whatever the
+docstring): one ``ZREVRANGEBYSCORE`` names them, one pipeline of ``STRLEN``
+sizes them and one of ``GETRANGE`` reads them (each at most
+:data:`MAX_GAUGE_BYTES`, all at most :data:`MAX_GAUGES_BYTES`; a larger
+gauge is skipped and counted with the members left out), only when any exist
+-- never a ``SCAN``, whatever the
 number of leases. Only the live window of the index is read (flushed in the
 last ``WINDOW_KEEP``, at most :data:`MAX_SKEW` ahead), newest first, at most
 :data:`MAX_PROCS`; the members left out are counted
@@ -86,8 +87,8 @@ _WAIT_EVENTS = ("lock.retry_scheduled",)
 def read(client: Any, prefix: str, now: float | None = None, windows: bool = True) -> dict[str, Any]:
     """Totals, the processes' gauges and (unless ``windows=False``, enough for Prometheus) the last hour's minutes.
 
-    One pipeline, and one more after it (``STRLEN`` and a bounded ``GETRANGE`` per gauge) when any process
-    has a live gauge.
+    One pipeline, and two more after it (``STRLEN``, then a bounded ``GETRANGE`` per gauge) when any
+    process has a live gauge.
     """
     now = time.time() if now is None else now
     this_minute = int(now // 60)
@@ -123,7 +124,7 @@ def read(client: Any, prefix: str, now: float | None = None, windows: bool = Tru
         "minutes": dict(zip(minutes, replies[2:], strict=True)),
         "gauges": parse_gauges(blobs, now),
         # Index members not read: outside the live window (a planted future score) or past MAX_PROCS,
-        # or a gauge past MAX_GAUGE_BYTES.
+        # or a gauge past MAX_GAUGE_BYTES (or the read's MAX_GAUGES_BYTES).
         "procs_skipped": (max(0, indexed - len(replies[1])) if isinstance(indexed, int) else 0) + oversized,
         "unreadable": unreadable,
     }
@@ -131,32 +132,44 @@ def read(client: Any, prefix: str, now: float | None = None, windows: bool = Tru
 
 #: Process gauges one read takes at most (the newest first): a fleet's prefork children, with room to spare.
 MAX_PROCS = 4096
-#: Largest process gauge read (bytes): a process's held rows, one per task it runs, with room to spare. One
-#: scrape reads at most MAX_PROCS of them, so its memory is bounded whatever Redis holds.
-MAX_GAUGE_BYTES = 64 * 1024
+#: Largest process gauge read (bytes): a process's held rows, one per task it holds now, with room to spare.
+MAX_GAUGE_BYTES = 1024 * 1024
+#: Bytes of process gauges one read takes at most (newest first): thousands of processes' real gauges.
+MAX_GAUGES_BYTES = 16 * 1024 * 1024
 
 
 def _read_gauges(client: Any, names: list[str]) -> tuple[list[Any], int]:
-    """The process gauges ``names`` (None where unreadable), and how many were past :data:`MAX_GAUGE_BYTES`.
+    """The process gauges ``names`` (None where unreadable), and how many were too large to read.
 
-    One pipeline: ``STRLEN`` and ``GETRANGE`` up to the bound of each, so a planted 4 MB gauge costs
-    :data:`MAX_GAUGE_BYTES` of this reader's memory, not 4 MB (issue 30); it is skipped and counted.
+    ``STRLEN`` of each first (one pipeline), then ``GETRANGE`` up to its size of those within
+    :data:`MAX_GAUGE_BYTES` while the total stays within :data:`MAX_GAUGES_BYTES` (one more): planted
+    4 MB gauges cost this reader nothing, not an ``MGET`` of all of them (issue 30). A gauge rewritten
+    larger in between is read only up to the size it had (a cut JSON, skipped as not parsing).
     """
     if not names:
         return [], 0
     pipe = client.pipeline(transaction=False)
     for name in names:
         pipe.strlen(name)
-        pipe.getrange(name, 0, MAX_GAUGE_BYTES - 1)
-    replies = pipe.execute(raise_on_error=False)  # a key of the wrong type: an error value, skipped
-    blobs: list[Any] = []
+    sizes = pipe.execute(raise_on_error=False)  # a key of the wrong type: an error value, skipped
+    budget = MAX_GAUGES_BYTES
+    wanted: list[tuple[int, int]] = []  # (index, bytes)
     oversized = 0
-    for size, blob in zip(replies[::2], replies[1::2], strict=True):
-        if isinstance(size, int) and size > MAX_GAUGE_BYTES:
+    for i, size in enumerate(sizes):
+        if not isinstance(size, int) or size <= 0:
+            continue
+        if size > MAX_GAUGE_BYTES or size > budget:
             oversized += 1
-            blobs.append(None)
-        else:
-            blobs.append(blob if isinstance(size, int) and size > 0 else None)
+            continue
+        budget -= size
+        wanted.append((i, size))
+    blobs: list[Any] = [None] * len(names)
+    if wanted:
+        pipe = client.pipeline(transaction=False)
+        for i, size in wanted:
+            pipe.getrange(names[i], 0, size - 1)
+        for (i, _), blob in zip(wanted, pipe.execute(raise_on_error=False), strict=True):
+            blobs[i] = blob
     return blobs, oversized
 
 
