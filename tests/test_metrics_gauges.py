@@ -334,7 +334,7 @@ def test_no_round_trip_per_task_and_no_scan_per_scrape(own_redis: RedisServer, r
     client.config_resetstat()
     metrics.flush(client, prefix)
     assert commandstats(client)["multi"] == 1
-    # 50 bodies held "now" in 5 processes' gauges: each scrape reads them in three round trips (index, sizes, gauges), no SCAN.
+    # 50 bodies held "now" in 5 processes' gauges: a scrape reads them in 3 round trips (index, sizes, gauges).
     now = time.time()
     for p in range(5):
         row = {"task": "g.cheap", "worker": f"w{p}", "held": 10, "oldest_acquired_at": now - 5}
