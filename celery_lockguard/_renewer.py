@@ -532,17 +532,18 @@ class Renewer:
                 for e in self._entries.values():
                     node = cluster.node_name(e.client, e.lease.redis_key)
                     groups.setdefault((id(e.client), node), []).append(e)
+        if renew_at <= now:
+            for e, reason in cut:
+                self._report_cut(e, reason)
+            for entries in groups.values():
+                self._tick(entries)
+            self.ticks += 1
+            if len(self._own_clients) > len({key[0] for key in groups}):
+                self._prune_own_clients({key[0] for key in groups})
+        # After the renewals: a drain writes held commands and waits for their replies, a round trip (up to
+        # a socket timeout on a stalled server) that must not make a due renewal late.
         for channel in drains:
             channel.drain(block=False)  # a channel its owner is using is read by the owner's next command
-        if renew_at > now:
-            return
-        for e, reason in cut:
-            self._report_cut(e, reason)
-        for entries in groups.values():
-            self._tick(entries)
-        self.ticks += 1
-        if len(self._own_clients) > len({key[0] for key in groups}):
-            self._prune_own_clients({key[0] for key in groups})
 
     def _prune_own_clients(self, in_use: set[int]) -> None:
         """Close this thread's copies of clients nobody can hand it again (forgotten, e.g. ``forget_clients``)."""
