@@ -127,3 +127,35 @@ def test_a_free_slot_never_wakes_a_shared_waiter_beside_the_exclusive_single_lea
     assert redeliver(export, _take(r, app, tid, woken=True)).state == "SUCCESS"
     redeliver(export, _take(r, app, tid, woken=False))
     assert published(r, app) == [] and not r.exists(slot_lock_name(prefix, "t:1", 0))
+
+
+def test_a_shared_waiter_giving_up_behind_the_single_lease_hands_no_slot_to_the_next(
+    redis_url: str, prefix: str
+) -> None:
+    """The model's failing program (test_model_with_limits[retry-2-None]): the single lease held, two exports park
+    behind it; the first reaches ``lock_max_waits`` and fails, freeing its (absent) reservation slot by slot. Its
+    RELEASE of the free slot 1 must not wake the second export into slot 1 beside the single lease.
+    """
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    app = make_app("shared-wake-giveup", redis_url, prefix)
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="sw.export3", lock_key="t:{t}", lock_limit=2,
+              on_locked="retry", lock_max_waits=3, lock_ttl=30)  # fmt: skip
+    def export(self: Any, t: int, a: int) -> int:
+        return a
+
+    delete = L.acquire(r, prefix, "t:1", ttl_ms=30_000, task_id="del", task_name="delete", digest="d",
+                       worker="elsewhere", fence_ttl_ms=60_000)  # fmt: skip
+    assert isinstance(delete, L.Lease)
+    export.delay(1, 10)
+    export.delay(1, 20)
+    queue = f"{prefix}:kombu:{app.conf.task_default_queue}"
+    states = []
+    while msgs := published(r, app):  # every copy, in order: each waits behind the single lease, then gives up
+        r.rpop(queue)
+        states.append(redeliver(export, msgs[0]).state)
+        assert not r.exists(slot_lock_name(prefix, "t:1", 1)), (states, r.hgetall(slot_lock_name(prefix, "t:1", 1)))
+        assert r.hget(slot_lock_name(prefix, "t:1", 0), "task_id") == "del"
+    assert states == ["RETRY"] * 6 + ["FAILURE"] * 2, states
+    assert r.llen(wait_name(prefix, "t:1")) == 0
+    L.release(r, delete, prefix)
