@@ -72,12 +72,26 @@ TASKS = (
     "del",
 )
 
-#: ``celery lockguard``: locks (SCAN, TIME, HGETALL, PTTL), release (HGETALL + a script), stats and
-#: the exporter (HGETALL; ZRANGE + MGET for the held-now gauges), doctor (INFO; CONFIG GET only when
-#: INFO lacks the policy, failure tolerated), completions show/forget (GET, PTTL, HGETALL, DEL), and
-#: the starts in a ``lock_rate`` entity's window (ZCOUNT, read by ``locks``); the first rows of ``locks``
-#: and the page (a read-only script run with EVALSHA: SCAN, HGET, LLEN inside; DBSIZE for its estimate).
-CLI = ("scan", "time", "hgetall", "pttl", "info", "config|get", "del", "zrange", "mget", "zcount", "dbsize")
+#: ``celery lockguard``: locks (SCAN, TIME, HGETALL, PTTL), release (HGETALL + a script), stats, the
+#: exporter and doctor (HGETALL; ZREVRANGEBYSCORE over the live window, ZCARD for what it left out, MGET:
+#: the held-now gauges), doctor (INFO; CONFIG GET only when INFO lacks the policy, failure tolerated),
+#: completions show/forget (GET, PTTL, HGETALL, DEL), and the starts in a ``lock_rate`` entity's window
+#: (ZCOUNT, read by ``locks``); the first rows of ``locks`` and the page (a read-only script run with
+#: EVALSHA: SCAN, HGET, LLEN inside; DBSIZE for its estimate).
+CLI = (
+    "scan",
+    "time",
+    "hgetall",
+    "pttl",
+    "info",
+    "config|get",
+    "del",
+    "zrevrangebyscore",
+    "zcard",
+    "mget",
+    "zcount",
+    "dbsize",
+)
 
 #: Redis Cluster clients also read the topology and the command table.
 CLUSTER = ("cluster|slots", "cluster|shards", "cluster|nodes", "command", "readonly")

@@ -142,7 +142,7 @@ def test_the_page_reads_no_lease_while_nobody_views_it(private: RedisServer) -> 
         wait_for(lambda: "lockguard page" in proc.stdout.readline(), 60, what="the exporter to start")
         # After the first (metrics-only) sample, a window of 15 intervals. The one doctor run at start may fall
         # in it (its bounded SCAN sample, INFO): lease reads are PTTL and the scan script, which it never sends.
-        wait_for(lambda: _commands(r).get("zrange", 0) >= 1, 30, what="the first metrics sample")
+        wait_for(lambda: _commands(r).get("zrevrangebyscore", 0) >= 1, 30, what="the first metrics sample")
         before = _commands(r)
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline:  # 15 intervals: a sampler reading leases would have read them 15 times
