@@ -91,9 +91,10 @@ RATES = [10, 100, 1000]
 MAX_LOCK_ROUND_TRIPS = 2
 MAX_RENEW_ROUND_TRIPS_PER_TICK = 1
 #: Function calls (Python and C) the task logic adds per uncontended in-process delivery over lockguard's own
-#: ACQUIRE and RELEASE (issue 33; deterministic, ``breakdown.calls_per_delivery``): 346 before the cut, 266 after.
-#: More is code added to the path between the two round trips; raise it deliberately, saying why.
-MAX_TASK_LOGIC_CALLS = 275
+#: ACQUIRE and RELEASE (issue 33; deterministic for one set of installed versions, ``breakdown.calls_per_delivery``):
+#: 346 before the cut, 266 after in one bench venv and 280 in a fresh one (its redis-py/Celery builds differ: the
+#: floor moved too, 453 -> 473). More is code added to the path between the two round trips; raise it deliberately.
+MAX_TASK_LOGIC_CALLS = 300
 #: Slack of the per-task round-trip checks (see bench.e2e.ROUND_TRIP_SLACK).
 ROUND_TRIP_SLACK = e2e.ROUND_TRIP_SLACK
 #: Debounce (issue 16): lock round trips a debounced publish sends (DEBOUNCE_PUBLISH, waited; DEBOUNCE_SETTLE,

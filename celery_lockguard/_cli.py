@@ -574,7 +574,7 @@ def stats_(ctx: click.Context, as_json: bool, prometheus: bool, **_: Any) -> Non
         return
     summary = stats.summarize(raw, _inventory.key_templates(_app(ctx)))
     if as_json:
-        _echo_json(summary)
+        _echo_json(stats.for_json(summary))
         return
     if summary["malformed_count"]:
         listed = ", ".join(printable(f) for f in summary["malformed"])

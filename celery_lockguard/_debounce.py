@@ -61,7 +61,7 @@ from ._decision import (
     decide_debounced,
 )
 from ._events import emit
-from ._holders import number, server_ms
+from ._holders import cut_field, number, server_ms
 from .exceptions import BackendUnavailable, ConfigurationError
 
 #: Seconds a delivery that came early waits in its worker process; longer, it republishes itself.
@@ -517,15 +517,15 @@ class DebounceRow:
     def as_dict(self) -> dict[str, Any]:
         """The row of ``lockguard locks --json`` (``state: "debounce"`` tells it from a lease row)."""
         return {
-            "key": self.key,
-            "redis_key": self.redis_key,
+            "key": cut_field(self.key),
+            "redis_key": cut_field(self.redis_key),
             "state": "debounce",
-            "task_name": self.task_name,
-            "task_id": self.pending_task_id,
-            "debounce_state": self.state,
+            "task_name": cut_field(self.task_name),
+            "task_id": cut_field(self.pending_task_id),
+            "debounce_state": cut_field(self.state),
             "due_in_ms": self.due_in_ms,
             "superseded": self.superseded,
-            "last_run": self.last_run,
+            "last_run": cut_field(self.last_run),
             "ttl_left_ms": self.ttl_left_ms,
         }
 

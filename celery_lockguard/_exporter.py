@@ -1,7 +1,7 @@
 """``lockguard exporter``: the fleet's metrics over HTTP for Prometheus, hardened against who connects.
 
 Each scrape of ``/metrics`` reads the flushed totals and the processes'
-gauges from Redis (one pipeline, plus one ``MGET`` when any process holds a
+gauges from Redis (one pipeline, plus a bounded read when any process holds a
 lease: never a ``SCAN``) and answers them as Prometheus text
 (:func:`celery_lockguard._stats.prometheus`). The
 server is a thread per connection, bounded every way a client (or a port
@@ -26,11 +26,15 @@ scanner, or a half-open load balancer) can hold it:
   closed;
 * **a handler timeout** (``timeout``): a handler whose client stops reading
   or sending for that long is closed;
-* **stalled writers yield**: a handler whose client has not taken a 64 KiB
-  chunk of its answer for ``STALLED`` (1 s) is closed when a fresh request
-  finds every slot (or its peer's share) taken, and that request gets its
-  slot. Slow readers from four addresses (a quarter of the slots each) used to
-  hold every slot for the handler timeout and answer real scrapes 503;
+* **slow answers yield**: a handler writing its answer whose client has not
+  taken a 64 KiB chunk of it for ``STALLED`` (1 s), or whose request arrived
+  more than ``SLOW_ANSWER`` (1 s) ago, is closed when a fresh request finds
+  every slot (or its peer's share) taken (the oldest request first), and that
+  request gets its slot. Slow readers from
+  four addresses (a quarter of the slots each) used to hold every slot for
+  the handler timeout and answer real scrapes 503; readers that trickle just
+  fast enough never to stall a chunk (16 KiB every 0.1 s) did too, until
+  the answer's age counted;
 * **a deadline** (``4 * timeout``): a handler still running that long after
   its request arrived is cut off, by a reaper thread;
 * **backoff on accept errors**: out of file descriptors (``EMFILE``), the
@@ -96,6 +100,9 @@ MAX_HEAD = 65536
 WRITE_CHUNK = 65536
 #: Seconds a handler may wait on a client that does not read before its slot can go to a fresh request.
 STALLED = 1.0
+#: Seconds a request whose answer is being written may have been served before its slot can go to a fresh
+#: request: a client that reads just enough never stalls a chunk for :data:`STALLED`, and still holds a slot.
+SLOW_ANSWER = 1.0
 #: Waiting connections closed at once to free descriptors when ``accept`` fails with ``EMFILE``.
 EVICT_ON_EMFILE = 16
 _TOO_LARGE = (
@@ -287,6 +294,8 @@ class MetricsServer(ThreadingHTTPServer):
         self._per_peer: dict[str, int] = {}
         #: Handlers blocked writing to their client, and since when (``_open_lock``).
         self._writing: dict[socket.socket, float] = {}
+        #: Handlers that have started writing their answer (``_open_lock``).
+        self._answering: set[socket.socket] = set()
         self.max_per_peer = max(1, max_connections // PEER_SHARE)
         self._open_lock = threading.Lock()
         self._backoff = 0.0
@@ -392,6 +401,7 @@ class MetricsServer(ThreadingHTTPServer):
     def _forget_open(self, request: Any) -> bool:
         """Take ``request`` off the served ones (``_open_lock`` held); whether it held a slot."""
         self._writing.pop(request, None)
+        self._answering.discard(request)
         known = self._open.pop(request, None)
         if known is not None:
             left = self._per_peer.get(known[1], 1) - 1
@@ -408,20 +418,25 @@ class MetricsServer(ThreadingHTTPServer):
                 self._writing.pop(request, None)
             elif request in self._open:
                 self._writing[request] = since
+                self._answering.add(request)
 
     def _stalled_writer(self, peer: str | None) -> socket.socket | None:
-        """The request (of ``peer``, else of anyone) whose client has not read for longest, if past
-        :data:`STALLED`: taken off the served ones, its slot now the caller's (``_open_lock`` held).
+        """The request (of ``peer``, else of anyone) served longest whose answer is being written, if its
+        client has not taken a chunk for :data:`STALLED` or the request arrived more than
+        :data:`SLOW_ANSWER` ago: taken off the served ones, its slot now the caller's (``_open_lock`` held).
 
         Slow readers from a few addresses could otherwise hold every slot (a quarter each) for the whole
-        handler timeout, and answer every fresh scrape 503 (issue 30).
+        handler timeout, and answer every fresh scrape 503; readers that trickle (16 KiB every 0.1 s)
+        never stall a chunk for a second, so the answer's age counts too (issue 30).
         """
-        cutoff = time.monotonic() - STALLED
-        stalled = [
-            (since, sock)
-            for sock, since in self._writing.items()
-            if since < cutoff and (peer is None or self._open.get(sock, (0.0, ""))[1] == peer)
-        ]
+        now = time.monotonic()
+        stalled: list[tuple[float, socket.socket]] = []
+        for sock in self._answering:
+            arrived, whose = self._open.get(sock, (now, ""))
+            if peer is not None and whose != peer:
+                continue
+            if arrived < now - SLOW_ANSWER or self._writing.get(sock, now) < now - STALLED:
+                stalled.append((arrived, sock))
         if not stalled:
             return None
         sock = min(stalled, key=lambda item: item[0])[1]

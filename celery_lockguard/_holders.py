@@ -102,8 +102,12 @@ def _sibling(key: str) -> str:
 MAX_FIELD = MAX_SHOWN
 
 
-def _cut(text: str | None) -> str | None:
-    """``text`` cut to :data:`MAX_FIELD` characters, ``...[N more]`` saying how many were cut (None stays)."""
+def cut_field(text: str | None) -> str | None:
+    """``text`` cut to :data:`MAX_FIELD` characters, ``...[N more]`` saying how many were cut (None stays).
+
+    Every text field of a ``--json`` row (``locks``, ``stats``) goes through it: a field planted in Redis
+    may be megabytes long, and one answer stays bounded whatever Redis holds.
+    """
     if text is None or len(text) <= MAX_FIELD:
         return text
     return f"{text[:MAX_FIELD]}...[{len(text) - MAX_FIELD} more]"
@@ -225,13 +229,13 @@ class HeldLease:
         field planted with megabytes is one bounded row, not megabytes per answer (issue 30).
         """
         row: dict[str, Any] = {
-            "key": _cut(self.key),
-            "redis_key": _cut(self.redis_key),
-            "state": _cut(self.state),
-            "task_name": _cut(self.task_name),
-            "task_id": _cut(self.task_id),
-            "worker": _cut(self.worker),
-            "host": _cut(self.host),
+            "key": cut_field(self.key),
+            "redis_key": cut_field(self.redis_key),
+            "state": cut_field(self.state),
+            "task_name": cut_field(self.task_name),
+            "task_id": cut_field(self.task_id),
+            "worker": cut_field(self.worker),
+            "host": cut_field(self.host),
             "pid": self.pid,
             "fence": self.fence,
             "held_for_ms": self.held_for_ms,
@@ -247,9 +251,9 @@ class HeldLease:
             ),
         }
         if self.workflow_id is not None:  # a workflow's lease: its id and the member at it
-            row.update(workflow_id=_cut(self.workflow_id), member=_cut(self.member))
+            row.update(workflow_id=cut_field(self.workflow_id), member=cut_field(self.member))
         if self.sibling_count:  # a multi-entity holder: the other entities of its acquisition
-            row.update(siblings=[_cut(k) for k in self.siblings], sibling_count=self.sibling_count)
+            row.update(siblings=[cut_field(k) for k in self.siblings], sibling_count=self.sibling_count)
         return row
 
     @property
@@ -315,8 +319,8 @@ class EntityUse:
     def as_dict(self, prefix: str) -> dict[str, Any]:
         """The row of ``lockguard locks --json`` for a start window no slot holder carries (``state: "window"``)."""
         return {
-            "key": self.key,
-            "redis_key": rate_name(prefix, self.key),
+            "key": cut_field(self.key),
+            "redis_key": cut_field(rate_name(prefix, self.key)),
             "state": "window",
             "held": self.held,
             "limit": self.limit,

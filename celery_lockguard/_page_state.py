@@ -246,7 +246,7 @@ class Snapshot:
             "busy_entities": [b.as_dict() for b in self.busy],
             "limited_entities": [{**use.as_dict(self.prefix), "text": use.text()} for use in self.uses],
             "samples": [s.__dict__ for s in self.samples],
-            "tasks": (self.summary or {}).get("tasks", {}),
+            "tasks": stats.for_json(self.summary)["tasks"] if self.summary else {},
             "doctor": {
                 "at": self.doctor.at,
                 "error": self.doctor.error,

@@ -43,6 +43,8 @@ _SECRET_KEY = re.compile(r"pass|secret|token|credential|auth")
 _KEYWORD = re.compile(r"([A-Za-z0-9_.%\-]+)(\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s&;'\"]*)")
 #: Between two URLs of a failover list (``;`` or ``,``, as kombu writes it): split there, show each.
 _LIST_SEP = re.compile(r"(\s*[;,]\s*)(?=[a-z][a-z0-9+.\-]*://)", re.I)
+#: A URL's scheme at the start of a string.
+_SCHEME = re.compile(r"[a-z][a-z0-9+.\-]*://", re.I)
 #: Something URL-shaped in free text.
 _URL = re.compile(r"(?i)\b[a-z][a-z0-9+.\-]*://[^\s'\"<>`]*")
 
@@ -57,11 +59,20 @@ def redact(url: object) -> str:
 
     Empty and ``None`` are shown as they are, and a word that cannot carry a
     credential (``redis``, a bare host name) as written; anything else that
-    its parser refuses becomes :data:`UNPARSED`.
+    its parser refuses becomes :data:`UNPARSED`. A list or tuple (Celery
+    accepts ``broker_url`` as one) is shown element by element; any other
+    value that is no string is :data:`UNPARSED` (its ``str`` may hold a
+    secret no parser saw).
     """
     if url is None or url == "":
         return str(url)
-    text = str(url)
+    if isinstance(url, (list, tuple)):
+        return "[" + ", ".join(redact(each) for each in url) + "]"
+    if isinstance(url, bool | int | float):
+        return str(url)
+    if not isinstance(url, str):
+        return UNPARSED
+    text = url
     try:
         shown = _display(text)
     except Exception:  # noqa: BLE001 - any parser failure: the string is not shown
@@ -90,6 +101,8 @@ def _display(text: str) -> str | None:
     if low.startswith(_PG_SCHEMES):
         return _url(text, _libpq_secrets(text))
     if "://" in text:  # another scheme (a mistyped one, a broker URL): the standard URL parser
+        if not _SCHEME.match(text.strip()):  # ``://`` not after a scheme: the parser would see no userinfo
+            return None
         return _url(text, set())
     if "=" in text:
         conninfo = _conninfo(text)

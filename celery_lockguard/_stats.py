@@ -29,8 +29,11 @@ process index belongs) is read as empty and named under ``unreadable``: every
 reader (``stats``, the exporter, the page, ``doctor``) survives it.
 
 What is held *now* comes from the processes' gauges (``_metrics`` module
-docstring): one ``ZREVRANGEBYSCORE`` names them and one ``MGET`` reads them, in
-a second round trip only when any exist -- never a ``SCAN``, whatever the
+docstring): one ``ZREVRANGEBYSCORE`` names them, one pipeline of ``STRLEN``
+sizes them and one of ``GETRANGE`` reads them (each at most
+:data:`MAX_GAUGE_BYTES`, all at most :data:`MAX_GAUGES_BYTES`; a larger
+gauge is skipped and counted with the members left out), only when any exist
+-- never a ``SCAN``, whatever the
 number of leases. Only the live window of the index is read (flushed in the
 last ``WINDOW_KEEP``, at most :data:`MAX_SKEW` ahead), newest first, at most
 :data:`MAX_PROCS`; the members left out are counted
@@ -48,6 +51,7 @@ from typing import Any
 
 import redis
 
+from ._holders import cut_field
 from ._metrics import (
     HISTOGRAM_FIELD_PREFIXES,
     HISTOGRAMS,
@@ -83,7 +87,8 @@ _WAIT_EVENTS = ("lock.retry_scheduled",)
 def read(client: Any, prefix: str, now: float | None = None, windows: bool = True) -> dict[str, Any]:
     """Totals, the processes' gauges and (unless ``windows=False``, enough for Prometheus) the last hour's minutes.
 
-    One pipeline, and one ``MGET`` after it when any process has a live gauge.
+    One pipeline, and two more after it (``STRLEN``, then a bounded ``GETRANGE`` per gauge) when any
+    process has a live gauge.
     """
     now = time.time() if now is None else now
     this_minute = int(now // 60)
@@ -112,20 +117,62 @@ def read(client: Any, prefix: str, now: float | None = None, windows: bool = Tru
             unreadable.append(key)
             replies[i] = expected()
     procs = [p for p in replies[1] if isinstance(p, str)]
-    blobs = client.mget([proc_key(prefix, p) for p in procs]) if procs else []
+    blobs, oversized = _read_gauges(client, [proc_key(prefix, p) for p in procs])
     return {
         "now": now,
         "total": replies[0],
         "minutes": dict(zip(minutes, replies[2:], strict=True)),
         "gauges": parse_gauges(blobs, now),
-        # Index members not read: outside the live window (a planted future score) or past MAX_PROCS.
-        "procs_skipped": max(0, indexed - len(replies[1])) if isinstance(indexed, int) else 0,
+        # Index members not read: outside the live window (a planted future score) or past MAX_PROCS,
+        # or a gauge past MAX_GAUGE_BYTES (or the read's MAX_GAUGES_BYTES).
+        "procs_skipped": (max(0, indexed - len(replies[1])) if isinstance(indexed, int) else 0) + oversized,
         "unreadable": unreadable,
     }
 
 
 #: Process gauges one read takes at most (the newest first): a fleet's prefork children, with room to spare.
 MAX_PROCS = 4096
+#: Largest process gauge read (bytes): a process's held rows, one per task it holds now, with room to spare.
+MAX_GAUGE_BYTES = 1024 * 1024
+#: Bytes of process gauges one read takes at most (newest first): thousands of processes' real gauges.
+MAX_GAUGES_BYTES = 16 * 1024 * 1024
+
+
+def _read_gauges(client: Any, names: list[str]) -> tuple[list[Any], int]:
+    """The process gauges ``names`` (None where unreadable), and how many were too large to read.
+
+    ``STRLEN`` of each first (one pipeline), then ``GETRANGE`` up to its size of those within
+    :data:`MAX_GAUGE_BYTES` while the total stays within :data:`MAX_GAUGES_BYTES` (one more): planted
+    4 MB gauges cost this reader nothing, not an ``MGET`` of all of them (issue 30). A gauge rewritten
+    larger in between is read only up to the size it had (a cut JSON, skipped as not parsing).
+    """
+    if not names:
+        return [], 0
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.strlen(name)
+    sizes = pipe.execute(raise_on_error=False)  # a key of the wrong type: an error value, skipped
+    budget = MAX_GAUGES_BYTES
+    wanted: list[tuple[int, int]] = []  # (index, bytes)
+    oversized = 0
+    for i, size in enumerate(sizes):
+        if not isinstance(size, int) or size <= 0:
+            continue
+        if size > MAX_GAUGE_BYTES or size > budget:
+            oversized += 1
+            continue
+        budget -= size
+        wanted.append((i, size))
+    blobs: list[Any] = [None] * len(names)
+    if wanted:
+        pipe = client.pipeline(transaction=False)
+        for i, size in wanted:
+            pipe.getrange(names[i], 0, size - 1)
+        for (i, _), blob in zip(wanted, pipe.execute(raise_on_error=False), strict=True):
+            blobs[i] = blob
+    return blobs, oversized
+
+
 #: How far in the future (seconds) a process's flush time may be and still count: clocks of other hosts.
 MAX_SKEW = 300.0
 
@@ -274,6 +321,28 @@ def summarize(raw: dict[str, Any], templates: dict[str, str] | None = None) -> d
         "malformed": sorted(malformed)[:MAX_MALFORMED_LISTED],
         "malformed_count": len(malformed),
         "unreadable": list(raw.get("unreadable", [])),
+    }
+
+
+def for_json(summary: dict[str, Any]) -> dict[str, Any]:
+    """``summary`` with every text field cut (:func:`~._holders.cut_field`), as ``stats --json`` prints it.
+
+    Task and worker names and malformed field names are read from hashes anyone with Redis access can
+    write: one planted 8 MB name would otherwise be printed whole (issue 30).
+    """
+    tasks: dict[str, Any] = {}
+    for task, entry in summary["tasks"].items():
+        entry = dict(entry)
+        if "key_template" in entry:
+            entry["key_template"] = cut_field(entry["key_template"])
+        if "held_now" in entry:
+            entry["held_now"] = {cut_field(w): v for w, v in entry["held_now"].items()}
+        tasks[str(cut_field(task))] = entry
+    return {
+        **summary,
+        "tasks": tasks,
+        "malformed": [cut_field(f) for f in summary["malformed"]],
+        "unreadable": [cut_field(k) for k in summary["unreadable"]],
     }
 
 
@@ -539,7 +608,7 @@ def prometheus(raw: dict[str, Any], templates: dict[str, str] | None = None) -> 
         "lockguard_folded_labels",
         "gauge",
         f'Label values past the series cap, summed under "{OTHER}" (task: per family; task_worker: per gauge; '
-        "process: process gauges not read, outside the live window or past the cap).",
+        "process: process gauges not read, outside the live window, past the cap or over the size bound).",
     )
     folded = {
         "task": folded_tasks,

@@ -60,13 +60,22 @@ def entity(value: object, limit: int | None = MAX_SHOWN) -> str:
     that look alike read apart; the key as stored stays on the left, to copy into ``release``.
     Likewise a key whose spaces a table's padding or a browser would hide (leading, trailing or repeated:
     ``acct:1 `` beside ``acct:1``, ``acct:  2`` beside ``acct: 2``): its brackets spell every space ``\\x20``.
+    Likewise a key with a backslash or a character :func:`printable` escapes: ``inv:1`` and U+200B
+    and the literal text ``inv:1\\u200b`` both show ``inv:1\\u200b``, but their brackets spell the
+    first ``inv:1\\u200b`` and the second ``inv:1\\\\u200b`` (a backslash spelled ``\\\\``).
     """
-    shown = printable(value, limit)
-    spaces = shown != shown.strip(" ") or "  " in shown
-    if shown.isascii() and not spaces:
+    text = value if isinstance(value, str) else str(value)
+    shown = printable(text, limit)
+    kept = text if limit is None else text[:limit]
+    spaces = kept != kept.strip(" ") or "  " in kept
+    if kept.isascii() and kept.isprintable() and "\\" not in kept and not spaces:
         return shown
-    spelled = "".join(c if c.isascii() and not (spaces and c == " ") else _escape(c) for c in shown)
-    return f"{shown} [{spelled}]"
+    spelled = "".join(
+        "\\\\" if c == "\\" else c if c.isascii() and c.isprintable() and not (spaces and c == " ") else _escape(c)
+        for c in kept
+    )
+    cut = len(text) - len(kept)
+    return f"{shown} [{spelled}{f'...[{cut} more]' if cut else ''}]"
 
 
 def plural(n: int, singular: str, many: str | None = None) -> str:

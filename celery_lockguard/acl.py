@@ -72,12 +72,12 @@ TASKS = (
     "del",
 )
 
-#: ``celery lockguard``: locks (SCAN, TIME, HGETALL, PTTL), release (HGETALL + a script), stats, the
-#: exporter and doctor (HGETALL; ZREVRANGEBYSCORE over the live window, ZCARD for what it left out, MGET:
-#: the held-now gauges), doctor (INFO; CONFIG GET only when INFO lacks the policy, failure tolerated),
-#: completions show/forget (GET, PTTL, HGETALL, DEL), and the starts in a ``lock_rate`` entity's window
-#: (ZCOUNT, read by ``locks``); the first rows of ``locks`` and the page (a read-only script run with
-#: EVALSHA: SCAN, HGET, LLEN inside; DBSIZE for its estimate).
+#: ``celery lockguard``: locks (SCAN, TIME, HGETALL, PTTL), release (HGETALL + a script), stats and
+#: the exporter (HGETALL; ZREVRANGEBYSCORE over the live window, ZCARD for what it left out, then
+#: STRLEN + GETRANGE for the held-now gauges), doctor (INFO; CONFIG GET only when INFO lacks the
+#: policy, failure tolerated), completions show/forget (GET, PTTL, HGETALL, DEL), and the starts in a
+#: ``lock_rate`` entity's window (ZCOUNT, read by ``locks``); the first rows of ``locks`` and the page
+#: (a read-only script run with EVALSHA: SCAN, HGET, LLEN inside; DBSIZE for its estimate).
 CLI = (
     "scan",
     "time",
@@ -88,7 +88,8 @@ CLI = (
     "del",
     "zrevrangebyscore",
     "zcard",
-    "mget",
+    "strlen",
+    "getrange",
     "zcount",
     "dbsize",
 )
