@@ -385,6 +385,13 @@ local function wake_oldest(queue, entries, freed, reserve_ms)
       local target, slot = freed, false
       if e[7] == 's' then
         slot = true
+        -- a slot and the single lease exclude each other: while {K}:lock is held by anything but a slot
+        -- lease (the single lease, a claim, an exclusive waiter's reservation), no slot i >= 1 is handed
+        -- out (a RELEASE of a slot already gone, a WAKE): the waiter stays parked, that holder's end wakes it
+        if target ~= lock_key then
+          local x = redis.call('HMGET', lock_key, 'token', 'slot')
+          if x[1] and not x[2] then return nil end
+        end
       else
         target = lock_key
         if redis.call('EXISTS', lock_key) == 1 then return nil end

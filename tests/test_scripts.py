@@ -1434,6 +1434,22 @@ def test_a_shared_waiter_parks_behind_an_exclusive_holder_although_slots_are_fre
     assert park_shared(c, "s2", limit=3).kind == "free", "slot 0 reserved as a slot: slots 1 and 2 free"
 
 
+def test_a_free_slot_wakes_no_shared_waiter_while_the_single_lease_holds_k_lock(c: Any) -> None:
+    # RELEASE of a slot already gone (a discarded woken copy frees its reservation slot by slot) and WAKE on a
+    # free slot must not reserve slot 1 for a shared waiter beside the single lease: they exclude each other.
+    d = take(c, key="e", task_id="d")
+    assert isinstance(d, L.Lease)
+    assert park_shared(c, "s1").kind == "parked"
+    slot1 = lock_name(P, "e") + ":1"
+    assert L.release_token(c, P, "e", "gone", reserve_ms=3000, lease_key=slot1, slot=1) == (0, 0, None)
+    assert L.wake_if_free(c, P, "e", 3000, 2) is None
+    assert not c.exists(slot1) and c.lrange(wait_name(P, "e"), 0, -1) == ["s1"]
+    assert c.hget(lock_name(P, "e"), "task_id") == "d"
+    released, _, woken = L.release_and_wake(c, d, P, reserve_ms=3000)  # its end wakes the waiter, into slot 0
+    assert released == 1 and woken is not None and woken.park_token == "s1"
+    assert c.hget(lock_name(P, "e"), "slot") == "0"
+
+
 def test_a_shared_head_waiter_is_woken_into_the_very_slot_that_came_free(c: Any) -> None:
     s0, s1 = slots(c, limit=2, task_id="e0"), slots(c, limit=2, task_id="e1")
     assert park_shared(c, "s1").kind == "parked"

@@ -85,3 +85,77 @@ def test_an_exclusive_end_wakes_a_shared_waiter_which_passes_the_wake_on_while_s
     assert sorted(seen) == ["w1", "w2", "w3"] and published(r, app) == []
     assert [export.AsyncResult(ids[t]).get(timeout=5) for t in ("w1", "w2", "w3")] == ["w1", "w2", "w3"]
     assert not r.exists(slot_lock_name(prefix, "t:1", 0), slot_lock_name(prefix, "t:1", 1))
+
+
+@pytest.mark.parametrize("end", ["abandon", "wake"])
+def test_a_free_slot_never_wakes_a_shared_waiter_beside_the_exclusive_single_lease(
+    redis_url: str, prefix: str, end: str
+) -> None:
+    """A lease end on a free slot >= 1 (RELEASE of a reservation already gone, as a discarded woken copy's
+    ``abandon`` tries each slot; WAKE after a lease cut short) must not hand that slot to a shared waiter while
+    the single lease holds ``{K}:lock``: the slot and the single lease exclude each other. The waiter stays
+    parked; the single lease's own end wakes it. (Found by the model: the single lease beside slots [0, 1].)
+    """
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    app = make_app("shared-wake-excl", redis_url, prefix)
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="sw.export2", lock_key="t:{t}", lock_limit=2,
+              on_locked="retry", lock_ttl=30)  # fmt: skip
+    def export(self: Any, t: int) -> int:
+        return t
+
+    delete = L.acquire(r, prefix, "t:1", ttl_ms=30_000, task_id="del", task_name="delete", digest="d",
+                       worker="elsewhere", fence_ttl_ms=60_000)  # fmt: skip
+    assert isinstance(delete, L.Lease)
+    tid = export.delay(1).id
+    (msg,) = published(r, app)
+    r.rpop(f"{prefix}:kombu:{app.conf.task_default_queue}")
+    assert redeliver(export, msg).state == "RETRY"  # parked behind the single lease
+    assert r.llen(wait_name(prefix, "t:1")) == 1
+
+    if end == "abandon":  # a woken copy discarded: its reservation (here: none) is freed slot by slot
+        assert not handoff.abandon(app, settings(app), "t:1", "gone-park-token", export.name, "other", limit=2)
+    else:
+        assert not handoff.wake_if_free(app, settings(app), "t:1", "x", "x", limit=2)
+    assert not r.exists(slot_lock_name(prefix, "t:1", 1)), r.hgetall(slot_lock_name(prefix, "t:1", 1))
+    assert r.hget(slot_lock_name(prefix, "t:1", 0), "task_id") == "del"
+    assert r.llen(wait_name(prefix, "t:1")) == 1  # still parked
+
+    _, _, woken = L.release_and_wake(r, delete, prefix, reserve_ms=handoff.reserve_ms())
+    assert handoff.wake(app, settings(app), woken, "delete", "del")
+    assert _state(r, prefix, 0) == ("handed", tid)  # the single lease's end wakes it, into slot 0
+    assert redeliver(export, _take(r, app, tid, woken=True)).state == "SUCCESS"
+    redeliver(export, _take(r, app, tid, woken=False))
+    assert published(r, app) == [] and not r.exists(slot_lock_name(prefix, "t:1", 0))
+
+
+def test_a_shared_waiter_giving_up_behind_the_single_lease_hands_no_slot_to_the_next(
+    redis_url: str, prefix: str
+) -> None:
+    """The model's failing program (test_model_with_limits[retry-2-None]): the single lease held, two exports park
+    behind it; the first reaches ``lock_max_waits`` and fails, freeing its (absent) reservation slot by slot. Its
+    RELEASE of the free slot 1 must not wake the second export into slot 1 beside the single lease.
+    """
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    app = make_app("shared-wake-giveup", redis_url, prefix)
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="sw.export3", lock_key="t:{t}", lock_limit=2,
+              on_locked="retry", lock_max_waits=3, lock_ttl=30)  # fmt: skip
+    def export(self: Any, t: int, a: int) -> int:
+        return a
+
+    delete = L.acquire(r, prefix, "t:1", ttl_ms=30_000, task_id="del", task_name="delete", digest="d",
+                       worker="elsewhere", fence_ttl_ms=60_000)  # fmt: skip
+    assert isinstance(delete, L.Lease)
+    export.delay(1, 10)
+    export.delay(1, 20)
+    queue = f"{prefix}:kombu:{app.conf.task_default_queue}"
+    states = []
+    while msgs := published(r, app):  # every copy, in order: each waits behind the single lease, then gives up
+        r.rpop(queue)
+        states.append(redeliver(export, msgs[0]).state)
+        assert not r.exists(slot_lock_name(prefix, "t:1", 1)), (states, r.hgetall(slot_lock_name(prefix, "t:1", 1)))
+        assert r.hget(slot_lock_name(prefix, "t:1", 0), "task_id") == "del"
+    assert states == ["RETRY"] * 6 + ["FAILURE"] * 2, states
+    assert r.llen(wait_name(prefix, "t:1")) == 0
+    L.release(r, delete, prefix)
