@@ -273,14 +273,7 @@ class LockguardHelper:
         s = settings(task.app)
         names = _calls.render(task.lockguard_options, f"lockguard-test-{uuid.uuid4().hex}", args, kwargs)
         client = _connection.client(s)
-        if names.keys:  # several entities: every one held, as the task would hold them
-            with self._hold_all(task, s, client, names, ttl, duplicate) as lease:
-                yield lease
-            return
-        got = _lease.acquire(
-            client,
-            s.key_prefix,
-            names.key,
+        holder: dict[str, Any] = dict(  # the holder's fields, one entity or several
             ttl_ms=int(ttl * 1000),
             task_id=f"lockguard-test-holder-{uuid.uuid4().hex[:8]}",
             task_name=task.name if duplicate else "lockguard.testing.holder",
@@ -288,6 +281,11 @@ class LockguardHelper:
             worker="lockguard-test",
             fence_ttl_ms=int(s.fence_ttl * 1000),
         )
+        if names.keys:  # several entities: every one held, as the task would hold them
+            with self._hold_all(task, s, client, names, holder) as lease:
+                yield lease
+            return
+        got = _lease.acquire(client, s.key_prefix, names.key, **holder)
         if not isinstance(got, _lease.Lease):
             raise AssertionError(f"could not hold {names.key!r}: {got!r}")
         try:
@@ -298,20 +296,10 @@ class LockguardHelper:
             _handoff.release(task.app, s, client, got.key, got.token, "lockguard.testing.holder", got.task_id)
 
     @contextlib.contextmanager
-    def _hold_all(self, task: Any, s: Any, client: Any, names: Any, ttl: float, duplicate: bool) -> Iterator[Any]:
+    def _hold_all(self, task: Any, s: Any, client: Any, names: Any, holder: dict[str, Any]) -> Iterator[Any]:
         from . import _handoff, _lease, _multi
 
-        got = _multi.acquire(
-            client,
-            s.key_prefix,
-            names.keys,
-            ttl_ms=int(ttl * 1000),
-            task_id=f"lockguard-test-holder-{uuid.uuid4().hex[:8]}",
-            task_name=task.name if duplicate else "lockguard.testing.holder",
-            digest=names.digest if duplicate else "lockguard-test",
-            worker="lockguard-test",
-            fence_ttl_ms=int(s.fence_ttl * 1000),
-        )
+        got = _multi.acquire(client, s.key_prefix, names.keys, **holder)
         if not isinstance(got, _lease.MultiLease):
             raise AssertionError(f"could not hold {list(names.keys)!r}: {got!r}")
         try:
