@@ -467,9 +467,13 @@ def test_apply_async_on_commit_of_a_locked_task(project: Project, worker: Worker
     inv = _invoice()
     claim = claim_name(project.lock_prefix, f"invoice:{inv.pk}:remind")
     with transaction.atomic():
-        remind.apply_async_on_commit((inv.pk,))
+        # A countdown keeps the worker off it, so the claim taken at commit is still there to see: until_started
+        # frees it when the body starts, and without the countdown the body could start (and not yet have
+        # written) before the check. The claim covers the countdown (a hand-over to a delayed message).
+        remind.apply_async_on_commit((inv.pk,), countdown=3)
         assert not r.exists(claim)
-    assert r.exists(claim) or _reload(inv.pk).reminders == 1  # until_started frees it when the body starts
+    assert r.exists(claim), "not claimed at commit"
+    assert _reload(inv.pk).reminders == 0
     wait_for(lambda: _reload(inv.pk).reminders == 1, 30, what="the reminder to run")
 
 
