@@ -61,7 +61,8 @@ def keep_before(
     The kept ones get a fresh park token (returned; ``""`` when nothing was kept) for the wait to use, and
     last its safety copy's ``countdown`` plus the wake's grace and the reservation's own TTL, so the copy
     that comes back (woken or safety) still finds them, and a killed waiter's still lapse. ``blocker`` ``""``:
-    give back every one. Wakes the given-back entities' waiters; a store error leaves them to their TTL.
+    give back every one. Wakes the given-back entities' waiters. Any error (an outage, a key of the wrong
+    type) leaves them to their TTL, as a failing release does: the delivery still parks or waits, never lost.
     """
     new_token = lease_ops.new_token() if blocker else ""
     keep_ms = int((countdown + handoff.WAKE_GRACE + handoff.RESERVATION_TTL) * 1000)
@@ -69,9 +70,7 @@ def keep_before(
         kept, woken = multi.keep_before(
             client, s.key_prefix, call.keys, token, new_token, blocker, keep_ms, handoff.reserve_ms()
         )
-    except Exception as exc:
-        if errors.classify(exc) is None:
-            raise
+    except Exception as exc:  # noqa: BLE001 - reservations only: each lapses by its TTL; the job goes on
         reason = f"reservations left to their TTL: {errors.describe(exc)}"
         emit("lock.backend_unavailable", task.name, **event_fields(task, call), reason=reason)
         return ""
