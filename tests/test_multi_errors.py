@@ -1,0 +1,359 @@
+"""Several entities through Celery's real tracer, meeting each kind of Redis error at each multi-entity script.
+
+ACQUIRE_MULTI (before the body), RELEASE_MULTI (after it) and KEEP_BEFORE (a woken waiter blocked again)
+each meet a refused connection, a timeout (the lock server frozen), a key of the wrong type and an empty
+script cache. Each delivery must follow ``on_unavailable`` visibly, never drop the job silently, and leave no
+entity held longer than its TTL. The lock Redis is a private server the test may stop or freeze; the broker
+is the shared one, so the messages a delivery publishes are read back and delivered again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from structlog.testing import capture_logs
+
+from celery_lockguard import LockedTask
+from celery_lockguard import _connection as connection
+from celery_lockguard import _handoff as handoff
+from celery_lockguard import _headers as headers
+from celery_lockguard import _lease as L
+from celery_lockguard import _scripts as scripts
+from celery_lockguard._config import settings
+from celery_lockguard._keys import lock_name, wait_name, waiters_name
+from celery_lockguard.testing import RedisServer, free_port, wait_for
+
+from .tracer import Message, deliver, make_app, published, redeliver
+
+PAIR = ("acc:1", "acc:2")
+
+
+@pytest.fixture
+def lock_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+    connection.forget_clients()
+
+
+def app_on(redis_url: str, prefix: str, lock_url: str, policy: str = "fail_closed") -> Celery:
+    return make_app("multierr", redis_url, prefix, lockguard_redis_url=lock_url, lockguard_on_unavailable=policy)
+
+
+def transfer(app: Celery, ran: list[Any], body: Callable[[], Any] | None = None, **options: Any) -> Any:
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="m.transfer", lock_key=("acc:{src}", "acc:{dst}"), **options
+    )
+    def t(self: Any, src: int, dst: int) -> int:
+        ran.append((src, dst))
+        if body is not None:
+            body()
+        return src + dst
+
+    return t
+
+
+def events(logs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [e for e in logs if e["event"] == name]
+
+
+def held(c: redis.Redis, prefix: str, keys: tuple[str, ...] = PAIR) -> list[str]:
+    return [k for k in keys if c.exists(lock_name(prefix, k))]
+
+
+def hold(c: redis.Redis, prefix: str, key: str, task_id: str = "other", ttl_ms: int = 10_000) -> L.Lease:
+    got = L.acquire(
+        c, prefix, key, ttl_ms=ttl_ms, task_id=task_id, task_name="x", digest="d", worker="w", fence_ttl_ms=60_000
+    )
+    assert isinstance(got, L.Lease)
+    return got
+
+
+# -- ACQUIRE_MULTI ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["fail_closed", "fail_open"])
+@pytest.mark.parametrize("kind", ["refused", "timeout"])
+def test_an_outage_at_acquire_multi_follows_on_unavailable_and_leaves_nothing_held(
+    redis_url: str, r: redis.Redis, prefix: str, lock_server: RedisServer, kind: str, policy: str
+) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0" if kind == "refused" else lock_server.url
+    app = app_on(redis_url, prefix, url, policy)
+    ran: list[Any] = []
+    t = transfer(app, ran)
+    if kind == "timeout":
+        lock_server.client().ping()
+        lock_server.pause()
+    try:
+        with capture_logs() as logs:
+            out = deliver(t, (1, 2))
+    finally:
+        if kind == "timeout":
+            lock_server.resume()
+    if policy == "fail_open":
+        assert (out.state, ran) == ("SUCCESS", [(1, 2)]) and events(logs, "lock.fail_open")
+    else:
+        assert (out.state, ran) == ("RETRY", []), "fail_closed: waits, never runs unlocked"
+        (wait_msg,) = published(r, app)
+        assert wait_msg.headers[headers.WAITS] == 1
+        assert events(logs, "lock.backend_unavailable")
+    if kind == "timeout":
+        c = lock_server.client()
+        # The frozen server may still run the ACQUIRE_MULTI it had read: an orphan of a gone attempt, which
+        # lives at most its TTL -- and which the wait's copy, carrying the attempt's token, adopts at once.
+        for k in held(c, prefix):
+            assert c.pttl(lock_name(prefix, k)) > 0
+        if policy == "fail_closed":
+            (wait_msg,) = published(r, app)
+            assert redeliver(t, wait_msg).state == "SUCCESS" and ran == [(1, 2)]
+        assert held(c, prefix) == []
+
+
+def test_a_wrong_type_key_at_acquire_multi_fails_the_task_visibly_before_the_body_and_takes_nothing(
+    redis_url: str, r: redis.Redis, prefix: str, lock_server: RedisServer
+) -> None:
+    app = app_on(redis_url, prefix, lock_server.url)
+    ran: list[Any] = []
+    t = transfer(app, ran)
+    c = lock_server.client()
+    c.set(lock_name(prefix, "acc:2"), "planted", px=60_000)  # a string where a lease hash belongs
+    out = deliver(t, (1, 2))
+    assert (out.state, ran) == ("FAILURE", [])
+    assert "WRONGTYPE" in str(app.AsyncResult(out.task_id).result)
+    assert not c.exists(lock_name(prefix, "acc:1")), "ACQUIRE_MULTI read every entity before writing any"
+
+
+def test_acquire_multi_reloads_after_script_flush_through_the_tracer(
+    redis_url: str, r: redis.Redis, prefix: str, lock_server: RedisServer
+) -> None:
+    app = app_on(redis_url, prefix, lock_server.url)
+    ran: list[Any] = []
+    t = transfer(app, ran)
+    c = lock_server.client()
+    c.script_flush()
+    assert deliver(t, (1, 2)).state == "SUCCESS" and ran == [(1, 2)]
+    assert c.script_exists(scripts.acquire_multi.sha, scripts.release_multi.sha) == [True, True]
+    assert held(c, prefix) == []
+
+
+# -- RELEASE_MULTI ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["refused", "timeout"])
+def test_an_outage_at_release_multi_keeps_the_bodys_success_and_the_entities_lapse_by_their_ttl(
+    redis_url: str, r: redis.Redis, prefix: str, lock_server: RedisServer, kind: str
+) -> None:
+    app = app_on(redis_url, prefix, lock_server.url)
+    ran: list[Any] = []
+    t = transfer(app, ran, lock_server.stop if kind == "refused" else lock_server.pause, lock_ttl=1.0)
+    with capture_logs() as logs:
+        out = deliver(t, (1, 2))
+    if kind == "refused":
+        lock_server.start()
+    else:
+        lock_server.resume()
+    assert (out.state, out.retval, ran) == ("SUCCESS", 3, [(1, 2)]), "a failing release never fails the body"
+    assert events(logs, "lock.backend_unavailable")
+    c = lock_server.client()
+    wait_for(lambda: held(c, prefix) == [], 3, what="both entities free within their TTL")
+
+
+@pytest.mark.parametrize("planted", PAIR)
+def test_a_wrong_type_key_at_release_multi_keeps_the_bodys_success_and_frees_the_other_entity_by_its_ttl(
+    redis_url: str, r: redis.Redis, prefix: str, lock_server: RedisServer, planted: str
+) -> None:
+    app = app_on(redis_url, prefix, lock_server.url)
+    c = lock_server.client()
+
+    def plant() -> None:  # one entity's lease replaced by a string: RELEASE_MULTI's HGET fails with WRONGTYPE
+        c.delete(lock_name(prefix, planted))
+        c.set(lock_name(prefix, planted), "x", px=500)
+
+    ran: list[Any] = []
+    t = transfer(app, ran, plant, lock_ttl=1.0)
+    with capture_logs() as logs:
+        out = deliver(t, (1, 2))
+    assert (out.state, out.retval) == ("SUCCESS", 3)
+    assert events(logs, "lock.backend_unavailable")
+    other = PAIR[1 - PAIR.index(planted)]
+    wait_for(lambda: not c.exists(lock_name(prefix, other)), 3, what="the other entity free within its TTL")
+
+
+def test_release_multi_reloads_after_script_flush_in_the_body(
+    redis_url: str, r: redis.Redis, prefix: str, lock_server: RedisServer
+) -> None:
+    app = app_on(redis_url, prefix, lock_server.url)
+    c = lock_server.client()
+    ran: list[Any] = []
+    t = transfer(app, ran, c.script_flush)
+    with capture_logs() as logs:
+        assert deliver(t, (1, 2)).state == "SUCCESS"
+    assert held(c, prefix) == [] and not events(logs, "lock.backend_unavailable"), "freed at once, not by TTL"
+
+
+# -- KEEP_BEFORE: a woken waiter blocked again ---------------------------------------------------------
+
+
+def woken_blocked(app: Celery, r: redis.Redis, c: redis.Redis, prefix: str, t: Any, ttl_ms: int = 10_000) -> Any:
+    """A waiter parked on acc:1 and woken by its release while acc:2 is taken meanwhile: (woken copy, acc:2's lease).
+
+    Delivered, the woken copy adopts its reservation on acc:1, meets acc:2 held, keeps acc:1 (sorted before
+    the blocker) under a new park token (KEEP_BEFORE) and parks on acc:2.
+    """
+    first = hold(c, prefix, "acc:1")
+    out = deliver(t, (1, 2))
+    assert out.state == "RETRY"
+    (safety,) = published(r, app)
+    assert safety.headers[headers.PARK_ENTITY] == "acc:1"
+    second = hold(c, prefix, "acc:2", task_id="other2", ttl_ms=ttl_ms)
+    _, _, woken = L.release_and_wake(c, first, prefix, reserve_ms=5000)
+    assert handoff.wake(app, settings(app), woken, "holder", "other", c)
+    (copy,) = [m for m in published(r, app) if m.headers.get(headers.WOKEN)]
+    assert c.hget(lock_name(prefix, "acc:1"), "token") == safety.headers[headers.PARK]  # reserved for the waiter
+    return copy, second
+
+
+def copies(r: redis.Redis, app: Celery, task_id: str) -> list[Message]:
+    return [m for m in published(r, app) if m.task_id == task_id]
+
+
+def test_a_woken_waiter_blocked_again_keeps_what_comes_before_the_blocker_and_parks(
+    redis_url: str, r: redis.Redis, prefix: str, lock_server: RedisServer
+) -> None:
+    """The baseline the error cases below depart from."""
+    app = app_on(redis_url, prefix, lock_server.url)
+    c = lock_server.client()
+    ran: list[Any] = []
+    t = transfer(app, ran)
+    copy, second = woken_blocked(app, r, c, prefix, t)
+    assert redeliver(t, copy).state == "RETRY" and ran == []
+    parked = copies(r, app, copy.task_id)[-1]
+    assert parked.headers[headers.PARK_ENTITY] == "acc:2"
+    kept = c.hgetall(lock_name(prefix, "acc:1"))
+    assert (kept["token"], kept["state"]) == (parked.headers[headers.PARK], "handed")
+    L.release_and_wake(c, second, prefix, reserve_ms=5000)
+    assert redeliver(t, parked).state == "SUCCESS" and ran == [(1, 2)]  # the safety copy adopts both
+    assert held(c, prefix) == []
+
+
+@pytest.mark.parametrize("kind", ["refused", "timeout", "wrongtype", "noscript"])
+def test_an_error_at_keep_before_never_drops_the_job_and_leaves_no_reservation_past_its_ttl(
+    redis_url: str,
+    r: redis.Redis,
+    prefix: str,
+    lock_server: RedisServer,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+) -> None:
+    app = app_on(redis_url, prefix, lock_server.url)
+    c = lock_server.client()
+    ran: list[Any] = []
+    t = transfer(app, ran)
+    copy, second = woken_blocked(app, r, c, prefix, t, ttl_ms=1500)
+    real = scripts.keep_before
+
+    def breaking(client: Any, names: list[str], args: list[Any]) -> Any:
+        if kind == "refused":
+            lock_server.stop()
+        elif kind == "timeout":
+            lock_server.pause()
+        elif kind == "wrongtype":  # another writer put a string where acc:1's reservation was
+            c.delete(names[0])
+            c.set(names[0], "planted", px=1000)
+        else:
+            c.script_flush()
+        return real(client, names, args)
+
+    monkeypatch.setattr(scripts, "keep_before", breaking)
+    try:
+        with capture_logs() as logs:
+            out = redeliver(t, copy)
+    finally:
+        if kind == "refused":
+            lock_server.start()
+        elif kind == "timeout":
+            lock_server.resume()
+    monkeypatch.setattr(scripts, "keep_before", real)
+    assert ran == []
+    assert out.state == "RETRY", f"the job waits on, visibly: {out}"
+    if kind != "noscript":
+        assert any("reservations left to their TTL" in str(e.get("reason")) for e in logs)
+    c = lock_server.client()
+    if c.hget(lock_name(prefix, "acc:2"), "task_id") == "other2":
+        L.release_and_wake(c, second, prefix, reserve_ms=5000)
+    # What comes back (the parked safety copy, or the wait when parking failed too) runs the job.
+    deadline = time.monotonic() + 15
+    while not ran and time.monotonic() < deadline:
+        redeliver(t, copies(r, app, copy.task_id)[-1])
+    assert ran == [(1, 2)], "the job was not dropped"
+    assert held(c, prefix) == []
+
+
+# -- a park whose publish fails after KEEP_BEFORE ---------------------------------------------------------
+
+
+def test_a_failed_park_publish_after_keep_before_gives_the_kept_reservations_back(
+    redis_url: str, r: redis.Redis, prefix: str, lock_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No copy of the park will come back to adopt acc:1: it is given back before the delivery backs off."""
+    from kombu.exceptions import OperationalError
+
+    from celery_lockguard import _republish
+
+    app = app_on(redis_url, prefix, lock_server.url)
+    c = lock_server.client()
+    ran: list[Any] = []
+    t = transfer(app, ran)
+    copy, _ = woken_blocked(app, r, c, prefix, t, ttl_ms=1000)
+    seen: list[dict[str, str]] = []
+
+    def broker_down(*args: Any, **kwargs: Any) -> None:
+        seen.append(c.hgetall(lock_name(prefix, "acc:1")))  # acc:1 as each publish attempt finds it
+        raise OperationalError("broker unreachable")
+
+    monkeypatch.setattr(_republish, "publish", broker_down)
+    with capture_logs() as logs:
+        out = redeliver(t, copy)
+    assert (out.state, ran) == ("SUCCESS", [(1, 2)]), "waited in process once the park could not be published"
+    assert len(seen) >= 2 and seen[0]["state"] == "handed", "the park's publish: acc:1 kept for the park"
+    assert seen[1] == {}, "the wait's publish: the kept reservation was given back first"
+    assert any(e.get("policy") == "park" and "publish failed" in str(e.get("reason")) for e in logs)
+    assert c.llen(wait_name(prefix, "acc:2")) == 0 and not c.hgetall(waiters_name(prefix, "acc:2"))
+    assert held(c, prefix) == []
+
+
+def test_a_failed_park_publish_woken_meanwhile_leaves_the_kept_reservations_to_the_woken_copy(
+    redis_url: str, r: redis.Redis, prefix: str, lock_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """acc:2's release woke the park before its publish failed: the woken copy is out, so the delivery drops
+    itself (``Ignore``) and the woken copy adopts the kept acc:1 with the reserved acc:2 and runs the job."""
+    from kombu.exceptions import OperationalError
+
+    from celery_lockguard import _republish
+
+    app = app_on(redis_url, prefix, lock_server.url)
+    c = lock_server.client()
+    ran: list[Any] = []
+    t = transfer(app, ran)
+    copy, second = woken_blocked(app, r, c, prefix, t)
+
+    def woken_then_down(*args: Any, **kwargs: Any) -> None:
+        _, _, woken = L.release_and_wake(c, second, prefix, reserve_ms=5000)
+        assert handoff.wake(app, settings(app), woken, "holder", "other2", c)
+        raise OperationalError("broker unreachable")
+
+    monkeypatch.setattr(_republish, "publish", woken_then_down)
+    with capture_logs() as logs:
+        redeliver(t, copy)
+    monkeypatch.undo()
+    assert ran == [] and any(e["event"] == "lock.handoff_dropped" for e in logs)
+    (late,) = [m for m in copies(r, app, copy.task_id) if m.headers.get(headers.PARK_ENTITY) == "acc:2"]
+    assert late.headers.get(headers.WOKEN)
+    tokens = {c.hget(lock_name(prefix, k), "token") for k in PAIR}
+    assert tokens == {late.headers[headers.PARK]}, "both entities reserved for the copy that comes back"
+    assert redeliver(t, late).state == "SUCCESS" and ran == [(1, 2)]
+    assert held(c, prefix) == []
