@@ -61,6 +61,7 @@ from ._holders import (
     idle_windows,
     iter_leases,
     parse_siblings,
+    read_entity,
     read_waiting,
     sibling_names,
     top_leases,
@@ -621,10 +622,18 @@ def stats_(ctx: click.Context, as_json: bool, prometheus: bool, **_: Any) -> Non
 
 
 @lockguard.command(cls=CeleryCommand)
+@click.argument("key", required=False)
 @click.option("--json", "as_json", is_flag=True, cls=CeleryOption, help_group=_OUTPUT, help="Print JSON.")
 @click.pass_context
-def describe(ctx: click.Context, as_json: bool, **_: Any) -> None:
-    """The lock inventory (Markdown, or JSON): per locked task its key, TTL, renewal, policies, completion."""
+def describe(ctx: click.Context, key: str | None, as_json: bool, **_: Any) -> None:
+    """The lock inventory (Markdown, or JSON): per locked task its key, TTL, renewal, policies, completion.
+
+    With KEY (an entity key, or its full Redis key): that entity as held now instead -- its holder, the
+    other entities a multi-entity holder holds with it (its siblings), and the deliveries waiting.
+    """
+    if key is not None:
+        _describe_entity(ctx, key, as_json)
+        return
     app = _app(ctx)
     _settings(ctx)
     rows = _inventory.inventory(app)
@@ -634,6 +643,41 @@ def describe(ctx: click.Context, as_json: bool, **_: Any) -> None:
         click.echo(_inventory.markdown(app, rows))
     if any("error" in r for r in rows):
         ctx.exit(EX_CONFIG)
+
+
+def _most_slots(app: Any) -> int:
+    """The largest ``lock_limit`` among the app's locked tasks (1 when none limits): the slots an entity may use."""
+    most = 1
+    for task in doctor.locked_tasks(app):
+        try:
+            most = max(most, task.lockguard_options.limit)
+        except ConfigurationError:
+            continue
+    return most
+
+
+def _describe_entity(ctx: click.Context, key: str, as_json: bool) -> None:
+    """``describe KEY``: the entity's lease (and lock_limit slots) as ``locks`` shows it, siblings spelled out."""
+    s = _settings(ctx)
+    name = _entity(key, s.key_prefix)
+    with _redis(s) as client:
+        leases = read_entity(client, s.key_prefix, name, slots=_most_slots(_app(ctx)))
+        waiting = read_waiting(client, s.key_prefix, [name])
+    if as_json:
+        _echo_json([{**lease.as_dict(), "waiting": waiting.get(lease.key, 0)} for lease in leases])
+        return
+    if not leases:
+        click.echo(f"{entity(name)} is free: no lease under prefix {printable(repr(s.key_prefix))}")
+        return
+    _lease_table(leases, waiting)
+    for lease in leases:
+        names = sibling_names(lease.siblings, lease.sibling_count)
+        if names:  # one acquisition, one token: a forced release of this entity frees it alone
+            click.echo(
+                f"{lease.label} is held with {names} by the same acquisition "
+                f"({printable(lease.task_name or '-')}[{printable(lease.task_id or '-')}]); "
+                "`release` of one entity leaves the others held until the holder ends"
+            )
 
 
 # -- doctor -----------------------------------------------------------------------------------

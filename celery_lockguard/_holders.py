@@ -23,7 +23,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._keys import MAX_KEY, lock_name, parse_lock_name, parse_rate_name, parse_slot_lock_name, rate_name, wait_name
+from ._keys import (
+    MAX_KEY,
+    lock_name,
+    parse_lock_name,
+    parse_rate_name,
+    parse_slot_lock_name,
+    rate_name,
+    slot_lock_name,
+    wait_name,
+)
 from ._terminal import MAX_SHOWN, entity, plural
 
 #: A counter or a timestamp as the scripts write it: ASCII digits (at most 18, an int64's worth).
@@ -41,6 +50,8 @@ STATES = ("publishing", "queued", "running", "handed", "gap")
 MAX_SIBLINGS = 32
 #: Longest ``siblings`` field parsed: past it the field is malformed, not parsed (planted megabytes cost no CPU).
 MAX_SIBLINGS_FIELD = 64 * 1024
+#: Slots :func:`read_entity` reads at most (a planted ``limit`` of a billion is not a billion reads).
+MAX_SLOTS_READ = 1000
 #: Siblings the text views name in a row before "and N more".
 SHOWN_SIBLINGS = 3
 
@@ -610,6 +621,21 @@ def _read_named(client: Any, prefix: str, names: list[str]) -> list[HeldLease]:
             elif fields:
                 out.append(HeldLease.from_hash(prefix, name, fields, pttl, now_ms))
     return out
+
+
+def read_entity(client: Any, prefix: str, key: str, slots: int = 1) -> list[HeldLease]:
+    """Entity ``key``'s lease and its ``lock_limit`` slot leases (``describe KEY``), by slot; ``[]`` when free.
+
+    Read by name (no SCAN: one entity costs one round trip whatever the keyspace, and a key holding ``*``
+    or ``[`` names only itself): ``slots`` slots (the app's largest ``lock_limit``), or as many as a lease
+    read records in ``limit`` (a holder under a limit the app no longer declares), at most :data:`MAX_SLOTS_READ`.
+    """
+    rows = _read_named(client, prefix, [slot_lock_name(prefix, key, i) for i in range(min(slots, MAX_SLOTS_READ))])
+    recorded = max((lease.limit or 0 for lease in rows), default=0)
+    if recorded > slots:
+        more = range(slots, min(recorded, MAX_SLOTS_READ))
+        rows += _read_named(client, prefix, [slot_lock_name(prefix, key, i) for i in more])
+    return rows
 
 
 def iter_leases(client: Any, prefix: str, match: str = "*") -> Iterator[list[HeldLease]]:

@@ -182,3 +182,61 @@ def test_a_real_multi_entity_acquisition_shows_once_per_entity_with_its_siblings
         assert {row["task"]: row["held"] for row in metrics.held_now()} == {"bank.transfer": 3}
     finally:
         metrics.lease_ended(lease)
+
+
+def test_describe_an_entity_of_a_multi_entity_holder_names_its_siblings(
+    app: Celery,  # noqa: F811
+    r: redis.Redis,
+    prefix: str,
+) -> None:
+    """``describe KEY``: the holder of one entity, and the other entities of its acquisition, as ACQUIRE_MULTI
+    wrote them (text and ``--json``); a free entity says so; a single lease names no siblings."""
+    from celery_lockguard import _multi as multi
+    from celery_lockguard._lease import MultiLease
+
+    keys = ("acct:1", "acct:2", "acct:3")
+    lease = multi.acquire(
+        r, prefix, keys, ttl_ms=60_000, task_id="t-real", task_name="bank.transfer", digest="d", worker="w@h",
+        fence_ttl_ms=60_000,
+    )  # fmt: skip
+    assert isinstance(lease, MultiLease)
+    out = invoke(app, "describe", "acct:2")
+    assert out.exit_code == 0, out.output
+    assert "acct:2 (with acct:1, acct:3)" in out.stdout and "t-real" in out.stdout
+    assert "acct:2 is held with acct:1, acct:3 by the same acquisition (bank.transfer[t-real])" in out.stdout
+    (row,) = strict_json(invoke(app, "describe", "acct:2", "--json").stdout)
+    assert (row["key"], row["task_id"], sorted(row["siblings"]), row["waiting"]) == (
+        "acct:2", "t-real", ["acct:1", "acct:3"], 0
+    )  # fmt: skip
+    full = invoke(app, "describe", lock_name(prefix, "acct:3")).stdout  # the full Redis key names it too
+    assert "acct:3 (with acct:1, acct:2)" in full
+    assert "is free" in invoke(app, "describe", "acct:9").stdout
+    assert strict_json(invoke(app, "describe", "acct:9", "--json").stdout) == []
+    L.acquire(r, prefix, "solo", ttl_ms=60_000, task_id="t-solo", task_name="n", digest="d", worker="w", fence_ttl_ms=1)
+    solo = invoke(app, "describe", "solo").stdout
+    assert "t-solo" in solo and "same acquisition" not in solo and "(with" not in solo
+
+
+def test_describe_an_entity_of_lock_limit_slots_reads_every_slot_by_name(
+    app: Celery,  # noqa: F811
+    r: redis.Redis,
+    prefix: str,
+) -> None:
+    """Slots are read up to the app's largest ``lock_limit``: slot 0 free does not make the entity look free."""
+    from celery_lockguard import LockedTask
+
+    @app.task(base=LockedTask, shared=False, name="pool.use", lock_key="pool:{a}", lock_limit=3)
+    def use(a: int) -> None: ...
+
+    leases = []
+    for i in range(3):
+        got = L.acquire(
+            r, prefix, "pool:1", ttl_ms=60_000, task_id=f"t-{i}", task_name="pool.use", digest=str(i), worker="w",
+            fence_ttl_ms=60_000, limit=3,
+        )  # fmt: skip
+        assert isinstance(got, L.Lease)
+        leases.append(got)
+    L.release(r, leases[0], prefix)
+    rows = strict_json(invoke(app, "describe", "pool:1", "--json").stdout)
+    assert sorted(row["task_id"] for row in rows) == sorted(lease.task_id for lease in leases[1:])
+    assert "t-1" in invoke(app, "describe", "pool:1").stdout
