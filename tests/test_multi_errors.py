@@ -9,6 +9,7 @@ is the shared one, so the messages a delivery publishes are read back and delive
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -357,3 +358,66 @@ def test_a_failed_park_publish_woken_meanwhile_leaves_the_kept_reservations_to_t
     assert tokens == {late.headers[headers.PARK]}, "both entities reserved for the copy that comes back"
     assert redeliver(t, late).state == "SUCCESS" and ran == [(1, 2)]
     assert held(c, prefix) == []
+
+
+# -- forced release of one entity of a multi-entity holder -----------------------------------------------
+
+
+@pytest.mark.parametrize("waiter_keys", [("acc:{a}",), ("acc:{a}", "acc:{b}")])
+def test_forcing_one_entity_of_a_multi_entity_holder_wakes_its_waiter_and_the_body_loses_the_lease(
+    redis_url: str, r: redis.Redis, prefix: str, waiter_keys: tuple[str, ...]
+) -> None:
+    """``lockguard release acc:1`` evicts a holder of (acc:1, acc:2): the waiter parked on acc:1 is woken at once
+    (a reservation and its woken copy), the holder's next renewal reports the lease lost (``LockLost`` from
+    ``ensure_held()``), and its exit frees acc:2, which stayed held until then, without touching the waiter's
+    reservation on acc:1. The waiter then runs."""
+    from celery_lockguard import LockLost
+
+    from .test_cli_hostile import invoke
+
+    app = make_app("multiforce", redis_url, prefix)
+    started, lost = threading.Event(), threading.Event()
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="m.holder", lock_key=("acc:{src}", "acc:{dst}"), lock_ttl=0.6
+    )
+    def holder(self: Any, src: int, dst: int) -> None:
+        started.set()
+        wait_for(lambda: self.lock.lost, 10, what="the renewer to report the forced release")
+        try:
+            self.lock.ensure_held()
+        except LockLost:
+            lost.set()
+            raise
+
+    runs: list[Any] = []
+    key = waiter_keys[0] if len(waiter_keys) == 1 else waiter_keys
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="m.waiter", lock_key=key)
+    def waiter(self: Any, a: int, b: int = 0) -> None:
+        runs.append(self.request.id)
+
+    outcome: list[Any] = []
+    body = threading.Thread(target=lambda: outcome.append(deliver(holder, (1, 2))))
+    body.start()
+    try:
+        assert started.wait(10)
+        out = deliver(waiter, (1, 2))
+        assert out.state == "RETRY" and runs == []
+        (safety,) = copies(r, app, out.task_id)
+        assert safety.headers.get(headers.PARK_ENTITY, "acc:1") == "acc:1"
+        done = invoke(app, "release", "acc:1", "--yes")
+        assert done.exit_code == 0, done.output
+        assert "its holder also holds acc:2: those stay held" in done.output and "woke the oldest waiter" in done.output
+        woken = [m for m in copies(r, app, out.task_id) if m.headers.get(headers.WOKEN)]
+        assert len(woken) == 1, "a forced release wakes the waiter parked on the entity"
+        assert r.hget(lock_name(prefix, "acc:1"), "token") == safety.headers[headers.PARK]
+        assert r.exists(lock_name(prefix, "acc:2")), "the sibling stays held while the body runs"
+    finally:
+        body.join(15)
+    assert lost.is_set() and outcome and outcome[0].state == "FAILURE"
+    assert isinstance(app.AsyncResult(outcome[0].task_id).result, LockLost)
+    assert not r.exists(lock_name(prefix, "acc:2")), "the body's end freed the sibling"
+    assert r.hget(lock_name(prefix, "acc:1"), "token") == safety.headers[headers.PARK], "the reservation stands"
+    assert redeliver(waiter, woken[0]).state == "SUCCESS" and runs == [out.task_id]
+    assert held(r, prefix) == []
