@@ -116,6 +116,37 @@ def test_an_outage_at_acquire_multi_follows_on_unavailable_and_leaves_nothing_he
             assert held(c, prefix) == []
 
 
+@pytest.mark.parametrize("policy", ["fail_closed", "fail_open"])
+@pytest.mark.parametrize("refusal", ["NOREPLICAS", "READ ONLY"])
+def test_a_refused_write_at_acquire_multi_follows_on_unavailable_and_writes_nothing(
+    redis_url: str, r: redis.Redis, prefix: str, refusal: str, policy: str
+) -> None:
+    """A server that refuses writes (too few replicas; a replica): ACQUIRE_MULTI fails at its first write,
+    after reading every entity, so no entity is taken; the delivery follows ``on_unavailable``."""
+    with RedisServer() as primary:
+        extra = (
+            ["--min-replicas-to-write", "1"]
+            if refusal == "NOREPLICAS"
+            else ["--replicaof", "127.0.0.1", str(primary.port)]
+        )
+        with RedisServer(extra=extra) as lock_server:
+            app = app_on(redis_url, prefix, lock_server.url, policy)
+            ran: list[Any] = []
+            t = transfer(app, ran)
+            with capture_logs() as logs:
+                out = deliver(t, (1, 2))
+            if policy == "fail_open":
+                assert (out.state, ran) == ("SUCCESS", [(1, 2)]) and events(logs, "lock.fail_open")
+            else:
+                assert (out.state, ran) == ("RETRY", [])
+                (wait_msg,) = published(r, app)
+                assert wait_msg.headers[headers.WAITS] == 1
+                reasons = [str(e.get("reason")) for e in events(logs, "lock.backend_unavailable")]
+                assert any(refusal in reason.upper() for reason in reasons), reasons  # the reply, as redis-py words it
+            assert held(lock_server.client(), prefix) == []
+    connection.forget_clients()
+
+
 def test_a_wrong_type_key_at_acquire_multi_fails_the_task_visibly_before_the_body_and_takes_nothing(
     redis_url: str, r: redis.Redis, prefix: str, lock_server: RedisServer
 ) -> None:
