@@ -454,3 +454,49 @@ def test_forcing_one_entity_of_a_multi_entity_holder_wakes_its_waiter_and_the_bo
     assert r.hget(lock_name(prefix, "acc:1"), "token") == safety.headers[headers.PARK], "the reservation stands"
     assert redeliver(waiter, woken[0]).state == "SUCCESS" and runs == [out.task_id]
     assert held(r, prefix) == []
+
+
+def test_a_multi_entity_waiter_woken_by_a_forced_release_keeps_it_while_the_evicted_body_ends(
+    redis_url: str, r: redis.Redis, prefix: str
+) -> None:
+    """The woken copy of a waiter on (acc:1, acc:2) arrives while the evicted holder still runs on acc:2: it keeps
+    acc:1 (sorted before its blocker) and parks on acc:2; the evicted body's end frees acc:2, wakes it, and it
+    runs on both -- the evicted holder's release leaves the kept acc:1 alone."""
+    from .test_cli_hostile import invoke
+
+    app = make_app("multiforce2", redis_url, prefix)
+    started, go = threading.Event(), threading.Event()
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="m.holder2", lock_key=("acc:{src}", "acc:{dst}"), lock_ttl=0.6
+    )
+    def holder(self: Any, src: int, dst: int) -> bool:
+        started.set()
+        assert go.wait(15)
+        wait_for(lambda: self.lock.lost, 10, what="the renewer to report the forced release")
+        return True
+
+    runs: list[Any] = []
+    t = transfer(app, runs)
+    outcome: list[Any] = []
+    body = threading.Thread(target=lambda: outcome.append(deliver(holder, (1, 2))))
+    body.start()
+    try:
+        assert started.wait(10)
+        out = deliver(t, (1, 2))
+        assert out.state == "RETRY"
+        assert invoke(app, "release", "acc:1", "--yes").exit_code == 0
+        (woken,) = [m for m in copies(r, app, out.task_id) if m.headers.get(headers.WOKEN)]
+        assert redeliver(t, woken).state == "RETRY" and runs == []
+        parked = copies(r, app, out.task_id)[-1]
+        assert parked.headers[headers.PARK_ENTITY] == "acc:2"
+        assert r.hget(lock_name(prefix, "acc:1"), "token") == parked.headers[headers.PARK]
+    finally:
+        go.set()
+        body.join(15)
+    assert outcome and outcome[0].retval is True, "the evicted body saw its lease lost"
+    assert r.hget(lock_name(prefix, "acc:1"), "token") == parked.headers[headers.PARK], "its release left acc:1 alone"
+    assert r.hget(lock_name(prefix, "acc:2"), "token") == parked.headers[headers.PARK], "and handed acc:2 to the waiter"
+    (again,) = [m for m in copies(r, app, out.task_id) if m.headers.get(headers.WOKEN)][1:]
+    assert redeliver(t, again).state == "SUCCESS" and runs == [(1, 2)]
+    assert held(r, prefix) == []
