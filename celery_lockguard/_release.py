@@ -63,6 +63,9 @@ def keep_before(
     that comes back (woken or safety) still finds them, and a killed waiter's still lapse. ``blocker`` ``""``:
     give back every one. Wakes the given-back entities' waiters. Any error (an outage, a key of the wrong
     type) leaves them to their TTL, as a failing release does: the delivery still parks or waits, never lost.
+    The new token is still returned then: a KEEP_BEFORE that timed out may yet have run (a frozen server
+    thawing), or stopped part way (a wrong-type key after the kept ones), re-tokening some to it for the whole
+    countdown; the park carrying it adopts those instead of meeting them as an orphan held by nobody.
     """
     new_token = lease_ops.new_token() if blocker else ""
     keep_ms = int((countdown + handoff.WAKE_GRACE + handoff.RESERVATION_TTL) * 1000)
@@ -73,7 +76,7 @@ def keep_before(
     except Exception as exc:  # noqa: BLE001 - reservations only: each lapses by its TTL; the job goes on
         reason = f"reservations left to their TTL: {errors.describe(exc)}"
         emit("lock.backend_unavailable", task.name, **event_fields(task, call), reason=reason)
-        return ""
+        return new_token
     handoff.wake(task.app, s, woken, task.name, str(task.request.id), client)
     return new_token if kept else ""
 

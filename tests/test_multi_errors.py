@@ -500,3 +500,44 @@ def test_a_multi_entity_waiter_woken_by_a_forced_release_keeps_it_while_the_evic
     (again,) = [m for m in copies(r, app, out.task_id) if m.headers.get(headers.WOKEN)][1:]
     assert redeliver(t, again).state == "SUCCESS" and runs == [(1, 2)]
     assert held(r, prefix) == []
+
+
+def test_a_keep_before_that_times_out_yet_runs_on_thaw_leaves_its_kept_reservation_to_the_park(
+    redis_url: str, r: redis.Redis, prefix: str, lock_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lock server freezes as KEEP_BEFORE is sent and runs it on thaw, after the client gave up: acc:1 is
+    re-tokened to the new park token for the blocker's whole countdown. The park must carry that token, so
+    that its woken copy adopts acc:1 when acc:2 is released -- not meet it as an orphan held by nobody, park
+    on it, and wait out the blocker's TTL (here a minute) with acc:1 blocked for everyone (review1)."""
+    app = app_on(redis_url, prefix, lock_server.url)
+    c = lock_server.client()
+    ran: list[Any] = []
+    t = transfer(app, ran)
+    copy, second = woken_blocked(app, r, c, prefix, t, ttl_ms=60_000)
+    c.script_load(scripts.keep_before.source)  # cached, as on a server that ran it before: it runs on thaw
+    real = scripts.keep_before
+
+    def frozen(client: Any, names: list[str], args: list[Any]) -> Any:
+        lock_server.pause()
+        try:
+            return real(client, names, args)
+        finally:
+            lock_server.resume()
+            lock_server.client().ping()  # the thawed server has run the KEEP_BEFORE it read while frozen
+
+    monkeypatch.setattr(scripts, "keep_before", frozen)
+    with capture_logs() as logs:
+        out = redeliver(t, copy)
+    monkeypatch.setattr(scripts, "keep_before", real)
+    assert (out.state, ran) == ("RETRY", [])
+    assert any("reservations left to their TTL" in str(e.get("reason")) for e in logs), "the timeout was met"
+    parked = copies(r, app, copy.task_id)[-1]
+    assert parked.headers[headers.PARK_ENTITY] == "acc:2"
+    kept = c.hgetall(lock_name(prefix, "acc:1"))
+    assert kept.get("state") == "handed", "KEEP_BEFORE ran on thaw: acc:1 kept for the park"
+    assert kept["token"] == parked.headers[headers.PARK], "the park carries the token acc:1 was kept under"
+    _, _, woken = L.release_and_wake(c, second, prefix, reserve_ms=5000)
+    assert handoff.wake(app, settings(app), woken, "holder", "other2", c)
+    (late,) = [m for m in copies(r, app, copy.task_id) if m.headers.get(headers.WOKEN)][-1:]
+    assert redeliver(t, late).state == "SUCCESS" and ran == [(1, 2)], "the woken copy adopts acc:1 and acc:2"
+    assert held(c, prefix) == []
