@@ -20,11 +20,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ._keys import (
     MAX_KEY,
+    claim_name,
     lock_name,
     parse_lock_name,
     parse_rate_name,
@@ -629,13 +630,18 @@ def read_entity(client: Any, prefix: str, key: str, slots: int = 1) -> list[Held
     Read by name (no SCAN: one entity costs one round trip whatever the keyspace, and a key holding ``*``
     or ``[`` names only itself): ``slots`` slots (the app's largest ``lock_limit``), or as many as a lease
     read records in ``limit`` (a holder under a limit the app no longer declares), at most :data:`MAX_SLOTS_READ`.
+    Then the queue claim ``{K}:claim`` (``until_started``, or ``until_done`` queued behind different work): while
+    it stands identical work is not enqueued, so the entity is not free; its row is keyed K, named by its Redis key.
     """
-    rows = _read_named(client, prefix, [slot_lock_name(prefix, key, i) for i in range(min(slots, MAX_SLOTS_READ))])
+    claim = claim_name(prefix, key)
+    names = [slot_lock_name(prefix, key, i) for i in range(min(slots, MAX_SLOTS_READ))]
+    found = _read_named(client, prefix, [*names, claim])
+    rows = [lease for lease in found if lease.redis_key != claim]
     recorded = max((lease.limit or 0 for lease in rows), default=0)
     if recorded > slots:
         more = range(slots, min(recorded, MAX_SLOTS_READ))
         rows += _read_named(client, prefix, [slot_lock_name(prefix, key, i) for i in more])
-    return rows
+    return rows + [replace(lease, key=key) for lease in found if lease.redis_key == claim]
 
 
 def iter_leases(client: Any, prefix: str, match: str = "*") -> Iterator[list[HeldLease]]:
