@@ -541,3 +541,37 @@ def test_a_keep_before_that_times_out_yet_runs_on_thaw_leaves_its_kept_reservati
     (late,) = [m for m in copies(r, app, copy.task_id) if m.headers.get(headers.WOKEN)][-1:]
     assert redeliver(t, late).state == "SUCCESS" and ran == [(1, 2)], "the woken copy adopts acc:1 and acc:2"
     assert held(c, prefix) == []
+
+
+def test_a_keep_before_stopped_part_way_by_a_wrong_type_key_leaves_its_kept_reservation_to_the_park(
+    redis_url: str, r: redis.Redis, prefix: str, lock_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KEEP_BEFORE re-tokens acc:1 to the new park token, then fails at acc:2 (a string planted over the blocker's
+    lease): a script's writes before its error stand. The park must carry that token, so that the copy that
+    comes back adopts acc:1 -- not meet its own reservation held under a token nobody carries, for the blocker's
+    whole countdown (a minute here), and take it for a running original to watch (review1)."""
+    app = app_on(redis_url, prefix, lock_server.url)
+    c = lock_server.client()
+    ran: list[Any] = []
+    t = transfer(app, ran)
+    copy, _ = woken_blocked(app, r, c, prefix, t, ttl_ms=60_000)
+    real = scripts.keep_before
+
+    def planted(client: Any, names: list[str], args: list[Any]) -> Any:
+        c.delete(names[3])  # acc:2's lease hash, after acc:1's in the script's order
+        c.set(names[3], "planted", px=60_000)
+        return real(client, names, args)
+
+    monkeypatch.setattr(scripts, "keep_before", planted)
+    with capture_logs() as logs:
+        out = redeliver(t, copy)
+    monkeypatch.setattr(scripts, "keep_before", real)
+    assert (out.state, ran) == ("RETRY", [])
+    assert any("WRONGTYPE" in str(e.get("reason")) for e in logs), "KEEP_BEFORE met the planted key"
+    parked = copies(r, app, copy.task_id)[-1]
+    assert parked.headers[headers.PARK_ENTITY] == "acc:2"
+    kept = c.hgetall(lock_name(prefix, "acc:1"))
+    assert (kept.get("state"), kept.get("token")) == ("handed", parked.headers[headers.PARK]), "kept for the park"
+    c.delete(lock_name(prefix, "acc:2"))
+    assert redeliver(t, parked).state == "SUCCESS" and ran == [(1, 2)], "the safety copy adopts acc:1"
+    assert held(c, prefix) == []
