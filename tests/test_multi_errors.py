@@ -575,3 +575,39 @@ def test_a_keep_before_stopped_part_way_by_a_wrong_type_key_leaves_its_kept_rese
     c.delete(lock_name(prefix, "acc:2"))
     assert redeliver(t, parked).state == "SUCCESS" and ran == [(1, 2)], "the safety copy adopts acc:1"
     assert held(c, prefix) == []
+
+
+def test_a_waiter_revoked_after_a_keep_before_that_ran_on_thaw_gives_back_what_it_kept(
+    redis_url: str, r: redis.Redis, prefix: str, lock_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, the frozen KEEP_BEFORE runs on thaw; the parked waiter is then revoked. The worker discarding
+    its copy gives back the reservations kept under the copy's park token: acc:1 must be one of them, not left
+    kept for nobody for the blocker's countdown (review1)."""
+    from types import SimpleNamespace
+
+    from celery_lockguard._signals import free_reservation_from_main
+
+    app = app_on(redis_url, prefix, lock_server.url)
+    c = lock_server.client()
+    ran: list[Any] = []
+    t = transfer(app, ran)
+    copy, _ = woken_blocked(app, r, c, prefix, t, ttl_ms=60_000)
+    c.script_load(scripts.keep_before.source)
+    real = scripts.keep_before
+
+    def frozen(client: Any, names: list[str], args: list[Any]) -> Any:
+        lock_server.pause()
+        try:
+            return real(client, names, args)
+        finally:
+            lock_server.resume()
+            lock_server.client().ping()
+
+    monkeypatch.setattr(scripts, "keep_before", frozen)
+    assert redeliver(t, copy).state == "RETRY"
+    monkeypatch.setattr(scripts, "keep_before", real)
+    parked = copies(r, app, copy.task_id)[-1]
+    assert c.hget(lock_name(prefix, "acc:1"), "state") == "handed", "KEEP_BEFORE ran on thaw"
+    discarded = SimpleNamespace(id=parked.task_id, headers=parked.custom(), request_dict={})
+    free_reservation_from_main(t, discarded, (1, 2), {})
+    assert not c.exists(lock_name(prefix, "acc:1")), "the revoked waiter's kept reservation is given back"
