@@ -71,6 +71,7 @@ from ._keys import (
     done_name,
     fence_row,
     meta,
+    parse_claim_name,
     parse_lock_name,
     parse_slot_lock_name,
     record_scope,
@@ -628,8 +629,9 @@ def stats_(ctx: click.Context, as_json: bool, prometheus: bool, **_: Any) -> Non
 def describe(ctx: click.Context, key: str | None, as_json: bool, **_: Any) -> None:
     """The lock inventory (Markdown, or JSON): per locked task its key, TTL, renewal, policies, completion.
 
-    With KEY (an entity key, or its full Redis key): that entity as held now instead -- its holder, the
-    other entities a multi-entity holder holds with it (its siblings), and the deliveries waiting.
+    With KEY (an entity key, or the full Redis key of its lease or queue claim): that entity as held now
+    instead -- its holder, the other entities a multi-entity holder holds with it (its siblings), and the
+    deliveries waiting.
     """
     if key is not None:
         _describe_entity(ctx, key, as_json)
@@ -659,7 +661,7 @@ def _most_slots(app: Any) -> int:
 def _describe_entity(ctx: click.Context, key: str, as_json: bool) -> None:
     """``describe KEY``: the entity's lease (and lock_limit slots) as ``locks`` shows it, siblings spelled out."""
     s = _settings(ctx)
-    name = _entity(key, s.key_prefix)
+    name = parse_claim_name(s.key_prefix, key) or _entity(key, s.key_prefix)  # a claim's key names K too
     with _redis(s) as client:
         leases = read_entity(client, s.key_prefix, name, slots=_most_slots(_app(ctx)))
         waiting = read_waiting(client, s.key_prefix, [name])

@@ -1,6 +1,6 @@
-"""Reading who holds what: the lease hashes under a prefix, parsed one row at a time.
+"""Reading who holds what: the lease hashes and queue claims under a prefix, parsed one row at a time.
 
-The ACQUIRE and CLAIM scripts (``_scripts.py``) write each lease as a hash:
+The ACQUIRE and CLAIM scripts (``_scripts.py``) write each lease (and each queue claim ``{K}:claim``) as a hash:
 ``token``, ``task_id``, ``task_name``, ``digest``, ``host``, ``pid``,
 ``worker``, ``state`` (:data:`STATES`), ``acquired_at`` and
 ``renewed_at`` (server ms), ``ttl`` (ms) and ``fence``. This module is the one
@@ -20,13 +20,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from ._keys import (
     MAX_KEY,
     claim_name,
     lock_name,
+    parse_claim_name,
     parse_lock_name,
     parse_rate_name,
     parse_slot_lock_name,
@@ -188,7 +189,7 @@ class HeldLease:
             bad.append("siblings")
         left = pttl if isinstance(pttl, int) and not isinstance(pttl, bool) and pttl >= 0 else None
         return cls(
-            key=parse_lock_name(prefix, redis_key) or redis_key,
+            key=row_entity(prefix, redis_key),
             redis_key=redis_key,
             state=state,
             task_name=fields.get("task_name"),
@@ -216,7 +217,7 @@ class HeldLease:
     def unreadable(cls, prefix: str, redis_key: str, why: str) -> HeldLease:
         """A lease key that is not a hash (WRONGTYPE), or whose read failed: a row that says so."""
         return cls(
-            key=parse_lock_name(prefix, redis_key) or redis_key,
+            key=row_entity(prefix, redis_key),
             redis_key=redis_key,
             state="unreadable",
             task_name=None,
@@ -281,6 +282,26 @@ class HeldLease:
         return f"{self.label} (with {names})" if names else self.label
 
 
+def row_entity(prefix: str, redis_key: str) -> str:
+    """The entity key K a row is listed under: its lease's (slots included) or its queue claim's, else the name."""
+    return parse_lock_name(prefix, redis_key) or parse_claim_name(prefix, redis_key) or redis_key
+
+
+def _is_row(prefix: str, name: str) -> bool:
+    """Whether ``name`` is a lease (``{K}:lock``, ``{K}:lock:<i>``) or a queue claim (``{K}:claim``)."""
+    return parse_slot_lock_name(prefix, name) is not None or parse_claim_name(prefix, name) is not None
+
+
+def _rows_glob(prefix: str, match: str) -> str:
+    """The SCAN pattern of the rows of entities matching ``match``: ``{K}:lock*`` and ``{K}:claim`` in one walk.
+
+    A glob has no alternation; ``[cl][lo][ac]*`` matches ``lock...`` and ``claim`` and no other key kind
+    of an entity (fence, wait, waiters, watch, rate, debounce, done, cp, wfended), so SCAN sends back
+    little else, and :func:`_is_row` drops what is not a row.
+    """
+    return f"{prefix}:v1:{{{match}}}:[cl][lo][ac]*"
+
+
 def _slot(prefix: str, redis_key: str) -> int:
     parsed = parse_slot_lock_name(prefix, redis_key)
     return parsed[1] if parsed is not None else 0
@@ -295,14 +316,14 @@ def server_ms(client: Any) -> int:
 def read_leases(client: Any, prefix: str, match: str = "*") -> list[HeldLease]:
     """Every lease and queue claim under ``prefix`` whose entity key matches the glob ``match``, sorted by key.
 
-    One SCAN, then HGETALL + PTTL per key in pipelines of :data:`BATCH`. A
+    One SCAN (:func:`_rows_glob`: leases, slot leases ``{K}:lock:<i>`` and queue claims ``{K}:claim``, a
+    claim's row keyed K), then HGETALL + PTTL per key in pipelines of :data:`BATCH`. A
     pipeline reads every reply (``raise_on_error=False``), so one key of the
     wrong type is one unreadable row, not a failed command. A key released
     between SCAN and HGETALL is left out.
     """
-    # ``:lock*`` also finds the slot leases ``{K}:lock:<i>`` of lock_limit tasks; nothing else ends that way.
-    found = client.scan_iter(match=lock_name(prefix, match) + "*", count=1000)
-    names = sorted(n for n in found if parse_slot_lock_name(prefix, n) is not None)
+    found = client.scan_iter(match=_rows_glob(prefix, match), count=1000)
+    names = sorted(n for n in found if _is_row(prefix, n))
     return _read_named(client, prefix, names)
 
 
@@ -455,15 +476,20 @@ SCAN_STEP = 1000
 SCAN_KEYS = 2_000_000
 
 #: One step of :func:`top_leases`, server side: SCAN one cursor step, keep only this prefix's keys, and send
-#: back the lease count, the ``limit`` oldest leases (acquired_at, name), the ``limit`` longest waiter queues,
-#: and the names of start windows and debounce records (at most ``limit`` each). Nothing is written. Reading
-#: acquired_at and LLEN here is what lets the client see the oldest leases without fetching every one.
+#: back the row count, the ``limit`` oldest rows (acquired_at, name), the ``limit`` longest waiter queues,
+#: and the names of start windows and debounce records (at most ``limit`` each). A row is a lease
+#: (``}:lock``, ``}:lock:<n>``) or a queue claim (``}:claim``): one HGET each, like a lease. Nothing is
+#: written. Reading acquired_at and LLEN here is what lets the client see the oldest rows without fetching
+#: every one.
+#: KEYS: none. ARGV[1] cursor, ARGV[2] MATCH pattern, ARGV[3] COUNT, ARGV[4] limit.
+#: Returns {next cursor, keys the step matched, rows seen, {name, acquired_at, ...}, {wait name, length, ...},
+#: {start window names}, {debounce record names}}.
 _STEP = """
 local res = redis.call('SCAN', ARGV[1], 'MATCH', ARGV[2], 'COUNT', ARGV[3])
 local limit = tonumber(ARGV[4])
 local n, ages, waits, rates, debounces = 0, {}, {}, {}, {}
 for _, k in ipairs(res[2]) do
-  if string.sub(k, -6) == '}:lock' or string.find(k, '}:lock:%d+$') then
+  if string.sub(k, -6) == '}:lock' or string.find(k, '}:lock:%d+$') or string.sub(k, -7) == '}:claim' then
     n = n + 1
     local ok, a = pcall(redis.call, 'HGET', k, 'acquired_at')
     a = ok and tonumber(a) or 0
@@ -492,12 +518,15 @@ return out
 
 @dataclass(frozen=True)
 class LeaseSample:
-    """The first rows of ``lockguard locks`` (most waiters, then longest held) and what the scan behind them saw."""
+    """The first rows of ``lockguard locks`` (most waiters, then longest held) and what the scan behind them saw.
+
+    Rows are leases and queue claims (``{K}:claim``); the counts below count both.
+    """
 
     leases: list[HeldLease]
     #: Waiter queue lengths of the rows' entities (entities nobody waits on are left out).
     waiting: dict[str, int]
-    #: Lease keys the scan saw; every one when ``complete``.
+    #: Row keys (leases and queue claims) the scan saw; every one when ``complete``.
     seen: int
     #: The total: exact when ``complete``, else an estimate.
     total: int
@@ -528,7 +557,9 @@ def _is_cluster(client: Any) -> bool:
 
 
 def top_leases(client: Any, prefix: str, match: str = "*", limit: int = 50, budget: int | None = None) -> LeaseSample:
-    """The ``limit`` leases an operator needs first, reading at most ``budget`` lease keys' ages, not every lease.
+    """The ``limit`` rows an operator needs first, reading at most ``budget`` row keys' ages, not every row.
+
+    A row is a lease or a queue claim ``{K}:claim`` (keyed K, as :func:`read_leases` lists it).
 
     The scan runs in the server (:data:`_STEP`, one SCAN step per round trip) and sends back only the oldest
     rows of each step; the winners are then read whole (HGETALL + PTTL) with their waiter counts. It stops
@@ -631,7 +662,8 @@ def read_entity(client: Any, prefix: str, key: str, slots: int = 1) -> list[Held
     or ``[`` names only itself): ``slots`` slots (the app's largest ``lock_limit``), or as many as a lease
     read records in ``limit`` (a holder under a limit the app no longer declares), at most :data:`MAX_SLOTS_READ`.
     Then the queue claim ``{K}:claim`` (``until_started``, or ``until_done`` queued behind different work): while
-    it stands identical work is not enqueued, so the entity is not free; its row is keyed K, named by its Redis key.
+    it stands identical work is not enqueued, so the entity is not free; its row is keyed K, named by its Redis key
+    (as ``locks`` lists it).
     """
     claim = claim_name(prefix, key)
     names = [slot_lock_name(prefix, key, i) for i in range(min(slots, MAX_SLOTS_READ))]
@@ -641,17 +673,18 @@ def read_entity(client: Any, prefix: str, key: str, slots: int = 1) -> list[Held
     if recorded > slots:
         more = range(slots, min(recorded, MAX_SLOTS_READ))
         rows += _read_named(client, prefix, [slot_lock_name(prefix, key, i) for i in more])
-    return rows + [replace(lease, key=key) for lease in found if lease.redis_key == claim]
+    return rows + [lease for lease in found if lease.redis_key == claim]
 
 
 def iter_leases(client: Any, prefix: str, match: str = "*") -> Iterator[list[HeldLease]]:
-    """Every lease under ``prefix`` matching ``match``, :data:`BATCH` at a time in scan order (``locks --all``).
+    """Every lease and queue claim under ``prefix`` matching ``match`` (as :func:`read_leases` finds them),
+    :data:`BATCH` at a time in scan order (``locks --all``).
 
     Memory stays one batch whatever the count: the rows are printed as they come, not sorted.
     """
     chunk: list[str] = []
-    for name in client.scan_iter(match=lock_name(prefix, match) + "*", count=1000):
-        if parse_slot_lock_name(prefix, name) is not None:
+    for name in client.scan_iter(match=_rows_glob(prefix, match), count=1000):
+        if _is_row(prefix, name):
             chunk.append(name)
         if len(chunk) >= BATCH:
             yield _read_named(client, prefix, chunk)

@@ -459,8 +459,17 @@ def fence_name(prefix: str, key: str) -> str:
 
 
 def claim_name(prefix: str, key: str) -> str:
-    """Redis key of entity K's until_started queue claim (same slot as its lease)."""
+    """Redis key of entity K's queue claim (same slot as its lease): an until_started message, or an
+    until_done one queued behind different work."""
     return f"{prefix}:v1:{{{key}}}:claim"
+
+
+def parse_claim_name(prefix: str, name: str) -> str | None:
+    """The entity key K of a queue claim's key (the inverse of :func:`claim_name`), else None."""
+    head, tail = f"{prefix}:v1:{{", "}:claim"
+    if name.startswith(head) and name.endswith(tail) and len(name) > len(head) + len(tail):
+        return name[len(head) : -len(tail)]
+    return None
 
 
 def watch_name(prefix: str, key: str) -> str:
