@@ -35,7 +35,7 @@ typecheck: $(STAMP)
 # subprocesses, so more processes than cores pays). --dist loadgroup: tests run wherever a process is free,
 # except modules marked xdist_group (a module fixture they share: a Cluster, a build, a fleet), which run
 # whole in one. PYTEST_WORKERS=0 runs it serially; PYTEST_ARGS adds arguments (a file, -k ...).
-PYTEST_WORKERS ?= 3
+PYTEST_WORKERS ?= 4
 PYTEST_ARGS ?=
 
 unit: $(STAMP)
