@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -502,6 +503,27 @@ def test_a_multi_entity_waiter_woken_by_a_forced_release_keeps_it_while_the_evic
     assert held(r, prefix) == []
 
 
+@contextmanager
+def keep_before_frozen(lock_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """KEEP_BEFORE sent to a frozen server (the call times out) that has the script cached, so it runs on thaw."""
+    lock_server.client().script_load(scripts.keep_before.source)
+    real = scripts.keep_before
+
+    def frozen(client: Any, names: list[str], args: list[Any]) -> Any:
+        lock_server.pause()
+        try:
+            return real(client, names, args)
+        finally:
+            lock_server.resume()
+            lock_server.client().ping()  # the thawed server has run the KEEP_BEFORE it read while frozen
+
+    monkeypatch.setattr(scripts, "keep_before", frozen)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(scripts, "keep_before", real)
+
+
 def test_a_keep_before_that_times_out_yet_runs_on_thaw_leaves_its_kept_reservation_to_the_park(
     redis_url: str, r: redis.Redis, prefix: str, lock_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -514,21 +536,8 @@ def test_a_keep_before_that_times_out_yet_runs_on_thaw_leaves_its_kept_reservati
     ran: list[Any] = []
     t = transfer(app, ran)
     copy, second = woken_blocked(app, r, c, prefix, t, ttl_ms=60_000)
-    c.script_load(scripts.keep_before.source)  # cached, as on a server that ran it before: it runs on thaw
-    real = scripts.keep_before
-
-    def frozen(client: Any, names: list[str], args: list[Any]) -> Any:
-        lock_server.pause()
-        try:
-            return real(client, names, args)
-        finally:
-            lock_server.resume()
-            lock_server.client().ping()  # the thawed server has run the KEEP_BEFORE it read while frozen
-
-    monkeypatch.setattr(scripts, "keep_before", frozen)
-    with capture_logs() as logs:
+    with capture_logs() as logs, keep_before_frozen(lock_server, monkeypatch):
         out = redeliver(t, copy)
-    monkeypatch.setattr(scripts, "keep_before", real)
     assert (out.state, ran) == ("RETRY", [])
     assert any("reservations left to their TTL" in str(e.get("reason")) for e in logs), "the timeout was met"
     parked = copies(r, app, copy.task_id)[-1]
@@ -592,20 +601,8 @@ def test_a_waiter_revoked_after_a_keep_before_that_ran_on_thaw_gives_back_what_i
     ran: list[Any] = []
     t = transfer(app, ran)
     copy, _ = woken_blocked(app, r, c, prefix, t, ttl_ms=60_000)
-    c.script_load(scripts.keep_before.source)
-    real = scripts.keep_before
-
-    def frozen(client: Any, names: list[str], args: list[Any]) -> Any:
-        lock_server.pause()
-        try:
-            return real(client, names, args)
-        finally:
-            lock_server.resume()
-            lock_server.client().ping()
-
-    monkeypatch.setattr(scripts, "keep_before", frozen)
-    assert redeliver(t, copy).state == "RETRY"
-    monkeypatch.setattr(scripts, "keep_before", real)
+    with keep_before_frozen(lock_server, monkeypatch):
+        assert redeliver(t, copy).state == "RETRY"
     parked = copies(r, app, copy.task_id)[-1]
     assert c.hget(lock_name(prefix, "acc:1"), "state") == "handed", "KEEP_BEFORE ran on thaw"
     discarded = SimpleNamespace(id=parked.task_id, headers=parked.custom(), request_dict={})
