@@ -18,6 +18,7 @@ from celery_lockguard import LockedTask
 from celery_lockguard import _holders as holders
 from celery_lockguard import _lease as L
 from celery_lockguard._keys import claim_name, lock_name, wait_name
+from celery_lockguard.testing import wait_for
 
 from .conftest import make_cfg
 from .test_cli_hostile import app, invoke, strict_json  # noqa: F401 - app: the CLI's fixture
@@ -42,6 +43,10 @@ def _queue(app: Celery, r: redis.Redis, prefix: str) -> dict[str, str]:  # noqa:
     ids.update({f"doc:{a}": done.apply_async((a,)).id for a in (1, 2)})
     assert r.exists(claim_name(prefix, "inv:1")) and r.exists(claim_name(prefix, "doc:1"))
     assert r.hget(lock_name(prefix, "doc:2"), "task_id") == ids["doc:2"], "until_done claims the lease hash itself"
+    # A claim reads `publishing` until its CONFIRM_CLAIM, which rides in the process's next write or is sent
+    # within 20 ms (issue 33): wait for it, or a row caught in that window reads `publishing` (seen on CI).
+    names = (claim_name(prefix, "inv:1"), claim_name(prefix, "doc:1"), lock_name(prefix, "doc:2"))
+    wait_for(lambda: all(r.hget(n, "state") == "queued" for n in names), 10, what="the claims to be confirmed")
     return ids
 
 

@@ -13,8 +13,15 @@ from celery import Celery
 from celery_lockguard import LockedTask
 from celery_lockguard import _lease as L
 from celery_lockguard._keys import claim_name
+from celery_lockguard.testing import wait_for
 
 from .test_cli_hostile import app, invoke, strict_json  # noqa: F401 - app: the CLI's fixture
+
+
+def confirmed(r: redis.Redis, name: str) -> None:
+    """Wait for the claim's CONFIRM_CLAIM (it rides in the next write or is sent within 20 ms): until then the
+    claim reads ``publishing``, not ``queued``."""
+    wait_for(lambda: r.hget(name, "state") == "queued", 10, what=f"{name} to be confirmed")
 
 
 def test_describe_shows_an_until_started_queue_claim(app: Celery, r: redis.Redis, prefix: str) -> None:  # noqa: F811
@@ -23,6 +30,7 @@ def test_describe_shows_an_until_started_queue_claim(app: Celery, r: redis.Redis
 
     sent = started.apply_async((1,))
     assert r.exists(claim_name(prefix, "inv:1")), "the publish claimed the entity"
+    confirmed(r, claim_name(prefix, "inv:1"))
     text = invoke(app, "describe", "inv:1")
     assert text.exit_code == 0 and "is free" not in text.stdout, text.stdout
     assert "queued" in text.stdout and sent.id in text.stdout
@@ -47,6 +55,7 @@ def test_describe_shows_an_until_done_claim_queued_behind_different_work(
     assert isinstance(running, L.Lease)
     sent = done.apply_async((1,))
     assert r.exists(claim_name(prefix, "doc:1")), "queued behind the different work holding the lease"
+    confirmed(r, claim_name(prefix, "doc:1"))
     rows = strict_json(invoke(app, "describe", "doc:1", "--json").stdout)
     assert sorted((row["key"], row["state"], row["task_id"]) for row in rows) == [
         ("doc:1", "queued", sent.id),
