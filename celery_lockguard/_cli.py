@@ -647,23 +647,12 @@ def describe(ctx: click.Context, key: str | None, as_json: bool, **_: Any) -> No
         ctx.exit(EX_CONFIG)
 
 
-def _most_slots(app: Any) -> int:
-    """The largest ``lock_limit`` among the app's locked tasks (1 when none limits): the slots an entity may use."""
-    most = 1
-    for task in doctor.locked_tasks(app):
-        try:
-            most = max(most, task.lockguard_options.limit)
-        except ConfigurationError:
-            continue
-    return most
-
-
 def _describe_entity(ctx: click.Context, key: str, as_json: bool) -> None:
     """``describe KEY``: the entity's lease (and lock_limit slots) as ``locks`` shows it, siblings spelled out."""
     s = _settings(ctx)
     name = parse_claim_name(s.key_prefix, key) or _entity(key, s.key_prefix)  # a claim's key names K too
     with _redis(s) as client:
-        leases = read_entity(client, s.key_prefix, name, slots=_most_slots(_app(ctx)))
+        leases = read_entity(client, s.key_prefix, name, slots=_inventory.most_slots(_app(ctx)))
         waiting = read_waiting(client, s.key_prefix, [name])
     if as_json:
         _echo_json([{**lease.as_dict(), "waiting": waiting.get(lease.key, 0)} for lease in leases])

@@ -77,6 +77,18 @@ def key_templates(app: Any) -> dict[str, str]:
     return out
 
 
+def most_slots(app: Any) -> int:
+    """The largest ``lock_limit`` among the app's locked tasks (1 when none limits): the slots an entity may use
+    (``describe KEY`` reads that many by name)."""
+    most = 1
+    for task in locked_tasks(app):
+        try:
+            most = max(most, task.lockguard_options.limit)
+        except ConfigurationError:
+            continue
+    return most
+
+
 def rate_tasks(app: Any) -> list[RateTask]:
     """The app's ``lock_rate`` tasks as ``lockguard locks`` matches an entity's window to them (template tasks only)."""
     out: list[RateTask] = []
