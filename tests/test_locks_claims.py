@@ -25,6 +25,16 @@ from .test_cli_hostile import app, invoke, strict_json  # noqa: F401 - app: the 
 from .test_page import PageServer, pages, start_page  # noqa: F401 - pages: stops the page servers
 
 
+def hold_other_work(r: redis.Redis, prefix: str, key: str) -> L.Lease:
+    """Different work (task ``other.work``, id ``t-other``) holding entity ``key``'s lease for a minute."""
+    other = L.acquire(
+        r, prefix, key, ttl_ms=60_000, task_id="t-other", task_name="other.work", digest="d", worker="w@h",
+        fence_ttl_ms=60_000,
+    )  # fmt: skip
+    assert isinstance(other, L.Lease)
+    return other
+
+
 def _queue(app: Celery, r: redis.Redis, prefix: str) -> dict[str, str]:  # noqa: F811 - the fixture's name
     """Three queued messages: until_started on inv:1, until_done behind other work on doc:1, until_done on doc:2."""
 
@@ -34,11 +44,7 @@ def _queue(app: Celery, r: redis.Redis, prefix: str) -> dict[str, str]:  # noqa:
     @app.task(base=LockedTask, shared=False, name="q.done", lock_key="doc:{a}", lock_mode="until_done")
     def done(a: int) -> None: ...
 
-    other = L.acquire(
-        r, prefix, "doc:1", ttl_ms=60_000, task_id="t-other", task_name="other.work", digest="d", worker="w@h",
-        fence_ttl_ms=60_000,
-    )  # fmt: skip
-    assert isinstance(other, L.Lease)
+    hold_other_work(r, prefix, "doc:1")
     ids = {"inv:1": started.apply_async((1,)).id}
     ids.update({f"doc:{a}": done.apply_async((a,)).id for a in (1, 2)})
     assert r.exists(claim_name(prefix, "inv:1")) and r.exists(claim_name(prefix, "doc:1"))

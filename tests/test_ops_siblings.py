@@ -17,7 +17,9 @@ from celery import Celery
 
 from celery_lockguard import _lease as L
 from celery_lockguard import _metrics as metrics
+from celery_lockguard import _multi as multi
 from celery_lockguard._keys import lock_name
+from celery_lockguard._lease import MultiLease
 
 from .conftest import make_cfg
 from .test_cli_hostile import app, invoke, raw, strict_json  # noqa: F401 - app, raw: the CLI's fixtures
@@ -46,6 +48,16 @@ HOSTILE = {
     "huge": json.dumps(["k"] * 200_000),
     "not-utf8": b'["\xff"]',
 }
+
+
+def hold_transfer(r: redis.Redis, prefix: str, keys: tuple[str, ...]) -> MultiLease:
+    """``bank.transfer`` (id ``t-real``) holding every entity of ``keys`` as ACQUIRE_MULTI writes them."""
+    lease = multi.acquire(
+        r, prefix, keys, ttl_ms=60_000, task_id="t-real", task_name="bank.transfer", digest="d", worker="w@h",
+        fence_ttl_ms=60_000,
+    )  # fmt: skip
+    assert isinstance(lease, MultiLease)
+    return lease
 
 
 def test_locks_shows_each_entity_once_and_names_its_siblings(
@@ -164,15 +176,8 @@ def test_a_real_multi_entity_acquisition_shows_once_per_entity_with_its_siblings
     prefix: str,
 ) -> None:
     """The contract end to end: what ACQUIRE_MULTI writes is what the views read (no planted field)."""
-    from celery_lockguard import _multi as multi
-    from celery_lockguard._lease import MultiLease
-
     keys = ("acct:1", "acct:2", "acct:\u00e9")
-    lease = multi.acquire(
-        r, prefix, keys, ttl_ms=60_000, task_id="t-real", task_name="bank.transfer", digest="d", worker="w@h",
-        fence_ttl_ms=60_000,
-    )  # fmt: skip
-    assert isinstance(lease, MultiLease)
+    lease = hold_transfer(r, prefix, keys)
     rows = {row["key"]: row for row in strict_json(invoke(app, "locks", "--json").stdout)}
     assert set(rows) == set(keys)
     assert {k: sorted(row["siblings"]) for k, row in rows.items()} == {k: sorted(set(keys) - {k}) for k in keys}
@@ -191,15 +196,8 @@ def test_describe_an_entity_of_a_multi_entity_holder_names_its_siblings(
 ) -> None:
     """``describe KEY``: the holder of one entity, and the other entities of its acquisition, as ACQUIRE_MULTI
     wrote them (text and ``--json``); a free entity says so; a single lease names no siblings."""
-    from celery_lockguard import _multi as multi
-    from celery_lockguard._lease import MultiLease
-
     keys = ("acct:1", "acct:2", "acct:3")
-    lease = multi.acquire(
-        r, prefix, keys, ttl_ms=60_000, task_id="t-real", task_name="bank.transfer", digest="d", worker="w@h",
-        fence_ttl_ms=60_000,
-    )  # fmt: skip
-    assert isinstance(lease, MultiLease)
+    hold_transfer(r, prefix, keys)
     out = invoke(app, "describe", "acct:2")
     assert out.exit_code == 0, out.output
     assert "acct:2 (with acct:1, acct:3)" in out.stdout and "t-real" in out.stdout

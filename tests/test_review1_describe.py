@@ -11,11 +11,11 @@ import redis
 from celery import Celery
 
 from celery_lockguard import LockedTask
-from celery_lockguard import _lease as L
 from celery_lockguard._keys import claim_name
 from celery_lockguard.testing import wait_for
 
 from .test_cli_hostile import app, invoke, strict_json  # noqa: F401 - app: the CLI's fixture
+from .test_locks_claims import hold_other_work
 
 
 def confirmed(r: redis.Redis, name: str) -> None:
@@ -48,11 +48,7 @@ def test_describe_shows_an_until_done_claim_queued_behind_different_work(
     @app.task(base=LockedTask, shared=False, name="q.done", lock_key="doc:{a}", lock_mode="until_done")
     def done(a: int) -> None: ...
 
-    running = L.acquire(
-        r, prefix, "doc:1", ttl_ms=60_000, task_id="t-other", task_name="other.work", digest="d", worker="w@h",
-        fence_ttl_ms=60_000,
-    )  # fmt: skip
-    assert isinstance(running, L.Lease)
+    hold_other_work(r, prefix, "doc:1")
     sent = done.apply_async((1,))
     assert r.exists(claim_name(prefix, "doc:1")), "queued behind the different work holding the lease"
     confirmed(r, claim_name(prefix, "doc:1"))
