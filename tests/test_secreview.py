@@ -43,6 +43,15 @@ def _hold(r: redis.Redis, prefix: str, key: str, **fields: str) -> None:
         r.hset(lock_name(prefix, key), field, value)
 
 
+def _hold_big_answer(r: redis.Redis, prefix: str) -> None:
+    """500 leases, each with 32 siblings and fields past the 256-character cut (non-ASCII: six bytes each as JSON
+    escapes): the biggest answer the page gives, megabytes, past any socket's send buffer."""
+    siblings = json.dumps([f"s{i}:" + "y" * 300 for i in range(32)])
+    wide = "\u00e9" * 300
+    for n in range(500):
+        _hold(r, prefix, f"big:{n}", siblings=siblings, task_name=wide, worker=wide, host=wide, task_id=wide)
+
+
 def _stop(page: object) -> str:
     proc = page.proc  # type: ignore[attr-defined]
     proc.terminate()
@@ -65,10 +74,7 @@ def test_slow_readers_from_four_addresses_take_every_slot(r: redis.Redis, redis_
     """
     # Fields are cut at 256 characters now (the next tests), so a big answer takes the most the page shows:
     # 500 leases, each with 32 siblings and fields at the cut (non-ASCII: six bytes each as JSON escapes).
-    siblings = json.dumps([f"s{i}:" + "y" * 300 for i in range(32)])
-    wide = "\u00e9" * 300
-    for n in range(500):
-        _hold(r, prefix, f"big:{n}", siblings=siblings, task_name=wide, worker=wide, host=wide, task_id=wide)
+    _hold_big_answer(r, prefix)
     page = start_page(make_cfg(prefix, redis_url))  # defaults: 32 slots, a quarter per address
     readers: list[socket.socket] = []
     try:

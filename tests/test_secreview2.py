@@ -24,7 +24,7 @@ from celery_lockguard._redact import redact
 from .conftest import make_cfg
 from .test_cli import cli
 from .test_page import start_page
-from .test_secreview import _hold, _stop
+from .test_secreview import _hold, _hold_big_answer, _stop
 
 pytestmark = pytest.mark.integration
 
@@ -66,10 +66,7 @@ def test_readers_that_trickle_keep_every_slot_from_a_fresh_scrape(r: redis.Redis
     answered, e.g. a handler evicted by its answer's progress rate or age, not only a chunk stalled 1 s,
     or a slot kept for scrapes.
     """
-    siblings = json.dumps([f"s{i}:" + "y" * 300 for i in range(32)])
-    wide = "\u00e9" * 300
-    for n in range(500):
-        _hold(r, prefix, f"big:{n}", siblings=siblings, task_name=wide, worker=wide, host=wide, task_id=wide)
+    _hold_big_answer(r, prefix)
     page = start_page(make_cfg(prefix, redis_url))  # defaults: 32 slots, a quarter per address
     readers: list[socket.socket] = []
     sel = selectors.DefaultSelector()
