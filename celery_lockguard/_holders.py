@@ -32,6 +32,7 @@ from ._keys import (
     parse_rate_name,
     parse_slot_lock_name,
     rate_name,
+    rows_glob,
     slot_lock_name,
     wait_name,
 )
@@ -292,16 +293,6 @@ def _is_row(prefix: str, name: str) -> bool:
     return parse_slot_lock_name(prefix, name) is not None or parse_claim_name(prefix, name) is not None
 
 
-def _rows_glob(prefix: str, match: str) -> str:
-    """The SCAN pattern of the rows of entities matching ``match``: ``{K}:lock*`` and ``{K}:claim`` in one walk.
-
-    A glob has no alternation; ``[cl][lo][ac]*`` matches ``lock...`` and ``claim`` and no other key kind
-    of an entity (fence, wait, waiters, watch, rate, debounce, done, cp, wfended), so SCAN sends back
-    little else, and :func:`_is_row` drops what is not a row.
-    """
-    return f"{prefix}:v1:{{{match}}}:[cl][lo][ac]*"
-
-
 def _slot(prefix: str, redis_key: str) -> int:
     parsed = parse_slot_lock_name(prefix, redis_key)
     return parsed[1] if parsed is not None else 0
@@ -316,13 +307,13 @@ def server_ms(client: Any) -> int:
 def read_leases(client: Any, prefix: str, match: str = "*") -> list[HeldLease]:
     """Every lease and queue claim under ``prefix`` whose entity key matches the glob ``match``, sorted by key.
 
-    One SCAN (:func:`_rows_glob`: leases, slot leases ``{K}:lock:<i>`` and queue claims ``{K}:claim``, a
+    One SCAN (:func:`._keys.rows_glob`: leases, slot leases ``{K}:lock:<i>`` and queue claims ``{K}:claim``, a
     claim's row keyed K), then HGETALL + PTTL per key in pipelines of :data:`BATCH`. A
     pipeline reads every reply (``raise_on_error=False``), so one key of the
     wrong type is one unreadable row, not a failed command. A key released
     between SCAN and HGETALL is left out.
     """
-    found = client.scan_iter(match=_rows_glob(prefix, match), count=1000)
+    found = client.scan_iter(match=rows_glob(prefix, match), count=1000)
     names = sorted(n for n in found if _is_row(prefix, n))
     return _read_named(client, prefix, names)
 
@@ -683,7 +674,7 @@ def iter_leases(client: Any, prefix: str, match: str = "*") -> Iterator[list[Hel
     Memory stays one batch whatever the count: the rows are printed as they come, not sorted.
     """
     chunk: list[str] = []
-    for name in client.scan_iter(match=_rows_glob(prefix, match), count=1000):
+    for name in client.scan_iter(match=rows_glob(prefix, match), count=1000):
         if _is_row(prefix, name):
             chunk.append(name)
         if len(chunk) >= BATCH:

@@ -472,6 +472,17 @@ def parse_claim_name(prefix: str, name: str) -> str | None:
     return None
 
 
+def rows_glob(prefix: str, match: str) -> str:
+    """The SCAN pattern of the rows ``locks`` lists for entities matching the glob ``match``: ``{K}:lock*`` (leases,
+    slot leases) and ``{K}:claim`` in one walk.
+
+    A glob has no alternation; ``[cl][lo][ac]*`` matches ``lock...`` and ``claim`` and no other key kind of an
+    entity (fence, wait, waiters, watch, rate, debounce, done, cp, wfended), so SCAN sends back little else; the
+    reader drops what :func:`parse_slot_lock_name` and :func:`parse_claim_name` do not parse.
+    """
+    return f"{prefix}:v1:{{{match}}}:[cl][lo][ac]*"
+
+
 def watch_name(prefix: str, key: str) -> str:
     """Redis key of entity K's pending-watch marker (same slot as its lease)."""
     return f"{prefix}:v1:{{{key}}}:watch"
