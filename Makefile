@@ -27,6 +27,7 @@ install: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check celery_lockguard tests example_app bench chaos ops
+	$(PY) -m ruff format --check celery_lockguard tests example_app bench chaos ops
 
 typecheck: $(STAMP)
 	$(PY) -m mypy

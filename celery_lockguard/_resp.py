@@ -149,7 +149,7 @@ class Reader:
                 raise _Short
             value = buf[start + 4 : stop]
             return (value.decode(self._encoding, self._errors) if self._decode else value), stop + 2
-        raise InvalidResponse(f"Protocol Error: {buf[pos:end + 2]!r}")
+        raise InvalidResponse(f"Protocol Error: {buf[pos : end + 2]!r}")
 
 
 def _where(conn: Any) -> str:
