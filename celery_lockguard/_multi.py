@@ -327,6 +327,52 @@ def _woken(keys: tuple[str, ...], flat: Any) -> Woken | None:
     return Woken(first.key, first.park_token, first.message, tuple(found[1:]))
 
 
+class Unfinished(Exception):
+    """A per-entity loop (Cluster) failed at an entity after handing others to their waiters.
+
+    The loop went on past the error (each entity lives in its own slot and is freed on its own), so
+    ``woken`` holds every waiter an entity was handed to: the caller publishes them as it would a
+    reply's (:func:`split`), then handles ``error`` as the failure it is. Without this the error lost
+    them, and each waited for its safety copy (about the holder's TTL).
+    """
+
+    def __init__(self, error: BaseException, woken: Woken) -> None:
+        super().__init__(str(error))
+        self.error, self.woken = error, woken
+
+
+def split(exc: BaseException) -> tuple[BaseException, Woken | None]:
+    """The error to handle and the waiters to wake anyway (``None`` unless ``exc`` is :class:`Unfinished`)."""
+    return (exc.error, exc.woken) if isinstance(exc, Unfinished) else (exc, None)
+
+
+def _each_entity(keys: tuple[str, ...], call: Callable[[int], Any], reply_at: int) -> tuple[list[int], Woken | None]:
+    """``call(i)`` for every entity (Cluster, one script per slot): their codes and the waiters woken.
+
+    ``reply_at``: where the reply holds the entity's code list (its woken triples follow it). An error at
+    one entity does not stop the others; it is raised at the end, as :class:`Unfinished` when some waiter
+    was woken meanwhile (those must still be published), else as it is.
+    """
+    codes: list[int] = []
+    found: list[Woken] = []
+    error: BaseException | None = None
+    for i, key in enumerate(keys):
+        try:
+            reply = call(i)
+        except Exception as exc:  # noqa: BLE001 - raised below, once the other entities are done
+            error = error or exc
+            codes.append(0)
+            continue
+        codes.append(int(reply[reply_at][0]))
+        w = _woken((key,), reply[reply_at + 1])
+        if w is not None:
+            found.append(w)
+    woken = Woken(found[0].key, found[0].park_token, found[0].message, tuple(found[1:])) if found else None
+    if error is not None:
+        raise Unfinished(error, woken) if woken is not None else error
+    return codes, woken
+
+
 def release(
     client: Any,
     lease: MultiLease,
@@ -344,16 +390,11 @@ def release(
     lease.released = True
     if one_slot(client, names):
         return _released(lease.keys, scripts.release_multi(client, names, args), recorded)
-    codes: list[int] = []
-    woken: list[Woken] = []
-    for i, key in enumerate(lease.keys):  # Cluster, several slots: the record was written first, apart
-        reply = scripts.release_multi(client, names[3 * i : 3 * i + 3], [*args[:4], 1])
-        codes.append(int(reply[1][0]))
-        w = _woken((key,), reply[2])
-        if w is not None:
-            woken.append(w)
+    # Cluster, several slots: the record was written first, apart; then one RELEASE_MULTI per entity.
+    codes, first = _each_entity(
+        lease.keys, lambda i: scripts.release_multi(client, names[3 * i : 3 * i + 3], [*args[:4], 1]), reply_at=1
+    )
     released = -1 if -1 in codes else (1 if all(c == 1 for c in codes) else 0)
-    first = Woken(woken[0].key, woken[0].park_token, woken[0].message, tuple(woken[1:])) if woken else None
     return released, max(recorded, 0), first
 
 
@@ -394,15 +435,13 @@ def keep_before(
         reply = scripts.keep_before(client, names, [token, new_token, keep_ms, reserve_ms, len(keys), k])
         codes, woken = [int(c) for c in reply[0]], _woken(keys, reply[1])
     else:  # Cluster, several slots: one entity per call (each keeps or gives back on its own)
-        codes, found = [], []
-        for i, key in enumerate(keys):
-            args = [token, new_token, keep_ms, reserve_ms, 1, 1 if i < k else 0]
-            reply = scripts.keep_before(client, names[3 * i : 3 * i + 3], args)
-            codes.append(int(reply[0][0]))
-            w = _woken((key,), reply[1])
-            if w is not None:
-                found.append(w)
-        woken = Woken(found[0].key, found[0].park_token, found[0].message, tuple(found[1:])) if found else None
+        codes, woken = _each_entity(
+            keys,
+            lambda i: scripts.keep_before(
+                client, names[3 * i : 3 * i + 3], [token, new_token, keep_ms, reserve_ms, 1, 1 if i < k else 0]
+            ),
+            reply_at=0,
+        )
     return [key for key, code in zip(keys, codes, strict=True) if code == 2], woken
 
 

@@ -74,8 +74,10 @@ def keep_before(
             client, s.key_prefix, call.keys, token, new_token, blocker, keep_ms, handoff.reserve_ms()
         )
     except Exception as exc:  # noqa: BLE001 - reservations only: each lapses by its TTL; the job goes on
-        reason = f"reservations left to their TTL: {errors.describe(exc)}"
+        error, woken = multi.split(exc)
+        reason = f"reservations left to their TTL: {errors.describe(error)}"
         emit("lock.backend_unavailable", task.name, **event_fields(task, call), reason=reason)
+        handoff.wake(task.app, s, woken, task.name, str(task.request.id), client)
         return new_token
     handoff.wake(task.app, s, woken, task.name, str(task.request.id), client)
     return new_token if kept else ""
@@ -252,14 +254,16 @@ class ReleaseReport:
         lease, hold_ms = self.lease, round(self.hold_ms)
         fields = {"lock_key": lease.key, "task_id": lease.task_id, "fence": lease.fence_field}
         if isinstance(reply, BaseException):
-            self._emit("lock.backend_unavailable", **fields, reason=f"release: {errors.describe(reply)}")
+            error, woken = multi.split(reply)  # Cluster: the entities freed before or after the error still wake
+            self._emit("lock.backend_unavailable", **fields, reason=f"release: {errors.describe(error)}")
             if self.scope is not None:
                 self._emit(
                     "completion.record_failed",
                     task_id=lease.task_id,
                     scope=self.scope,
-                    reason=f"release: {errors.describe(reply)}",
+                    reason=f"release: {errors.describe(error)}",
                 )
+            self._hand_on(woken)
             return
         released, _recorded, woken = reply
         metrics.observe_hold(self.task_name, self.hold_ms)
@@ -274,7 +278,10 @@ class ReleaseReport:
             if lease.mark_lost(reason):
                 self._emit("lock.lost", **fields, hold_ms=hold_ms, reason=reason)
             self._emit("lock.expired_before_release", **fields, hold_ms=hold_ms, reason=reason)
-        # The one place the releaser's part of park and wake runs, on RELEASE's reply (never raises).
+        self._hand_on(woken)
+
+    def _hand_on(self, woken: lease_ops.Woken | None) -> None:
+        """The one place the releaser's part of park and wake runs, on RELEASE's reply (never raises)."""
         if woken is not None and self.wake_apart:
             wire.run_apart(self._wake, woken)
         else:

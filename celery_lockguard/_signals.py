@@ -247,8 +247,10 @@ def _give_back_kept(
         client = connection.client(s)
         _, woken = multi.keep_before(client, s.key_prefix, others, park_token, "", "", 0, handoff.reserve_ms())
     except Exception as exc:  # noqa: BLE001 - the main process never fails on our account; they lapse by TTL
-        emit("lock.backend_unavailable", task.name, lock_key=others[0], task_id=task_id, reason=f"give back: {exc}")
-        return
+        error, woken = multi.split(exc)  # Cluster: the entities given back before or after the error still wake
+        emit("lock.backend_unavailable", task.name, lock_key=others[0], task_id=task_id, reason=f"give back: {error}")
+        if woken is None:
+            return
     handoff.wake(task.app, s, woken, task.name, task_id, client)
 
 

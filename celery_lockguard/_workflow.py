@@ -1021,7 +1021,9 @@ def _finish(task: Any, s: Settings, spec: Spec, client: Any, lease: Lease, start
             released = handoff.release(task.app, s, client, spec.key, lease.token, task.name, req.id)
     except Exception as exc:  # noqa: BLE001 - the body's outcome stands; the lease expires by its TTL
         lease.released = True
-        emit("lock.backend_unavailable", task.name, **fields, reason=f"release: {_describe(exc)}")
+        error, woken = multi.split(exc)  # Cluster: the entities freed before or after the error still wake
+        emit("lock.backend_unavailable", task.name, **fields, reason=f"release: {_describe(error)}")
+        handoff.wake(task.app, s, woken, task.name, req.id, client)
         return
     lease.released = True
     observe_hold(spec.name, hold_ms)

@@ -19,6 +19,7 @@ from structlog.testing import capture_logs
 from celery_lockguard import LockContended, LockedTask
 from celery_lockguard import _cluster as C
 from celery_lockguard import _connection as connection
+from celery_lockguard import _handoff as handoff
 from celery_lockguard import _lease as L
 from celery_lockguard._config import settings
 from celery_lockguard._keys import checkpoint_name, claim_name, done_name, fence_name, lock_name, task_scope
@@ -543,7 +544,6 @@ def test_the_single_lease_and_the_slots_exclude_each_other_on_cluster(rc: Any, c
     L.release(rc, s0, cprefix)
     met = take(1, "d")
     assert isinstance(met, L.Holder) and (met.task_id, met.slot) == ("e1", 1)
-    from celery_lockguard import _handoff as handoff
 
     parked = handoff.park(rc, cprefix, "tenant:x", "p1", "{}", task_id="d", task_name="n", digest="d", countdown=5)
     assert parked.kind == "parked"
@@ -644,3 +644,81 @@ def test_a_woken_copy_keeps_what_it_took_before_the_blocker_on_another_slot(
     )  # fmt: skip
     assert isinstance(lease, L.MultiLease)  # the kept reservation is adopted
     assert M.release(rc, lease, cprefix)[0] == 1
+
+
+# -- a per-entity loop failing part way on Cluster: the waiters of the other entities still wake ----------
+
+
+def _park(rc: Any, prefix: str, key: str, token: str) -> None:
+    parked = handoff.park(rc, prefix, key, token, "{}", task_id=f"w-{key}", task_name="n", digest="d", countdown=5)
+    assert parked.kind == "parked"
+
+
+def _wrong_type(rc: Any, prefix: str, key: str) -> None:
+    """``key``'s lease hash turned into a string: its entity's script fails with WRONGTYPE."""
+    ttl = max(rc.pttl(lock_name(prefix, key)), 5000)
+    rc.delete(lock_name(prefix, key))
+    rc.set(lock_name(prefix, key), "planted", px=ttl)
+
+
+def test_release_failing_at_one_entity_still_frees_and_wakes_the_others(rc: Any, cprefix: str) -> None:
+    """RELEASE_MULTI per slot: b's error neither stops c's release nor loses a's and c's woken waiters."""
+    from celery_lockguard import _multi as M
+
+    a, b, c = sorted(entities_on_distinct_slots(rc, cprefix, 1)[:3])
+    lease = M.acquire(
+        rc, cprefix, (a, b, c), ttl_ms=10_000, task_id="t", task_name="n", digest="d", worker="w", fence_ttl_ms=60_000
+    )
+    assert isinstance(lease, L.MultiLease)
+    _park(rc, cprefix, a, "pa")
+    _park(rc, cprefix, c, "pc")
+    _wrong_type(rc, cprefix, b)
+    with pytest.raises(M.Unfinished) as raised:
+        M.release(rc, lease, cprefix, reserve_ms=3000)
+    error, woken = M.split(raised.value)
+    assert "WRONGTYPE" in str(error)
+    assert woken is not None and {(w.key, w.park_token) for w in (woken, *woken.also)} == {(a, "pa"), (c, "pc")}
+    for key, token in ((a, "pa"), (c, "pc")):  # handed to their waiters, c too although it came after b
+        assert rc.hget(lock_name(cprefix, key), "token") == token
+        assert rc.hget(lock_name(cprefix, key), "state") == "handed"
+    assert rc.get(lock_name(cprefix, b)) == "planted"
+
+
+def test_keep_before_failing_at_one_entity_still_wakes_the_others(rc: Any, cprefix: str) -> None:
+    """KEEP_BEFORE per slot, giving every reservation back: b's error does not lose a's and c's waiters."""
+    from celery_lockguard import _multi as M
+
+    a, b, c = sorted(entities_on_distinct_slots(rc, cprefix, 1)[:3])
+    for key in (a, b, c):  # a woken copy's reservations, token p-old, each with a waiter parked behind it
+        rc.hset(lock_name(cprefix, key), mapping={"token": "p-old", "state": "handed", "ttl": 5000})
+        rc.pexpire(lock_name(cprefix, key), 5000)
+    _park(rc, cprefix, a, "pa")
+    _park(rc, cprefix, c, "pc")
+    _wrong_type(rc, cprefix, b)
+    with pytest.raises(M.Unfinished) as raised:
+        M.keep_before(rc, cprefix, (a, b, c), "p-old", "", "", 0, 3000)
+    error, woken = M.split(raised.value)
+    assert "WRONGTYPE" in str(error)
+    assert woken is not None and {(w.key, w.park_token) for w in (woken, *woken.also)} == {(a, "pa"), (c, "pc")}
+    assert rc.hget(lock_name(cprefix, c), "token") == "pc"
+
+
+def test_a_release_failing_at_one_entity_publishes_the_other_waiters_from_the_tracer(
+    app: Celery, rc: Any, cprefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the real tracer: the body succeeds, the release reports the error and still wakes a's waiter."""
+    a, b = sorted(entities_on_distinct_slots(rc, cprefix, 1)[:2])
+    published: list[dict[str, Any]] = []
+    monkeypatch.setattr(handoff, "publish", lambda _app, spec: published.append(spec))
+
+    @app.task(base=LockedTask, shared=False, name="cl.part", lock_key=("{x}", "{y}"))
+    def part(x: str, y: str) -> str:
+        _park(rc, cprefix, a, "pa")  # parks behind this holder
+        _wrong_type(rc, cprefix, b)
+        return "done"
+
+    with capture_logs() as logs:
+        assert part.apply(args=(a, b)).get() == "done"
+    assert [e for e in logs if e["event"] == "lock.backend_unavailable" and "WRONGTYPE" in e["reason"]]
+    assert len(published) == 1, "a's waiter is woken although b's release failed"
+    assert rc.hget(lock_name(cprefix, a), "token") == "pa"
