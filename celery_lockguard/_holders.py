@@ -33,6 +33,7 @@ from ._keys import (
     parse_slot_lock_name,
     rate_name,
     rows_glob,
+    slot_fence_name,
     slot_lock_name,
     wait_name,
 )
@@ -649,22 +650,52 @@ def _read_named(client: Any, prefix: str, names: list[str]) -> list[HeldLease]:
 def read_entity(client: Any, prefix: str, key: str, slots: int = 1) -> list[HeldLease]:
     """Entity ``key``'s lease and its ``lock_limit`` slot leases (``describe KEY``), by slot; ``[]`` when free.
 
-    Read by name (no SCAN: one entity costs one round trip whatever the keyspace, and a key holding ``*``
-    or ``[`` names only itself): ``slots`` slots (the app's largest ``lock_limit``), or as many as a lease
-    read records in ``limit`` (a holder under a limit the app no longer declares), at most :data:`MAX_SLOTS_READ`.
+    Read by name (no SCAN: one entity costs a few round trips whatever the keyspace, and a key holding ``*``
+    or ``[`` names only itself): ``slots`` slots (the app's largest ``lock_limit``), then every slot past them
+    that the slot fence counters ``{K}:fence:<i>`` show was taken (:func:`taken_slots`, as ACQUIRE_SLOTS reads
+    them for its duplicate rule), or that a lease read records in ``limit``, at most :data:`MAX_SLOTS_READ`.
+    So a holder of a slot above a ``lock_limit`` a deploy lowered (a body of the old code) is found, however
+    far below it the slots are free.
     Then the queue claim ``{K}:claim`` (``until_started``, or ``until_done`` queued behind different work): while
     it stands identical work is not enqueued, so the entity is not free; its row is keyed K, named by its Redis key
     (as ``locks`` lists it).
     """
     claim = claim_name(prefix, key)
-    names = [slot_lock_name(prefix, key, i) for i in range(min(slots, MAX_SLOTS_READ))]
+    first = min(max(slots, 1), MAX_SLOTS_READ)
+    upto = taken_slots(client, prefix, key, first)
+    names = [slot_lock_name(prefix, key, i) for i in range(upto)]
     found = _read_named(client, prefix, [*names, claim])
     rows = [lease for lease in found if lease.redis_key != claim]
     recorded = max((lease.limit or 0 for lease in rows), default=0)
-    if recorded > slots:
-        more = range(slots, min(recorded, MAX_SLOTS_READ))
+    if recorded > upto:
+        more = range(upto, min(recorded, MAX_SLOTS_READ))
         rows += _read_named(client, prefix, [slot_lock_name(prefix, key, i) for i in more])
     return rows + [lease for lease in found if lease.redis_key == claim]
+
+
+#: Slot fence counters :func:`taken_slots` asks about per round trip.
+_FENCE_STEP = 32
+
+
+def taken_slots(client: Any, prefix: str, key: str, start: int) -> int:
+    """How many of entity ``key``'s slots to read: ``start``, or more while the fence counters of the slots from
+    ``start`` on exist (``EXISTS {K}:fence:<i>``), at most :data:`MAX_SLOTS_READ`.
+
+    Slot i is taken only while every slot below it is held, and each take refreshes its fence counter (kept
+    ``lockguard_fence_ttl``, far beyond a lease), so the first absent counter ends the slots ever taken: the
+    rule ACQUIRE_SLOTS follows past its N. One round trip when ``lock_limit`` was never above ``start``.
+    """
+    end = max(start, 1)
+    while end < MAX_SLOTS_READ:
+        step = range(end, min(end + _FENCE_STEP, MAX_SLOTS_READ))
+        pipe = client.pipeline(transaction=False)
+        for i in step:
+            pipe.exists(slot_fence_name(prefix, key, i))
+        for i, there in zip(step, pipe.execute(raise_on_error=False), strict=True):
+            if there != 1:
+                return max(start, i)
+        end = step.stop
+    return max(start, end)
 
 
 def iter_leases(client: Any, prefix: str, match: str = "*") -> Iterator[list[HeldLease]]:
