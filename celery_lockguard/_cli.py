@@ -651,17 +651,28 @@ def _describe_entity(ctx: click.Context, key: str, as_json: bool) -> None:
     """``describe KEY``: the entity's lease (and lock_limit slots) as ``locks`` shows it, siblings spelled out."""
     s = _settings(ctx)
     name = parse_claim_name(s.key_prefix, key) or _entity(key, s.key_prefix)  # a claim's key names K too
+    limits = _inventory.task_limits(_app(ctx))
+    most = max(limits.values(), default=1)
     with _redis(s) as client:
-        leases = read_entity(client, s.key_prefix, name, slots=_inventory.most_slots(_app(ctx)))
+        leases = read_entity(client, s.key_prefix, name, slots=most)
         waiting = read_waiting(client, s.key_prefix, [name])
+    above = {lease.redis_key: n for lease in leases if (n := _above_limit(lease, limits, most)) is not None}
     if as_json:
-        _echo_json([{**lease.as_dict(), "waiting": waiting.get(lease.key, 0)} for lease in leases])
+        rows = []
+        for lease in leases:
+            row = {**lease.as_dict(), "waiting": waiting.get(lease.key, 0)}
+            if lease.redis_key in above:  # a slot past the lock_limit a deploy lowered: still held, still counts
+                row.update(above_limit=True, current_limit=above[lease.redis_key])
+            rows.append(row)
+        _echo_json(rows)
         return
     if not leases:
         click.echo(f"{entity(name)} is free: no lease under prefix {printable(repr(s.key_prefix))}")
         return
     _lease_table(leases, waiting)
     for lease in leases:
+        if lease.redis_key in above:
+            click.echo(_above_text(lease, above[lease.redis_key], lease.task_name in limits))
         names = sibling_names(lease.siblings, lease.sibling_count)
         if names:  # one acquisition, one token: a forced release of this entity frees it alone
             click.echo(
@@ -669,6 +680,32 @@ def _describe_entity(ctx: click.Context, key: str, as_json: bool) -> None:
                 f"({printable(lease.task_name or '-')}[{printable(lease.task_id or '-')}]); "
                 "`release` of one entity leaves the others held until the holder ends"
             )
+
+
+def _above_limit(lease: HeldLease, limits: dict[str, int], most: int) -> int | None:
+    """The ``lock_limit`` a slot holder's slot is at or past now (its task's, else the app's largest), else None.
+
+    A deploy that lowers ``lock_limit`` leaves the bodies of the old code on their slots: slot i >= the new N
+    is held until they end, and new work does not count it.
+    """
+    if not lease.slot:
+        return None
+    now = limits.get(lease.task_name or "", most)
+    return now if lease.slot >= now else None
+
+
+def _above_text(lease: HeldLease, limit: int, known: bool) -> str:
+    """The line under ``describe KEY``'s table for a slot above the current ``lock_limit``."""
+    whose = (
+        f"the current lock_limit of {printable(lease.task_name or '-')} ({limit})"
+        if known
+        else f"every lock_limit this app declares (largest {limit})"
+    )
+    was = f"lock_limit {lease.limit}" if lease.limit is not None else "an earlier lock_limit"
+    return (
+        f"{lease.label} is above {whose}: its holder was admitted under {was}, lowered since; new slot holders "
+        f"do not count this slot, so until it ends the entity may have more than {limit} slot holders"
+    )
 
 
 # -- doctor -----------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from ._keys import (
     parse_slot_lock_name,
     rate_name,
     rows_glob,
+    slot_fence_name,
     slot_lock_name,
     wait_name,
 )
@@ -47,6 +48,9 @@ BATCH = 200
 #: handed on and waiting for its next member (``gap``). A state not
 #: listed here is shown as stored and named in ``malformed``: add it here when a script writes a new one.
 STATES = ("publishing", "queued", "running", "handed", "gap")
+#: The states of a queue claim: an ``until_done`` claim in ``{K}:lock`` (a ``{K}:claim`` row is one whatever
+#: its state). ``publishing``: written before the publish, until its CONFIRM_CLAIM after it.
+CLAIM_STATES = ("publishing", "queued")
 
 
 #: Siblings a row keeps at most (a planted array of 100 000 keys is one row, not a page of them); the count is kept.
@@ -271,6 +275,11 @@ class HeldLease:
         return row
 
     @property
+    def is_claim(self) -> bool:
+        """A queue claim (``{K}:claim``, or an ``until_done`` claim in ``{K}:lock``), not a lease a body holds."""
+        return self.redis_key.endswith("}:claim") or self.state in CLAIM_STATES
+
+    @property
     def label(self) -> str:
         """The entity key as the operator reads it (:func:`~celery_lockguard._terminal.entity`: a non-ASCII key
         beside its ASCII spelling): K, or ``K (slot i)`` for a ``lock_limit`` slot i > 0."""
@@ -468,22 +477,24 @@ SCAN_KEYS = 2_000_000
 
 #: One step of :func:`top_leases`, server side: SCAN one cursor step, keep only this prefix's keys, and send
 #: back the row count, the ``limit`` oldest rows (acquired_at, name), the ``limit`` longest waiter queues,
-#: and the names of start windows and debounce records (at most ``limit`` each). A row is a lease
-#: (``}:lock``, ``}:lock:<n>``) or a queue claim (``}:claim``): one HGET each, like a lease. Nothing is
-#: written. Reading acquired_at and LLEN here is what lets the client see the oldest rows without fetching
-#: every one.
+#: the names of start windows and debounce records (at most ``limit`` each), and how many rows are queue
+#: claims. A row is a lease (``}:lock``, ``}:lock:<n>``) or a queue claim (``}:claim``, or a ``}:lock`` in
+#: state ``publishing`` / ``queued``, :attr:`HeldLease.is_claim`): one HMGET each. Nothing is written.
+#: Reading acquired_at and LLEN here is what lets the client see the oldest rows without fetching every one.
 #: KEYS: none. ARGV[1] cursor, ARGV[2] MATCH pattern, ARGV[3] COUNT, ARGV[4] limit.
 #: Returns {next cursor, keys the step matched, rows seen, {name, acquired_at, ...}, {wait name, length, ...},
-#: {start window names}, {debounce record names}}.
+#: {start window names}, {debounce record names}, queue claims seen}.
 _STEP = """
 local res = redis.call('SCAN', ARGV[1], 'MATCH', ARGV[2], 'COUNT', ARGV[3])
 local limit = tonumber(ARGV[4])
-local n, ages, waits, rates, debounces = 0, {}, {}, {}, {}
+local n, claims, ages, waits, rates, debounces = 0, 0, {}, {}, {}, {}
 for _, k in ipairs(res[2]) do
-  if string.sub(k, -6) == '}:lock' or string.find(k, '}:lock:%d+$') or string.sub(k, -7) == '}:claim' then
+  local claim = string.sub(k, -7) == '}:claim'
+  if claim or string.sub(k, -6) == '}:lock' or string.find(k, '}:lock:%d+$') then
     n = n + 1
-    local ok, a = pcall(redis.call, 'HGET', k, 'acquired_at')
-    a = ok and tonumber(a) or 0
+    local ok, h = pcall(redis.call, 'HMGET', k, 'acquired_at', 'state')
+    local a = ok and tonumber(h[1]) or 0
+    if claim or (ok and (h[2] == 'queued' or h[2] == 'publishing')) then claims = claims + 1 end
     ages[#ages + 1] = {a, k}
   elseif string.sub(k, -6) == '}:wait' then
     local ok, l = pcall(redis.call, 'LLEN', k)
@@ -496,7 +507,7 @@ for _, k in ipairs(res[2]) do
 end
 table.sort(ages, function(x, y) return x[1] < y[1] end)
 table.sort(waits, function(x, y) return x[1] > y[1] end)
-local out = {res[1], #res[2], n, {}, {}, rates, debounces}
+local out = {res[1], #res[2], n, {}, {}, rates, debounces, claims}
 for i = 1, math.min(limit, #ages) do
   table.insert(out[4], ages[i][2]); table.insert(out[4], ages[i][1])
 end
@@ -525,15 +536,19 @@ class LeaseSample:
     #: Start windows and debounce records the scan found (entity keys / Redis names), at most the row limit each.
     rate_keys: list[str]
     debounce_names: list[str]
+    #: The queue claims among ``total`` (:attr:`HeldLease.is_claim`): exact when ``complete``, else an estimate.
+    claims: int = 0
 
     def summary(self, shown: int) -> str:
-        """``showing N of M leases ...``: the line under the rows (says when M is an estimate)."""
+        """``showing N of M rows: L leases, C queue claims ...``: the line under the rows (says when the counts
+        are estimates). A row is a lease or a queue claim, so the line names both."""
         order = "most waiters, then longest held, first"
+        counts = f"{plural(self.total - self.claims, 'lease')}, {plural(self.claims, 'queue claim')}"
         if self.complete:
-            return f"showing {shown} of {plural(self.total, 'lease')} ({order}; --all lists every one)"
+            return f"showing {shown} of {plural(self.total, 'row')}: {counts} ({order}; --all lists every one)"
         return (
-            f"showing {shown} of about {plural(self.total, 'lease')}: the {order} of a sample of {self.seen} "
-            "(the scan stops there; --all lists every one)"
+            f"showing {shown} of about {plural(self.total, 'row')} (about {counts}): the {order} of a sample of "
+            f"{plural(self.seen, 'row')} (the scan stops there; --all lists every one)"
         )
 
 
@@ -572,9 +587,10 @@ def top_leases(client: Any, prefix: str, match: str = "*", limit: int = 50, budg
             complete=True,
             rate_keys=[],
             debounce_names=[],
+            claims=sum(lease.is_claim for lease in every),
         )
     pattern = f"{prefix}:v1:{{{match}}}:*"
-    cursor, looked, seen = "0", 0, 0
+    cursor, looked, seen, claims = "0", 0, 0, 0
     ages: list[tuple[int, str]] = []
     waits: list[tuple[int, str]] = []
     rates: list[str] = []
@@ -584,6 +600,7 @@ def top_leases(client: Any, prefix: str, match: str = "*", limit: int = 50, budg
         reply = step(keys=[], args=[cursor, pattern, SCAN_STEP, limit])
         # With MATCH, a step reports only the keys that match: it looked at about SCAN_STEP keys.
         cursor, looked, seen = str(reply[0]), looked + SCAN_STEP, seen + int(reply[2])
+        claims += int(reply[7])
         pairs = reply[3]
         ages = sorted([*ages, *((int(a), str(k)) for k, a in zip(pairs[0::2], pairs[1::2], strict=True))])[:limit]
         pairs = reply[4]
@@ -598,6 +615,7 @@ def top_leases(client: Any, prefix: str, match: str = "*", limit: int = 50, budg
         total = seen
     else:
         total = max(seen, round(seen * max(int(client.dbsize()), looked) / looked))
+    claims_total = claims if complete or not seen else round(claims * total / seen)
     # Candidates: the oldest leases and the entities with the longest waiter queues (their slot-0 lease).
     names = [name for _, name in ages]
     for _, wait_key in waits:
@@ -613,6 +631,7 @@ def top_leases(client: Any, prefix: str, match: str = "*", limit: int = 50, budg
         complete=complete,
         rate_keys=sorted({k for k in (parse_rate_name(prefix, n) for n in rates) if k is not None}),
         debounce_names=sorted(debounces),
+        claims=claims_total,
     )
 
 
@@ -649,22 +668,52 @@ def _read_named(client: Any, prefix: str, names: list[str]) -> list[HeldLease]:
 def read_entity(client: Any, prefix: str, key: str, slots: int = 1) -> list[HeldLease]:
     """Entity ``key``'s lease and its ``lock_limit`` slot leases (``describe KEY``), by slot; ``[]`` when free.
 
-    Read by name (no SCAN: one entity costs one round trip whatever the keyspace, and a key holding ``*``
-    or ``[`` names only itself): ``slots`` slots (the app's largest ``lock_limit``), or as many as a lease
-    read records in ``limit`` (a holder under a limit the app no longer declares), at most :data:`MAX_SLOTS_READ`.
+    Read by name (no SCAN: one entity costs a few round trips whatever the keyspace, and a key holding ``*``
+    or ``[`` names only itself): ``slots`` slots (the app's largest ``lock_limit``), then every slot past them
+    that the slot fence counters ``{K}:fence:<i>`` show was taken (:func:`taken_slots`, as ACQUIRE_SLOTS reads
+    them for its duplicate rule), or that a lease read records in ``limit``, at most :data:`MAX_SLOTS_READ`.
+    So a holder of a slot above a ``lock_limit`` a deploy lowered (a body of the old code) is found, however
+    far below it the slots are free.
     Then the queue claim ``{K}:claim`` (``until_started``, or ``until_done`` queued behind different work): while
     it stands identical work is not enqueued, so the entity is not free; its row is keyed K, named by its Redis key
     (as ``locks`` lists it).
     """
     claim = claim_name(prefix, key)
-    names = [slot_lock_name(prefix, key, i) for i in range(min(slots, MAX_SLOTS_READ))]
+    first = min(max(slots, 1), MAX_SLOTS_READ)
+    upto = taken_slots(client, prefix, key, first)
+    names = [slot_lock_name(prefix, key, i) for i in range(upto)]
     found = _read_named(client, prefix, [*names, claim])
     rows = [lease for lease in found if lease.redis_key != claim]
     recorded = max((lease.limit or 0 for lease in rows), default=0)
-    if recorded > slots:
-        more = range(slots, min(recorded, MAX_SLOTS_READ))
+    if recorded > upto:
+        more = range(upto, min(recorded, MAX_SLOTS_READ))
         rows += _read_named(client, prefix, [slot_lock_name(prefix, key, i) for i in more])
     return rows + [lease for lease in found if lease.redis_key == claim]
+
+
+#: Slot fence counters :func:`taken_slots` asks about per round trip.
+_FENCE_STEP = 32
+
+
+def taken_slots(client: Any, prefix: str, key: str, start: int) -> int:
+    """How many of entity ``key``'s slots to read: ``start``, or more while the fence counters of the slots from
+    ``start`` on exist (``EXISTS {K}:fence:<i>``), at most :data:`MAX_SLOTS_READ`.
+
+    Slot i is taken only while every slot below it is held, and each take refreshes its fence counter (kept
+    ``lockguard_fence_ttl``, far beyond a lease), so the first absent counter ends the slots ever taken: the
+    rule ACQUIRE_SLOTS follows past its N. One round trip when ``lock_limit`` was never above ``start``.
+    """
+    end = max(start, 1)
+    while end < MAX_SLOTS_READ:
+        step = range(end, min(end + _FENCE_STEP, MAX_SLOTS_READ))
+        pipe = client.pipeline(transaction=False)
+        for i in step:
+            pipe.exists(slot_fence_name(prefix, key, i))
+        for i, there in zip(step, pipe.execute(raise_on_error=False), strict=True):
+            if there != 1:
+                return max(start, i)
+        end = step.stop
+    return max(start, end)
 
 
 def iter_leases(client: Any, prefix: str, match: str = "*") -> Iterator[list[HeldLease]]:

@@ -77,16 +77,22 @@ def key_templates(app: Any) -> dict[str, str]:
     return out
 
 
-def most_slots(app: Any) -> int:
-    """The largest ``lock_limit`` among the app's locked tasks (1 when none limits): the slots an entity may use
-    (``describe KEY`` reads that many by name)."""
-    most = 1
+def task_limits(app: Any) -> dict[str, int]:
+    """Task name -> its ``lock_limit`` now (1 without one), per valid locked task: what ``describe KEY`` holds a slot
+    holder's slot against (a body of an earlier deploy may hold a slot above a limit lowered since)."""
+    out: dict[str, int] = {}
     for task in locked_tasks(app):
         try:
-            most = max(most, task.lockguard_options.limit)
+            out[task.name] = task.lockguard_options.limit
         except ConfigurationError:
             continue
-    return most
+    return out
+
+
+def most_slots(app: Any) -> int:
+    """The largest ``lock_limit`` among the app's locked tasks (1 when none limits): the slots an entity may use
+    (``describe KEY`` reads that many by name, and past them as far as the slot fence counters go)."""
+    return max(task_limits(app).values(), default=1)
 
 
 def rate_tasks(app: Any) -> list[RateTask]:

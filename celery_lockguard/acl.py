@@ -77,7 +77,8 @@ TASKS = (
 #: STRLEN + GETRANGE for the held-now gauges), doctor (INFO; CONFIG GET only when INFO lacks the
 #: policy, failure tolerated), completions show/forget (GET, PTTL, HGETALL, DEL), and the starts in a
 #: ``lock_rate`` entity's window (ZCOUNT, read by ``locks``); the first rows of ``locks`` and the page
-#: (a read-only script run with EVALSHA: SCAN, HGET, LLEN inside; DBSIZE for its estimate).
+#: (a read-only script run with EVALSHA: SCAN, HMGET, LLEN inside; DBSIZE for its estimate); ``describe KEY``
+#: (EXISTS on the slot fence counters, LLEN on the waiter queue; no SCAN).
 CLI = (
     "scan",
     "time",
@@ -92,6 +93,8 @@ CLI = (
     "getrange",
     "zcount",
     "dbsize",
+    "exists",
+    "llen",
 )
 
 #: Redis Cluster clients also read the topology and the command table.

@@ -130,3 +130,64 @@ def test_the_page_shows_slots_held_and_the_windows_fill(app: Celery, r: redis.Re
     assert "tenant:a: 2/3 slots held, 3/10 starts in the last 60s" in section
     (use,) = state.snapshot.as_dict()["limited_entities"]
     assert (use["held"], use["limit"], use["starts"], use["rate"]) == (2, 3, 3, 10)
+
+
+def test_describe_finds_a_slot_held_above_a_lowered_lock_limit(app: Celery, r: redis.Redis, prefix: str) -> None:
+    """A deploy lowered lock_limit 5 -> 3 (this app's) while a body of the old deploy holds slot 3: `describe KEY`
+    read slots 0..2 only and left it out (`locks` showed it), though it still counts against the entity."""
+
+    def old(task_id: str) -> L.Lease:  # a worker of the earlier deploy: lock_limit 5
+        got = L.acquire(
+            r, prefix, "tenant:a", ttl_ms=30_000, task_id=task_id, task_name="exports.run", digest=task_id,
+            worker="old@h", fence_ttl_ms=60_000, limit=5,
+        )  # fmt: skip
+        assert isinstance(got, L.Lease)
+        return got
+
+    held = [old(f"t-old-{i}") for i in range(4)]
+    for lease in held[:3]:
+        L.release(r, lease, prefix)
+    assert held[3].slot == 3
+    new = take(r, prefix, "t-new")  # the new deploy (lock_limit 3) takes slot 0
+    assert new.slot == 0
+    rows = json.loads(invoke(app, "describe", "tenant:a", "--json").stdout)
+    assert [(x["slot"], x["task_id"], x["limit"]) for x in rows] == [(0, "t-new", 3), (3, "t-old-3", 5)]
+    assert "above_limit" not in rows[0] and (rows[1]["above_limit"], rows[1]["current_limit"]) == (True, 3)
+    out = invoke(app, "describe", "tenant:a")
+    assert out.exit_code == 0, out.output
+    assert "tenant:a (slot 3)" in out.stdout and "t-old-3" in out.stdout
+    assert "tenant:a (slot 3) is above the current lock_limit of exports.run (3)" in out.stdout
+    L.release(r, new, prefix)  # slots 0..2 all free: still found, by the slot fence counters
+    (row,) = json.loads(invoke(app, "describe", "tenant:a", "--json").stdout)
+    assert (row["slot"], row["task_id"]) == (3, "t-old-3")
+    assert "is free" not in invoke(app, "describe", "tenant:a").stdout
+
+
+def test_describe_reads_an_entity_s_slots_by_name_without_scan() -> None:
+    """The slots past the app's largest lock_limit are found by the entity's own fence counters, not a SCAN of
+    the keyspace: as a user refused SCAN, and for a key whose text is a glob (``t:*`` names itself only)."""
+    from celery_lockguard import acl
+    from celery_lockguard._holders import read_entity
+    from celery_lockguard.testing import RedisServer
+
+    with RedisServer() as server:
+        admin = server.client()
+        admin.execute_command("ACL", "SETUSER", "ro", *acl.rule("p", setinfo=False).split(), "-scan", ">pw")
+
+        def old(key: str, i: int) -> L.Lease:  # a worker of an earlier deploy: lock_limit 40
+            got = L.acquire(
+                admin, "p", key, ttl_ms=30_000, task_id=f"{key}-{i}", task_name="exports.run", digest=f"{key}-{i}",
+                worker="old@h", fence_ttl_ms=60_000, limit=40,
+            )  # fmt: skip
+            assert isinstance(got, L.Lease)
+            return got
+
+        for key in ("t:*", "t:x"):
+            held = [old(key, i) for i in range(36)]  # slots 0..35; slot 35 stays, past one step of 32 counters
+            for lease in held[:35]:
+                L.release(admin, lease, "p")
+        user = redis.Redis(port=server.port, username="ro", password="pw", decode_responses=True)
+        (row,) = read_entity(user, "p", "t:*", slots=3)
+        assert (row.key, row.slot, row.task_id) == ("t:*", 35, "t:*-35")
+        assert read_entity(user, "p", "t:?", slots=3) == []
+        assert [e for e in admin.acl_log() if e.get("username") == "ro"] == []

@@ -115,6 +115,34 @@ def test_a_claim_takes_its_place_in_the_order(r: redis.Redis, prefix: str) -> No
     assert [x.key for x in holders.top_leases(r, prefix, limit=2).leases] == ["e:new", "e:old"]
 
 
+def test_the_summary_counts_leases_and_queue_claims_apart(app: Celery, r: redis.Redis, prefix: str) -> None:  # noqa: F811
+    """The line under the rows said ``showing N of M leases`` while M counted the queue claims too (rows of state
+    ``queued`` / ``publishing``): it names both now; ``--json`` stays an array of rows, the line on stderr."""
+    _queue(app, r, prefix)  # doc:1 held by other work; three queued claims (inv:1, doc:1, doc:2)
+    # An until_done claim in its publishing window: CLAIM written before the publish, no CONFIRM_CLAIM yet.
+    got = L.claim(
+        r, lock_name(prefix, "doc:3"), token="tok-3", ttl_ms=60_000, task_id="t-pub", task_name="q.done", digest="d",
+        publish_ttl_ms=15_000,
+    )  # fmt: skip
+    assert got.kind == "ok"
+    line = "showing 1 of 5 rows: 1 lease, 4 queue claims (most waiters, then longest held, first"
+    text = invoke(app, "locks", "--limit", "1")
+    assert text.exit_code == 0 and line in text.stdout, text.stdout
+    data = invoke(app, "locks", "--json", "--limit", "1")
+    assert len(strict_json(data.stdout)) == 1 and line in data.stderr
+    sample = holders.top_leases(r, prefix, limit=1)
+    assert (sample.total, sample.claims) == (5, 4)
+    # The publishing claim is a row of its own state in `locks` and `describe`, with the grace as its TTL.
+    rows = {row["key"]: row for row in strict_json(invoke(app, "locks", "--json").stdout)}
+    assert (rows["doc:3"]["state"], rows["doc:3"]["task_id"]) == ("publishing", "t-pub")
+    (row,) = strict_json(invoke(app, "describe", "doc:3", "--json").stdout)
+    assert row["state"] == "publishing" and 0 < row["ttl_left_ms"] <= 15_000
+    assert "publishing" in invoke(app, "describe", "doc:3").stdout
+    assert L.confirm_claim(r, lock_name(prefix, "doc:3"), "tok-3", 60_000)
+    (row,) = strict_json(invoke(app, "describe", "doc:3", "--json").stdout)
+    assert row["state"] == "queued" and row["ttl_left_ms"] > 15_000
+
+
 def test_describe_resolves_a_claim_key_to_its_entity(app: Celery, r: redis.Redis, prefix: str) -> None:  # noqa: F811
     ids = _queue(app, r, prefix)
     for key in (claim_name(prefix, "inv:1"), "inv:1"):

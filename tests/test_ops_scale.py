@@ -32,8 +32,9 @@ pytestmark = pytest.mark.integration
 N = 120
 
 
-def plant(r: redis.Redis, prefix: str, n: int, first: int = 0) -> None:
-    """``n`` held leases as ACQUIRE writes them; lease i was acquired i minutes ago (e:0119 is the oldest)."""
+def plant(r: redis.Redis, prefix: str, n: int, first: int = 0, state: str = "running") -> None:
+    """``n`` held leases as ACQUIRE writes them; lease i was acquired i minutes ago (e:0119 is the oldest).
+    ``state="queued"``: ``until_done`` queue claims in the lease hash instead."""
     sec, usec = r.time()
     now = int(sec) * 1000 + int(usec) // 1000
     pipe = r.pipeline(transaction=False)
@@ -43,7 +44,7 @@ def plant(r: redis.Redis, prefix: str, n: int, first: int = 0) -> None:
             name,
             mapping={
                 "token": f"tok-{i}", "task_id": f"t-{i}", "task_name": "ops.task", "digest": "d", "host": "h",
-                "pid": "1", "worker": "w@h", "state": "running", "acquired_at": str(now - i * 60_000),
+                "pid": "1", "worker": "w@h", "state": state, "acquired_at": str(now - i * 60_000),
                 "renewed_at": str(now), "ttl": "600000", "fence": str(i + 1),
             },
         )  # fmt: skip
@@ -62,11 +63,11 @@ def test_locks_shows_the_first_rows_and_how_many_there_are(r: redis.Redis, redis
     assert out.returncode == 0, out.stderr
     rows = rows_of(out.stdout)
     assert len(rows) == 50, out.stdout  # the default limit
-    assert f"showing 50 of {N} leases" in out.stdout
+    assert f"showing 50 of {N} rows: {N} leases, 0 queue claims" in out.stdout
     # Longest held first: e:0119 (119 minutes) down to e:0070.
     assert [row.split()[0] for row in rows] == [f"e:{i:04d}" for i in range(119, 69, -1)]
     ten = cli(cfg, "locks", "--limit", "10")
-    assert len(rows_of(ten.stdout)) == 10 and f"showing 10 of {N} leases" in ten.stdout
+    assert len(rows_of(ten.stdout)) == 10 and f"showing 10 of {N} rows: {N} leases" in ten.stdout
     data = json.loads(cli(cfg, "locks", "--json", "--limit", "5").stdout)
     assert [row["key"] for row in data] == ["e:0119", "e:0118", "e:0117", "e:0116", "e:0115"]
     assert all(row["waiting"] == 0 for row in data)
@@ -107,15 +108,19 @@ def private() -> Iterator[RedisServer]:
 
 def test_past_the_budget_the_rows_are_a_sample_and_the_total_an_estimate(private: RedisServer) -> None:
     r = private.client()
-    plant(r, "big", 3000)
+    plant(r, "big", 2000)
+    plant(r, "big", 1000, first=2000, state="queued")  # until_done claims: a third of the rows
     sample = holders.top_leases(r, "big", "*", 5, budget=500)
     assert not sample.complete and sample.seen < 3000 and len(sample.leases) == 5
-    assert 1500 <= sample.total <= 6000, sample.total  # DBSIZE is all leases here: the estimate is close
-    assert "of about" in sample.summary(5) and "a sample of" in sample.summary(5)
+    assert 1500 <= sample.total <= 6000, sample.total  # DBSIZE is all rows here: the estimate is close
+    assert sample.total * 0.15 <= sample.claims <= sample.total * 0.6, (sample.claims, sample.total)
+    line = sample.summary(5)
+    assert f"of about {sample.total} rows (about {sample.total - sample.claims} leases, {sample.claims} queue" in line
+    assert "a sample of" in line
     ages = [lease.held_for_ms for lease in sample.leases]
     assert ages == sorted(ages, reverse=True)  # the oldest of what was seen, oldest first
     every = holders.top_leases(r, "big", "*", 5)
-    assert every.complete and every.total == 3000
+    assert every.complete and (every.total, every.claims) == (3000, 1000)
     assert [lease.key for lease in every.leases] == ["e:2999", "e:2998", "e:2997", "e:2996", "e:2995"]
 
 
