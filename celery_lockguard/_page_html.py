@@ -89,13 +89,13 @@ def _lease_row(lease: HeldLease, waiting: int) -> list[str]:
 
 def leases_section(snap: Snapshot) -> str:
     count = snap.lease_count if snap.lease_count_exact else f"about {snap.lease_count}"
-    out = [f'<section id="leases"><h2>Held leases <span class="count">{count}</span></h2>']
+    out = [f'<section id="leases"><h2>Leases and queue claims <span class="count">{count}</span></h2>']
     out.append(_error(snap.errors, "leases"))
     if snap.leases:
         headers = ["key", "state", "task", "task id", "worker", "fence", "held", "TTL left", "waiting"]
         out.append(_table(headers, (_lease_row(x, snap.waiting.get(x.key, 0)) for x in snap.leases), "leases"))
         if snap.lease_count > len(snap.leases):
-            more = plural(snap.lease_count - len(snap.leases), "more lease")
+            more = plural(snap.lease_count - len(snap.leases), "more row")
             about = "" if snap.lease_count_exact else "about "
             shown = "most waiters, then longest held, first"
             out.append(f'<p class="note">{about}{more} not shown ({shown}; lockguard locks --all lists all)</p>')
@@ -103,7 +103,7 @@ def leases_section(snap: Snapshot) -> str:
         if odd:
             out.append(f'<p class="note">{plural(len(odd), "lease")} with values no worker writes, shown as ?</p>')
     elif "leases" not in snap.errors:
-        out.append(f'<p class="empty">no leases under {text(repr(snap.prefix))}</p>')
+        out.append(f'<p class="empty">no leases or queue claims under {text(repr(snap.prefix))}</p>')
     if snap.uses:  # lock_limit / lock_rate: slots held N/M and the start window's fill, as `locks` prints
         out.append('<ul class="uses">' + "".join(f"<li>{text(u.text(), None)}</li>" for u in snap.uses) + "</ul>")
     out.append("</section>")

@@ -159,3 +159,20 @@ def test_the_page_lists_a_queue_claim(redis_url: str, r: redis.Redis, prefix: st
     data = page.data()
     assert data is not None
     assert _rows(data["leases"]) == {("inv:7", "queued", "t-queued", claim_name(prefix, "inv:7"))}
+
+
+def test_the_page_heading_and_note_count_rows_claims_included(app: Celery, r: redis.Redis, prefix: str) -> None:  # noqa: F811
+    """The page's count is of rows (leases and queue claims), as `locks`' summary is, and says so."""
+    from celery_lockguard import _page_html as html
+    from celery_lockguard._config import settings
+    from celery_lockguard._page_state import PageState
+
+    state = PageState(app, settings(app), interval=1, doctor_interval=3600)
+    state.refresh()
+    assert "no leases or queue claims under" in html.leases_section(state.snapshot)
+    hold_other_work(r, prefix, "e:held")
+    plant_claim(r, prefix, "e:queued", "t-queued", age_ms=1000)
+    state.refresh()
+    section = html.leases_section(state.snapshot)
+    assert 'Leases and queue claims <span class="count">2</span>' in section
+    assert state.snapshot.lease_count == 2 and {x.key for x in state.snapshot.leases} == {"e:held", "e:queued"}
