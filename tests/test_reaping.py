@@ -45,7 +45,10 @@ def test_starts_a_worker_and_waits():
     w = Worker("reapapp:app", pool=os.environ["REAP_POOL"], concurrency=1, cwd=here,
                env={"PYTHONPATH": here}, queues=[os.environ["REAP_QUEUE"]])
     w.start(90)
-    Path(os.environ["REAP_PIDS"]).write_text(json.dumps([w.pid, *w.children()]))
+    # Written whole, then renamed: the outer test polls for the name and must never read a half-written file.
+    pids = Path(os.environ["REAP_PIDS"])
+    pids.with_suffix(".tmp").write_text(json.dumps([w.pid, *w.children()]))
+    pids.with_suffix(".tmp").rename(pids)
     threading.Event().wait(600)  # until the run is signalled
 """
 
