@@ -218,6 +218,56 @@ def test_a_wrong_type_key_at_release_multi_keeps_the_bodys_success_and_frees_the
     wait_for(lambda: not c.exists(lock_name(prefix, other)), 3, what="the other entity free within its TTL")
 
 
+def test_a_wrong_type_key_at_release_multis_second_entity_leaves_no_waiter_reserved_without_its_wake(
+    redis_url: str, r: redis.Redis, prefix: str, lock_server: RedisServer
+) -> None:
+    """A waiter parks on acc:1 behind a holder of (acc:1, acc:2) whose acc:2 is replaced by a string before its
+    release. RELEASE_MULTI used to free acc:1 and reserve it for the waiter, then fail at acc:2: the reply lost,
+    nobody published the waiter's woken copy, and acc:1 sat reserved for a wake that never came. Now it writes
+    nothing: acc:1 lapses by the holder's TTL and the waiter's safety copy runs it; no entry is left 'waking'."""
+    app = app_on(redis_url, prefix, lock_server.url)
+    c = lock_server.client()
+    started, go = threading.Event(), threading.Event()
+
+    def body() -> None:
+        started.set()
+        assert go.wait(10)
+        c.delete(lock_name(prefix, "acc:2"))
+        c.set(lock_name(prefix, "acc:2"), "x", px=500)
+
+    ran: list[Any] = []
+    t = transfer(app, ran, body, lock_ttl=1.0)
+    outcome: list[Any] = []
+    logs: list[dict[str, Any]] = []
+
+    def run_holder() -> None:
+        with capture_logs() as got:
+            outcome.append(deliver(t, (1, 2)))
+        logs.extend(got)
+
+    holder = threading.Thread(target=run_holder)
+    holder.start()
+    try:
+        assert started.wait(10)
+        waiter = deliver(t, (1, 3))
+        assert waiter.state == "RETRY"
+        (safety,) = copies(r, app, waiter.task_id)
+        park = safety.headers[headers.PARK]
+        assert safety.headers.get(headers.PARK_ENTITY, "acc:1") == "acc:1"
+    finally:
+        go.set()
+        holder.join(15)
+    assert outcome and (outcome[0].state, outcome[0].retval) == ("SUCCESS", 3)
+    assert any("WRONGTYPE" in str(e.get("reason")) for e in events(logs, "lock.backend_unavailable"))
+    entry = c.hget(waiters_name(prefix, "acc:1"), f"s:{park}")
+    woken = [m for m in copies(r, app, waiter.task_id) if m.headers.get(headers.WOKEN)]
+    assert entry == "parked" and woken == [], "nothing reserved for the waiter, so no wake to lose"
+    assert c.hget(lock_name(prefix, "acc:1"), "state") == "running", "acc:1 left to the holder's TTL"
+    wait_for(lambda: not c.exists(lock_name(prefix, "acc:1")), 3, what="acc:1 free within the holder's TTL")
+    assert redeliver(t, safety).state == "SUCCESS" and ran == [(1, 2), (1, 3)]
+    assert held(c, prefix, ("acc:1", "acc:3")) == []
+
+
 def test_release_multi_reloads_after_script_flush_in_the_body(
     redis_url: str, r: redis.Redis, prefix: str, lock_server: RedisServer
 ) -> None:
@@ -552,13 +602,14 @@ def test_a_keep_before_that_times_out_yet_runs_on_thaw_leaves_its_kept_reservati
     assert held(c, prefix) == []
 
 
-def test_a_keep_before_stopped_part_way_by_a_wrong_type_key_leaves_its_kept_reservation_to_the_park(
+def test_a_keep_before_refused_by_a_wrong_type_key_writes_nothing_and_the_parks_copy_adopts_the_reservation(
     redis_url: str, r: redis.Redis, prefix: str, lock_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """KEEP_BEFORE re-tokens acc:1 to the new park token, then fails at acc:2 (a string planted over the blocker's
-    lease): a script's writes before its error stand. The park must carry that token, so that the copy that
-    comes back adopts acc:1 -- not meet its own reservation held under a token nobody carries, for the blocker's
-    whole countdown (a minute here), and take it for a running original to watch (review1)."""
+    """KEEP_BEFORE meets a string planted over the blocker's lease (acc:2, after acc:1 in the script's order). It
+    checks every key before its first write, so it writes nothing: a write before the error would stand (Redis
+    does not roll a script back) with its reply lost. acc:1 stays reserved under the woken copy's token, which the
+    park's copy does not carry: that copy adopts it as a reservation of its own call -- not take it for a running
+    original to watch for the reservation's TTL."""
     app = app_on(redis_url, prefix, lock_server.url)
     c = lock_server.client()
     ran: list[Any] = []
@@ -580,9 +631,11 @@ def test_a_keep_before_stopped_part_way_by_a_wrong_type_key_leaves_its_kept_rese
     parked = copies(r, app, copy.task_id)[-1]
     assert parked.headers[headers.PARK_ENTITY] == "acc:2"
     kept = c.hgetall(lock_name(prefix, "acc:1"))
-    assert (kept.get("state"), kept.get("token")) == ("handed", parked.headers[headers.PARK]), "kept for the park"
+    assert (kept.get("state"), kept.get("token")) == ("handed", copy.headers[headers.PARK]), "nothing re-tokened"
     c.delete(lock_name(prefix, "acc:2"))
-    assert redeliver(t, parked).state == "SUCCESS" and ran == [(1, 2)], "the safety copy adopts acc:1"
+    with capture_logs() as logs:
+        assert redeliver(t, parked).state == "SUCCESS" and ran == [(1, 2)], "the safety copy adopts acc:1"
+    assert any(e.get("reason") == "adopting_own_reservation" for e in logs)
     assert held(c, prefix) == []
 
 
