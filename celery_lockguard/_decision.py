@@ -51,7 +51,8 @@ class Action(enum.Enum):
     #: Run the body under the lease; the claim was freed (until_started) or adopted (until_done) by ACQUIRE.
     RUN = "run"
     #: ACQUIRE again, replacing the holder's token: our own queue claim, our own orphan lease (an ACQUIRE that
-    #: errored but ran), or a dead child of ours on this host.
+    #: errored but ran), a dead child of ours on this host, or a reservation a release or KEEP_BEFORE made for
+    #: a park of this very call under a token this copy does not carry.
     ADOPT = "adopt"
     #: Identical work is running: return ``None`` now. Frees the claim.
     SKIP = "skip"
@@ -101,6 +102,11 @@ class HolderFacts:
     orphan: bool = False
     #: The holder published this delivery (its ``parent_id``): a task scheduling its own follow-up.
     parent: bool = False
+    #: Our own id, a reservation (state ``handed``) a release or KEEP_BEFORE made for a park of this very call,
+    #: under a token this copy does not carry (a frozen server ran KEEP_BEFORE after the client gave up): no
+    #: original runs under it, so it is adopted, not watched (a watch would wait out its TTL, or, without
+    #: completion records, drop the job). Not set again for a token this delivery already adopted once.
+    reserved: bool = False
 
 
 @dataclass(frozen=True)
@@ -179,12 +185,14 @@ def decide_delivery(d: Delivery) -> Decision:
     if h is None:
         raise ValueError("outcome 'held' needs holder facts")
     if h.own_id:
-        if h.queued or h.dead_here or h.orphan:
+        if h.queued or h.dead_here or h.orphan or h.reserved:
             reason = (
                 "adopting_own_claim"
                 if h.queued
                 else "adopting_own_orphan"
                 if h.orphan
+                else "adopting_own_reservation"
+                if h.reserved
                 else "taking_over_dead_holder_of_own_id"
             )
             return Decision(Action.ADOPT, reason)

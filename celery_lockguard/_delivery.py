@@ -17,7 +17,7 @@ name per token. Releases and records live in :mod:`._release` and :mod:`._record
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from celery import states
@@ -120,6 +120,9 @@ class DeliveryState:
     can_park: bool
     #: ACQUIREs repeated because PARK found the lease already gone.
     free_retries: int = 0
+    #: Tokens of reservations of this call this delivery adopted (ADOPT ``adopting_own_reservation``): met again
+    #: under one of them, it is not adopted again (two tokens met in turn would otherwise loop).
+    adopted: set[str] = field(default_factory=set)
 
     @classmethod
     def of(
@@ -219,7 +222,7 @@ def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kw
                     on_locked=opts.on_locked,  # type: ignore[arg-type]
                     on_unavailable=opts.on_unavailable,  # type: ignore[arg-type]
                     outcome=outcome,
-                    holder=_facts(task, call, holder) if holder is not None else None,
+                    holder=_facts(task, call, holder, state.adopted) if holder is not None else None,
                     # A watch copy answers from the record when its original never stored a state.
                     watch_copy=state.watch_copy and not (outcome == "record" and not original_settled(task)),
                     waits=headers.read_int(req, headers.WAITS),
@@ -258,6 +261,11 @@ def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kw
                 reason=decision.reason,
             )
             state.replace_token = holder.token
+            if decision.reason == "adopting_own_reservation":
+                # A reservation for this call now: kept or given back on every exit that does not run
+                # (keep_before, abandon), as the one a woken copy carries.
+                state.adopted.add(holder.token)
+                state.reserved = holder.token
             continue
         handed: str | None = None  # the claim token a wait carries on, when the lease consumed the claim
         if isinstance(got, Lease):  # held only to read the record, or it came too late, or the store is down
@@ -572,15 +580,21 @@ def original_settled(task: Any) -> bool:
     return state in states.READY_STATES
 
 
-def _facts(task: Any, call: CallNames, holder: Holder) -> HolderFacts:
-    """What the decision needs to know about the holder ACQUIRE met (ours? alive? a duplicate? an orphan?)."""
+def _facts(task: Any, call: CallNames, holder: Holder, adopted: set[str] | frozenset[str] = frozenset()) -> HolderFacts:
+    """What the decision needs to know about the holder ACQUIRE met (ours? alive? a duplicate? an orphan?).
+
+    ``adopted``: tokens of reservations of this call the delivery adopted already (not adopted twice).
+    """
     req = task.request
     own = holder.task_id == keys.meta(req.id)  # holder metadata is bounded (keys.MAX_META)
     here = holder.host == lease_ops.HOST
+    # A reservation for a park of this call (a release's hand-off, or KEEP_BEFORE's kept ones) under a token this
+    # copy does not carry: nothing runs or renews under it, so it is never a running original to watch.
+    reservation = own and holder.state == "handed"
     return HolderFacts(
         own_id=own,
         duplicate=holder.task_name == task.name and holder.digest == call.digest,
-        alive=_holder_alive(task, holder, own),
+        alive=_holder_alive(task, holder, own) and not reservation,
         dead_here=own and here and not lease_ops.pid_alive(holder.pid),
         queued=own and holder.state in ("queued", "publishing"),
         # A wait after an ACQUIRE that errored carries that attempt's token: if the ACQUIRE ran after
@@ -588,6 +602,7 @@ def _facts(task: Any, call: CallNames, holder: Holder) -> HolderFacts:
         # message finds a fresh token and is dropped instead of running the body beside us.
         orphan=own and holder.token == headers.read_str(req, headers.ATTEMPT) != "",
         parent=not own and bool(req.parent_id) and holder.task_id == keys.meta(str(req.parent_id)),
+        reserved=reservation and holder.token not in adopted,
     )
 
 

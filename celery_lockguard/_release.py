@@ -64,8 +64,8 @@ def keep_before(
     give back every one. Wakes the given-back entities' waiters. Any error (an outage, a key of the wrong
     type) leaves them to their TTL, as a failing release does: the delivery still parks or waits, never lost.
     The new token is still returned then: a KEEP_BEFORE that timed out may yet have run (a frozen server
-    thawing), or stopped part way (a wrong-type key after the kept ones), re-tokening some to it for the whole
-    countdown; the park carrying it adopts those instead of meeting them as an orphan held by nobody.
+    thawing), re-tokening them to it for the whole countdown; the park carrying it adopts those instead of
+    meeting them as an orphan held by nobody. (A wrong-type key stops it before any write: nothing re-tokened.)
     """
     new_token = lease_ops.new_token() if blocker else ""
     keep_ms = int((countdown + handoff.WAKE_GRACE + handoff.RESERVATION_TTL) * 1000)

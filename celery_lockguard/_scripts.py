@@ -92,6 +92,21 @@ local function held_slot_reply(lock_key, i, count, now_ms)
 end
 """
 
+#: Lua: a script that writes in a loop checks, before its first write, every key it will touch that a
+#: command could refuse for its type: Redis does not roll back a script's writes before an error, so a
+#: WRONGTYPE part way through (a string planted at the second entity) would leave the first entity freed and
+#: its waiter reserved with the reply, and so the wake, lost. wrong_type(key, kind) is nil when ``key`` is
+#: absent or a ``kind`` ('hash' or 'list'), else the WRONGTYPE error reply text naming the key. It reads with
+#: commands the scripts already call (HGET, LINDEX): no ACL grant beyond acl.IN_SCRIPTS.
+_WRONG_TYPE = """
+local function wrong_type(key, kind)
+  local r
+  if kind == 'list' then r = redis.pcall('LINDEX', key, 0) else r = redis.pcall('HGET', key, 'token') end
+  if type(r) == 'table' and r.err then return r.err .. ' (' .. key .. ')' end
+  return nil
+end
+"""
+
 ACQUIRE = (
     """
 -- ACQUIRE: take the lease on entity K if it is free (SET NX PX semantics on a hash),
@@ -119,11 +134,14 @@ ACQUIRE = (
 --   {'held', ..., ttl_ms, slot, busy}  a slot lease (slot >= 1) is held: the one that frees last, and
 --                        how many slots are held; nothing written
 -- Errors (nothing written): 'LOCKGUARD_CORRUPT_FENCE <fence key> <value>' when a fence must be
---   issued and KEYS[2] is not an integer below 2^53-1 (Lua numbers are doubles: no exact next fence)
+--   issued and KEYS[2] is not an integer below 2^53-1 (Lua numbers are doubles: no exact next fence);
+--   'WRONGTYPE ...' for KEYS[1] or KEYS[4] of another type (read before any write), and for KEYS[3] (read
+--   after the lease is written when ARGV[12] is given) of another type: checked before the first write
 """
     + _NOW
     + _NEXT_FENCE
     + _HELD_SLOTS
+    + _WRONG_TYPE
     + """
 if KEYS[4] then
   local rec = redis.call('GET', KEYS[4])
@@ -146,6 +164,10 @@ local slot, busy = held_slot(KEYS[1], KEYS[2])
 if slot then return held_slot_reply(KEYS[1], slot, busy, now_ms) end
 local bad, last = corrupt_fence(KEYS[2])
 if bad then return redis.error_reply(bad) end
+if ARGV[12] ~= '' then  -- the claim is read after the lease is written: its type is checked before
+  bad = wrong_type(KEYS[3], 'hash')
+  if bad then return redis.error_reply(bad) end
+end
 local fence = next_fence(KEYS[2], ARGV[10], now_us, last)
 if cur[1] then redis.call('DEL', KEYS[1]) end  -- replacing: drop the old holder's fields
 redis.call('HSET', KEYS[1], 'token', ARGV[1], 'task_id', ARGV[3], 'task_name', ARGV[4],
@@ -305,11 +327,15 @@ ACQUIRE_MULTI = (
 --                                    call, keeps its fence and is renewed); each fence as ACQUIRE's
 --   {'blocked', i, held}             entity i is held (the first in order that is): nothing written;
 --                                    held = ACQUIRE's 'held' reply for it (slot leases included)
--- Errors (nothing written): 'LOCKGUARD_CORRUPT_FENCE <fence key> <value>' as ACQUIRE, for any entity
+-- Errors (nothing written): 'LOCKGUARD_CORRUPT_FENCE <fence key> <value>' as ACQUIRE, for any entity;
+--   'WRONGTYPE ...' for a lease hash or the completion record of another type (read before any write), and
+--   for a claim (KEYS[2N+1], read after the leases are written when ARGV[12] is given) of another type:
+--   checked before the first write, so no lease is left taken for a delivery that gets an error
 """
     + _NOW
     + _NEXT_FENCE
     + _HELD_SLOTS
+    + _WRONG_TYPE
     + """
 local n = tonumber(ARGV[13])
 local done_key = KEYS[2 * n + 2]
@@ -339,6 +365,10 @@ for i = 1, n do
     local bad = corrupt_fence(KEYS[n + i])
     if bad then return redis.error_reply(bad) end
   end
+end
+if ARGV[12] ~= '' then  -- the claim is read after the leases are written: its type is checked before
+  local bad = wrong_type(KEYS[2 * n + 1], 'hash')
+  if bad then return redis.error_reply(bad) end
 end
 local out = {'ok'}
 for i = 1, n do
@@ -483,17 +513,31 @@ RELEASE_MULTI = (
 --   recorded: 1 record written; 0 none asked, or an earlier record was kept (first wins)
 --   released_i: 1 deleted; 0 the key was gone (expired); -1 another token holds it (left alone)
 --   then one (i, park token, entry) triple per entity whose oldest waiter was woken (publish its entry)
+-- Errors (nothing written, nothing recorded: every entity lapses by its TTL): 'WRONGTYPE ... (<key>)' when a
+--   lease hash, or a waiter queue or entries key it would wake from, is of another type. Checked for every
+--   entity before the first write: an error part way would free the entities before it and reserve their
+--   waiters, the reply (and so their wake) lost.
 """
     + _NOW
     + _HELD_SLOTS
     + _WAKE_OLDEST
+    + _WRONG_TYPE
     + """
 local n = tonumber(ARGV[5])
+local reserve_ms = tonumber(ARGV[4] or '') or 0
+for i = 1, n do
+  local bad = wrong_type(KEYS[3 * i - 2], 'hash')
+  local token = not bad and redis.call('HGET', KEYS[3 * i - 2], 'token')
+  if not bad and reserve_ms > 0 and (not token or token == ARGV[1]) then  -- free afterwards: it wakes
+    bad = wrong_type(KEYS[3 * i - 1], 'list')
+    if not bad and redis.call('LINDEX', KEYS[3 * i - 1], 0) then bad = wrong_type(KEYS[3 * i], 'hash') end
+  end
+  if bad then return redis.error_reply(bad) end
+end
 local recorded = 0
 if KEYS[3 * n + 1] then
   if redis.call('SET', KEYS[3 * n + 1], ARGV[2], 'NX', 'PX', ARGV[3]) then recorded = 1 end
 end
-local reserve_ms = tonumber(ARGV[4] or '') or 0
 local released, woken = {}, {}
 for i = 1, n do
   local key = KEYS[3 * i - 2]
@@ -535,13 +579,26 @@ KEEP_BEFORE = (
 -- Returns {{code_1, ..., code_N}, {i, park_token, entry, ...}}
 --   code_i: 2 kept (re-tokened); 1 given back (deleted); 0 not ours (another token or none: left alone)
 --   then one (i, park token, entry) triple per given-back entity whose oldest waiter was woken
+-- Errors (nothing written: every reservation lapses by its TTL): 'WRONGTYPE ... (<key>)' when a lease hash,
+--   or the waiter queue or entries key of an entity it would give back, is of another type. Checked for
+--   every entity before the first write: an error part way would leave the entities before it kept or given
+--   back (their waiters reserved) with the reply, and so those wakes, lost.
 """
     + _NOW
     + _HELD_SLOTS
     + _WAKE_OLDEST
+    + _WRONG_TYPE
     + """
 local n, k = tonumber(ARGV[5]), tonumber(ARGV[6])
 local reserve_ms = tonumber(ARGV[4] or '') or 0
+for i = 1, n do
+  local bad = wrong_type(KEYS[3 * i - 2], 'hash')
+  if not bad and i > k and reserve_ms > 0 and redis.call('HGET', KEYS[3 * i - 2], 'token') == ARGV[1] then
+    bad = wrong_type(KEYS[3 * i - 1], 'list')
+    if not bad and redis.call('LINDEX', KEYS[3 * i - 1], 0) then bad = wrong_type(KEYS[3 * i], 'hash') end
+  end
+  if bad then return redis.error_reply(bad) end
+end
 local codes, woken = {}, {}
 for i = 1, n do
   local key = KEYS[3 * i - 2]

@@ -348,6 +348,75 @@ def test_acquire_multi_reports_a_corrupt_fence_and_writes_nothing(r: redis.Redis
     assert not r.exists(lock_name(prefix, "a")) and not r.exists(fence_name(prefix, "a"))
 
 
+def park_on(r: redis.Redis, prefix: str, key: str, p: str) -> None:
+    from celery_lockguard import _handoff as handoff
+
+    got = handoff.park(r, prefix, key, p, "{}", task_id=f"w-{p}", task_name="n", digest="d", countdown=5)
+    assert got.kind == "parked"
+
+
+def plant(r: redis.Redis, name: str) -> None:
+    """A string where a hash or list of ours belongs (another writer's mistake)."""
+    r.delete(name)
+    r.set(name, "planted", px=60_000)
+
+
+@pytest.mark.parametrize("where", ["lease", "queue", "entries"])
+def test_release_multi_meeting_a_wrong_type_key_at_the_second_entity_writes_nothing(
+    r: redis.Redis, prefix: str, where: str
+) -> None:
+    """Redis keeps a script's writes before an error: freeing a, reserving it for its waiter and then failing at
+    b left a reserved with the reply, and so the wake, lost (the waiter ran only at its safety copy). RELEASE_MULTI
+    checks every key it will touch first: nothing is freed, recorded or reserved; both lapse by their TTL."""
+    from redis.exceptions import ResponseError
+
+    lease = take(r, prefix, ("a", "b"))
+    assert isinstance(lease, L.MultiLease)
+    park_on(r, prefix, "a", "pa")
+    park_on(r, prefix, "b", "pb")
+    plant(r, {"lease": lock_name, "queue": wait_name, "entries": waiters_name}[where](prefix, "b"))
+    with pytest.raises(ResponseError, match="WRONGTYPE"):
+        multi.release(r, lease, prefix, scope="s1", record='{"r": 1}', completion_ttl_ms=60_000, reserve_ms=2000)
+    assert r.hget(lock_name(prefix, "a"), "token") == lease.token, "a not freed"
+    assert r.hget(waiters_name(prefix, "a"), "s:pa") == "parked" and r.lrange(wait_name(prefix, "a"), 0, -1) == ["pa"]
+    assert not r.exists(done_name(prefix, "s1")), "nothing recorded"
+    if where == "lease":
+        assert r.hget(waiters_name(prefix, "b"), "s:pb") == "parked"
+
+
+@pytest.mark.parametrize("where", ["lease", "queue", "entries"])
+def test_keep_before_meeting_a_wrong_type_key_at_the_second_entity_writes_nothing(
+    r: redis.Redis, prefix: str, where: str
+) -> None:
+    """Given back with no blocker, a's reservation was freed and its waiter reserved before b's key failed the
+    script: a wake lost as in RELEASE_MULTI. KEEP_BEFORE checks first and writes nothing."""
+    from redis.exceptions import ResponseError
+
+    reserve(r, prefix, "a", "p-old")
+    reserve(r, prefix, "b", "p-old")
+    park_on(r, prefix, "a", "pa")
+    park_on(r, prefix, "b", "pb")
+    plant(r, {"lease": lock_name, "queue": wait_name, "entries": waiters_name}[where](prefix, "b"))
+    for blocker, new in (("", ""), ("b", "p-new")):  # all given back; a kept, b given back
+        with pytest.raises(ResponseError, match="WRONGTYPE"):
+            multi.keep_before(r, prefix, ("a", "b"), "p-old", new, blocker, 40_000, 2000)
+        assert r.hgetall(lock_name(prefix, "a"))["token"] == "p-old", "a neither given back nor re-tokened"
+        assert r.hget(waiters_name(prefix, "a"), "s:pa") == "parked"
+
+
+def test_acquire_multi_meeting_a_claim_of_the_wrong_type_takes_nothing(r: redis.Redis, prefix: str) -> None:
+    """The anchor's claim is read after the leases are written (to free it): a string there failed the script with
+    every lease taken for a delivery that got an error. Checked before the first write."""
+    from redis.exceptions import ResponseError
+
+    plant(r, claim_name(prefix, "a"))
+    with pytest.raises(ResponseError, match="WRONGTYPE"):
+        take(r, prefix, ("a", "b"), claim_token="ct")
+    assert not r.exists(lock_name(prefix, "a")) and not r.exists(lock_name(prefix, "b"))
+    assert not r.exists(fence_name(prefix, "a")), "no fence issued either"
+    assert isinstance(take(r, prefix, ("a", "b")), L.MultiLease), "without a claim to free, the claim is not read"
+
+
 def test_multi_scripts_reload_after_script_flush(own_redis: RedisServer) -> None:
     c = own_redis.client()
     c.script_flush()

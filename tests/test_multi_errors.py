@@ -218,6 +218,56 @@ def test_a_wrong_type_key_at_release_multi_keeps_the_bodys_success_and_frees_the
     wait_for(lambda: not c.exists(lock_name(prefix, other)), 3, what="the other entity free within its TTL")
 
 
+def test_a_wrong_type_key_at_release_multis_second_entity_leaves_no_waiter_reserved_without_its_wake(
+    redis_url: str, r: redis.Redis, prefix: str, lock_server: RedisServer
+) -> None:
+    """A waiter parks on acc:1 behind a holder of (acc:1, acc:2) whose acc:2 is replaced by a string before its
+    release. RELEASE_MULTI used to free acc:1 and reserve it for the waiter, then fail at acc:2: the reply lost,
+    nobody published the waiter's woken copy, and acc:1 sat reserved for a wake that never came. Now it writes
+    nothing: acc:1 lapses by the holder's TTL and the waiter's safety copy runs it; no entry is left 'waking'."""
+    app = app_on(redis_url, prefix, lock_server.url)
+    c = lock_server.client()
+    started, go = threading.Event(), threading.Event()
+
+    def body() -> None:
+        started.set()
+        assert go.wait(10)
+        c.delete(lock_name(prefix, "acc:2"))
+        c.set(lock_name(prefix, "acc:2"), "x", px=500)
+
+    ran: list[Any] = []
+    t = transfer(app, ran, body, lock_ttl=1.0)
+    outcome: list[Any] = []
+    logs: list[dict[str, Any]] = []
+
+    def run_holder() -> None:
+        with capture_logs() as got:
+            outcome.append(deliver(t, (1, 2)))
+        logs.extend(got)
+
+    holder = threading.Thread(target=run_holder)
+    holder.start()
+    try:
+        assert started.wait(10)
+        waiter = deliver(t, (1, 3))
+        assert waiter.state == "RETRY"
+        (safety,) = copies(r, app, waiter.task_id)
+        park = safety.headers[headers.PARK]
+        assert safety.headers.get(headers.PARK_ENTITY, "acc:1") == "acc:1"
+    finally:
+        go.set()
+        holder.join(15)
+    assert outcome and (outcome[0].state, outcome[0].retval) == ("SUCCESS", 3)
+    assert any("WRONGTYPE" in str(e.get("reason")) for e in events(logs, "lock.backend_unavailable"))
+    entry = c.hget(waiters_name(prefix, "acc:1"), f"s:{park}")
+    woken = [m for m in copies(r, app, waiter.task_id) if m.headers.get(headers.WOKEN)]
+    assert entry == "parked" and woken == [], "nothing reserved for the waiter, so no wake to lose"
+    assert c.hget(lock_name(prefix, "acc:1"), "state") == "running", "acc:1 left to the holder's TTL"
+    wait_for(lambda: not c.exists(lock_name(prefix, "acc:1")), 3, what="acc:1 free within the holder's TTL")
+    assert redeliver(t, safety).state == "SUCCESS" and ran == [(1, 2), (1, 3)]
+    assert held(c, prefix, ("acc:1", "acc:3")) == []
+
+
 def test_release_multi_reloads_after_script_flush_in_the_body(
     redis_url: str, r: redis.Redis, prefix: str, lock_server: RedisServer
 ) -> None:
@@ -552,13 +602,14 @@ def test_a_keep_before_that_times_out_yet_runs_on_thaw_leaves_its_kept_reservati
     assert held(c, prefix) == []
 
 
-def test_a_keep_before_stopped_part_way_by_a_wrong_type_key_leaves_its_kept_reservation_to_the_park(
+def test_a_keep_before_refused_by_a_wrong_type_key_writes_nothing_and_the_parks_copy_adopts_the_reservation(
     redis_url: str, r: redis.Redis, prefix: str, lock_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """KEEP_BEFORE re-tokens acc:1 to the new park token, then fails at acc:2 (a string planted over the blocker's
-    lease): a script's writes before its error stand. The park must carry that token, so that the copy that
-    comes back adopts acc:1 -- not meet its own reservation held under a token nobody carries, for the blocker's
-    whole countdown (a minute here), and take it for a running original to watch (review1)."""
+    """KEEP_BEFORE meets a string planted over the blocker's lease (acc:2, after acc:1 in the script's order). It
+    checks every key before its first write, so it writes nothing: a write before the error would stand (Redis
+    does not roll a script back) with its reply lost. acc:1 stays reserved under the woken copy's token, which the
+    park's copy does not carry: that copy adopts it as a reservation of its own call -- not take it for a running
+    original to watch for the reservation's TTL."""
     app = app_on(redis_url, prefix, lock_server.url)
     c = lock_server.client()
     ran: list[Any] = []
@@ -580,9 +631,11 @@ def test_a_keep_before_stopped_part_way_by_a_wrong_type_key_leaves_its_kept_rese
     parked = copies(r, app, copy.task_id)[-1]
     assert parked.headers[headers.PARK_ENTITY] == "acc:2"
     kept = c.hgetall(lock_name(prefix, "acc:1"))
-    assert (kept.get("state"), kept.get("token")) == ("handed", parked.headers[headers.PARK]), "kept for the park"
+    assert (kept.get("state"), kept.get("token")) == ("handed", copy.headers[headers.PARK]), "nothing re-tokened"
     c.delete(lock_name(prefix, "acc:2"))
-    assert redeliver(t, parked).state == "SUCCESS" and ran == [(1, 2)], "the safety copy adopts acc:1"
+    with capture_logs() as logs:
+        assert redeliver(t, parked).state == "SUCCESS" and ran == [(1, 2)], "the safety copy adopts acc:1"
+    assert any(e.get("reason") == "adopting_own_reservation" for e in logs)
     assert held(c, prefix) == []
 
 
@@ -608,3 +661,102 @@ def test_a_waiter_revoked_after_a_keep_before_that_ran_on_thaw_gives_back_what_i
     discarded = SimpleNamespace(id=parked.task_id, headers=parked.custom(), request_dict={})
     free_reservation_from_main(t, discarded, (1, 2), {})
     assert not c.exists(lock_name(prefix, "acc:1")), "the revoked waiter's kept reservation is given back"
+
+
+def eta_s(msg: Message) -> float:
+    """When a message is due (unix seconds): its ``eta``, or at once."""
+    from datetime import datetime
+
+    eta = msg.headers.get("eta")
+    return datetime.fromisoformat(eta).timestamp() if eta else 0.0
+
+
+def run_due_copies(
+    r: redis.Redis, app: Celery, t: Any, task_id: str, delivered: set[int], ran: list[Any], until: float
+) -> list[float]:
+    """Deliver this call's copies due before ``until`` (unix s) as a worker would, the earliest due first, new
+    ones included; returns the eta of each copy whose delivery ran the body."""
+    ran_at: list[float] = []
+    for _ in range(50):
+        pending = [(eta_s(m), i, m) for i, m in enumerate(published(r, app)) if m.task_id == task_id]
+        pending = [p for p in pending if p[1] not in delivered and p[0] < until]
+        if not pending:
+            return ran_at
+        due, i, msg = min(pending, key=lambda p: (p[0], p[1]))
+        delivered.add(i)
+        before = len(ran)
+        redeliver(t, msg)
+        if len(ran) > before:
+            ran_at.append(due)
+    raise AssertionError("the copies of one call kept publishing copies")
+
+
+@pytest.mark.parametrize("completion", [True, False])
+@pytest.mark.parametrize("blocker_ends", ["before_the_copy_comes", "after_the_copy_parks"])
+def test_a_server_frozen_through_keep_before_park_and_give_back_leaves_no_reservation_the_job_waits_out(
+    redis_url: str,
+    r: redis.Redis,
+    prefix: str,
+    lock_server: RedisServer,
+    monkeypatch: pytest.MonkeyPatch,
+    blocker_ends: str,
+    completion: bool,
+) -> None:
+    """The lock server freezes as KEEP_BEFORE is sent and thaws only after PARK and the give-back timed out too:
+    KEEP_BEFORE runs on thaw and keeps acc:1 for the new park token for the blocker's whole countdown (a minute
+    here), yet no park carries that token and the give-back never freed it. The copy that comes back (the wait)
+    carries the call's task id: it adopts the reservation kept for its own call, and runs as soon as acc:2 is
+    free -- not after taking it for a running original to watch until it lapses (a reviewer saw the job run 33 s
+    late; without completion records no watch is published and nothing was left to run the job). Once, and
+    nothing is left held. Still blocked by acc:2 when it comes, it keeps acc:1 for its own park (KEEP_BEFORE under
+    the park's token), whose woken copy adopts both when acc:2 is released."""
+    app = app_on(redis_url, prefix, lock_server.url)
+    c = lock_server.client()
+    ran: list[Any] = []
+    t = transfer(app, ran, completion=completion)
+    copy, second = woken_blocked(app, r, c, prefix, t, ttl_ms=60_000)
+    c.script_load(scripts.keep_before.source)  # cached: the frozen call runs on thaw, not refused as NOSCRIPT
+    delivered = {i for i, m in enumerate(published(r, app)) if m.task_id == copy.task_id}
+    real = scripts.keep_before
+    sent: list[list[Any]] = []
+
+    def frozen(client: Any, names: list[str], args: list[Any]) -> Any:
+        sent.append(args)
+        if len(sent) == 1:
+            lock_server.pause()  # KEEP_BEFORE, then PARK, then the give-back: each times out
+        try:
+            return real(client, names, args)
+        finally:
+            if len(sent) == 2:  # the give-back: thaw now
+                lock_server.resume()
+
+    monkeypatch.setattr(scripts, "keep_before", frozen)
+    try:
+        with capture_logs() as logs:
+            out = redeliver(t, copy)
+    finally:
+        lock_server.resume()
+        monkeypatch.setattr(scripts, "keep_before", real)
+    assert (out.state, ran) == ("RETRY", []) and len(sent) == 2
+    reasons = [str(e.get("reason")) for e in logs]
+    assert sum("Timeout" in x for x in reasons) == 3, reasons  # KEEP_BEFORE, PARK and the give-back
+    c = lock_server.client()
+    c.ping()  # the thawed server has run what it had read before it answers this
+    kept = c.hgetall(lock_name(prefix, "acc:1"))
+    assert (kept.get("state"), kept.get("token")) == ("handed", sent[0][1]), "KEEP_BEFORE ran on thaw"
+    assert c.pttl(lock_name(prefix, "acc:1")) > 50_000, "kept for the blocker's countdown"
+    if blocker_ends == "after_the_copy_parks":
+        run_due_copies(r, app, t, copy.task_id, delivered, ran, until=time.time() + 10)
+        assert ran == []
+        parked = copies(r, app, copy.task_id)[-1]
+        assert parked.headers[headers.PARK_ENTITY] == "acc:2" and not parked.headers.get(headers.WOKEN)
+        assert c.hget(lock_name(prefix, "acc:1"), "token") == parked.headers[headers.PARK], "kept for its park"
+    released_at = time.time()
+    _, _, woken = L.release_and_wake(c, second, prefix, reserve_ms=5000)
+    if woken is not None:
+        assert handoff.wake(app, settings(app), woken, "holder", "other2", c)
+    assert run_due_copies(r, app, t, copy.task_id, delivered, ran, until=released_at + 10)
+    assert ran == [(1, 2)], "promptly: from a copy due within seconds, not once acc:1 lapses (a minute)"
+    run_due_copies(r, app, t, copy.task_id, delivered, ran, until=float("inf"))  # every copy left, safety included
+    assert ran == [(1, 2)], "once"
+    assert held(c, prefix) == []

@@ -373,6 +373,18 @@ def test_acquire_refuses_a_fence_counter_of_the_wrong_type(c: Any) -> None:
     assert not c.exists(lock_name(P, "k"))
 
 
+def test_acquire_refuses_a_claim_of_the_wrong_type_before_taking_the_lease(c: Any) -> None:
+    """The until_started claim is read after the lease is written (to free it): a string there failed the script
+    with the lease taken for a delivery that got an error. Its type is checked before the first write."""
+    from redis.exceptions import ResponseError
+
+    c.set(claim_name(P, "k"), "planted")
+    with pytest.raises(ResponseError, match="WRONGTYPE"):
+        take(c, claim_token="ct")
+    assert not c.exists(lock_name(P, "k")) and not c.exists(fence_name(P, "k")), "nothing written"
+    assert isinstance(take(c), L.Lease), "without a claim to free, the claim is not read"
+
+
 @pytest.mark.parametrize("value", CORRUPT)
 def test_force_release_refuses_a_corrupt_fence_and_leaves_the_holder(c: Any, value: str) -> None:
     from celery_lockguard.exceptions import CorruptFence
