@@ -51,8 +51,7 @@ class Action(enum.Enum):
     #: Run the body under the lease; the claim was freed (until_started) or adopted (until_done) by ACQUIRE.
     RUN = "run"
     #: ACQUIRE again, replacing the holder's token: our own queue claim, our own orphan lease (an ACQUIRE that
-    #: errored but ran), a dead child of ours on this host, or a reservation a release or KEEP_BEFORE made for
-    #: a park of this very call under a token this copy does not carry.
+    #: errored but ran), or a dead child of ours on this host.
     ADOPT = "adopt"
     #: Identical work is running: return ``None`` now. Frees the claim.
     SKIP = "skip"
@@ -102,11 +101,6 @@ class HolderFacts:
     orphan: bool = False
     #: The holder published this delivery (its ``parent_id``): a task scheduling its own follow-up.
     parent: bool = False
-    #: Our own id, a reservation (state ``handed``) a release or KEEP_BEFORE made for a park of this very call,
-    #: under a token this copy does not carry (a frozen server ran KEEP_BEFORE after the client gave up): no
-    #: original runs under it, so it is adopted, not watched (a watch would wait out its TTL, or, without
-    #: completion records, drop the job). Not set again for a token this delivery already adopted once.
-    reserved: bool = False
 
 
 @dataclass(frozen=True)
@@ -185,14 +179,12 @@ def decide_delivery(d: Delivery) -> Decision:
     if h is None:
         raise ValueError("outcome 'held' needs holder facts")
     if h.own_id:
-        if h.queued or h.dead_here or h.orphan or h.reserved:
+        if h.queued or h.dead_here or h.orphan:
             reason = (
                 "adopting_own_claim"
                 if h.queued
                 else "adopting_own_orphan"
                 if h.orphan
-                else "adopting_own_reservation"
-                if h.reserved
                 else "taking_over_dead_holder_of_own_id"
             )
             return Decision(Action.ADOPT, reason)
@@ -240,7 +232,10 @@ def _wait(d: Delivery, reason: str) -> Decision:
 #: the runtime could not park: arguments that are not JSON, an error at PARK.
 ParkAnswer = Literal["parked", "free", "full", "unserializable", "unavailable"]
 #: What the delivery does next: publish the safety copy and end (``Retry``), ACQUIRE again at once, or back off.
-AfterPark = Literal["parked", "acquire_again", "back_off"]
+#: ``unconfirmed``: PARK's reply was lost (an error, not an answer), so it may have run (a frozen server runs
+#: what it read on thaw): publish the safety copy all the same, due when a wait would be. If PARK ran, that
+#: copy settles with the entry (it and a woken copy never both run); if not, it adopts what the park token holds.
+AfterPark = Literal["parked", "unconfirmed", "acquire_again", "back_off"]
 
 #: ``free`` answers in a row after which a delivery backs off instead (a lease flickering between holders).
 MAX_FREE_RETRIES = 3
@@ -250,6 +245,8 @@ def after_park(answer: ParkAnswer, free_retries: int) -> AfterPark:
     """What a delivery decided to PARK does with PARK's answer (``free_retries``: ``free`` answers so far)."""
     if answer == "parked":
         return "parked"
+    if answer == "unavailable":
+        return "unconfirmed"
     if answer == "free" and free_retries < MAX_FREE_RETRIES:
         return "acquire_again"
     return "back_off"

@@ -17,7 +17,7 @@ name per token. Releases and records live in :mod:`._release` and :mod:`._record
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from celery import states
@@ -120,9 +120,10 @@ class DeliveryState:
     can_park: bool
     #: ACQUIREs repeated because PARK found the lease already gone.
     free_retries: int = 0
-    #: Tokens of reservations of this call this delivery adopted (ADOPT ``adopting_own_reservation``): met again
-    #: under one of them, it is not adopted again (two tokens met in turn would otherwise loop).
-    adopted: set[str] = field(default_factory=set)
+    #: Tokens a holder of our own id may be an orphan of ours under, adopted when met: those the message carries
+    #: (header ``lockguard_attempt``) and the reservations this delivery re-tokened or gave back with a call
+    #: whose reply may be lost (KEEP_BEFORE). A copy it publishes carries them on.
+    orphans: frozenset[str] = frozenset()
 
     @classmethod
     def of(
@@ -161,6 +162,7 @@ class DeliveryState:
             reserved=park_token,
             parked=multi.parked_on(call, headers.read_str(req, headers.PARK_ENTITY)) if carried else call,
             can_park=can_park and opts.rate is None,
+            orphans=headers.attempt_tokens(req) if carried else frozenset(),
         )
 
 
@@ -222,7 +224,7 @@ def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kw
                     on_locked=opts.on_locked,  # type: ignore[arg-type]
                     on_unavailable=opts.on_unavailable,  # type: ignore[arg-type]
                     outcome=outcome,
-                    holder=_facts(task, call, holder, state.adopted) if holder is not None else None,
+                    holder=_facts(task, call, holder, state.orphans) if holder is not None else None,
                     # A watch copy answers from the record when its original never stored a state.
                     watch_copy=state.watch_copy and not (outcome == "record" and not original_settled(task)),
                     waits=headers.read_int(req, headers.WAITS),
@@ -261,11 +263,6 @@ def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kw
                 reason=decision.reason,
             )
             state.replace_token = holder.token
-            if decision.reason == "adopting_own_reservation":
-                # A reservation for this call now: kept or given back on every exit that does not run
-                # (keep_before, abandon), as the one a woken copy carries.
-                state.adopted.add(holder.token)
-                state.reserved = holder.token
             continue
         handed: str | None = None  # the claim token a wait carries on, when the lease consumed the claim
         if isinstance(got, Lease):  # held only to read the record, or it came too late, or the store is down
@@ -284,6 +281,9 @@ def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kw
             if action is Action.PARK and holder is not None and holder.entity:
                 blocker, countdown = holder.entity, handoff.safety_countdown(holder.pttl_ms, s)
             kept = release_ops.keep_before(task, s, call, state.client, state.reserved, blocker, countdown or 0.0)
+            # A KEEP_BEFORE whose reply was lost left them under the old token or the new one: whichever copy
+            # comes back adopts them there (an orphan of its own), never watches them as a running original.
+            state.orphans = _orphans(state.orphans, state.reserved, kept)
             state.reserved = ""
         if action is Action.PARK:
             assert holder is not None
@@ -301,6 +301,7 @@ def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kw
                     state.first_ms,
                     kept,
                     countdown,
+                    state.orphans,
                 )
             except Ignore:
                 raise  # the woken copy of this wait is out: it adopts what we kept
@@ -331,7 +332,8 @@ def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kw
             # answered from the record, skipped, gave up...: the reservation must not hold up the next waiter
             handoff.abandon(task.app, s, state.parked.key, state.reserved, task.name, req.id, limit=opts.limit)
         if action is Action.WAIT:
-            attempt = token if outcome == "unavailable" and got is None else None
+            # A wait after an ACQUIRE that errored adopts that attempt's orphan; every wait carries ours on.
+            attempt = ",".join(_orphans(state.orphans, token if outcome == "unavailable" and got is None else ""))
             sig = waits.wait(
                 task, s, opts, call, decision, holder, attempt, handed, state.first_ms, throttled=throttled
             )
@@ -580,29 +582,31 @@ def original_settled(task: Any) -> bool:
     return state in states.READY_STATES
 
 
-def _facts(task: Any, call: CallNames, holder: Holder, adopted: set[str] | frozenset[str] = frozenset()) -> HolderFacts:
+def _orphans(known: frozenset[str], *tokens: str) -> frozenset[str]:
+    """``known`` with ``tokens`` added (``""`` ignored), at most ``MAX_ATTEMPT_TOKENS``: ``tokens`` first."""
+    newest = [t for t in tokens if t]
+    return frozenset((newest + sorted(known - set(newest)))[: headers.MAX_ATTEMPT_TOKENS])
+
+
+def _facts(task: Any, call: CallNames, holder: Holder, orphans: frozenset[str] = frozenset()) -> HolderFacts:
     """What the decision needs to know about the holder ACQUIRE met (ours? alive? a duplicate? an orphan?).
 
-    ``adopted``: tokens of reservations of this call the delivery adopted already (not adopted twice).
+    ``orphans``: tokens this delivery may have left a lease or reservation of its own id under (``DeliveryState``).
     """
     req = task.request
     own = holder.task_id == keys.meta(req.id)  # holder metadata is bounded (keys.MAX_META)
     here = holder.host == lease_ops.HOST
-    # A reservation for a park of this call (a release's hand-off, or KEEP_BEFORE's kept ones) under a token this
-    # copy does not carry: nothing runs or renews under it, so it is never a running original to watch.
-    reservation = own and holder.state == "handed"
     return HolderFacts(
         own_id=own,
         duplicate=holder.task_name == task.name and holder.digest == call.digest,
-        alive=_holder_alive(task, holder, own) and not reservation,
+        alive=_holder_alive(task, holder, own),
         dead_here=own and here and not lease_ops.pid_alive(holder.pid),
         queued=own and holder.state in ("queued", "publishing"),
         # A wait after an ACQUIRE that errored carries that attempt's token: if the ACQUIRE ran after
         # all, this lease is its orphan. Adopting replaces the token, so a duplicated copy of the wait
         # message finds a fresh token and is dropped instead of running the body beside us.
-        orphan=own and holder.token == headers.read_str(req, headers.ATTEMPT) != "",
+        orphan=own and holder.token in orphans,
         parent=not own and bool(req.parent_id) and holder.task_id == keys.meta(str(req.parent_id)),
-        reserved=reservation and holder.token not in adopted,
     )
 
 

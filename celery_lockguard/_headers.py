@@ -19,9 +19,13 @@ WATCH = "lockguard_watch"
 WATCH_TOKEN = "lockguard_watch_token"
 #: The queue-time claim's token, from the publisher (or a retry's hand-over) to the worker that adopts it.
 CLAIM = "lockguard_claim"
-#: The token of the ACQUIRE a wait follows: a timed-out ACQUIRE may still have run on the server, and
-#: the returning message must recognise that orphan lease as its own (it ACQUIREs with the same token).
+#: The tokens (comma-separated) a copy may find its own orphans under: the ACQUIRE a wait follows (a
+#: timed-out ACQUIRE may still have run on the server), or reservations a multi-entity delivery kept or gave
+#: back (KEEP_BEFORE) with a call whose reply was lost. The returning message recognises a holder of its own
+#: id under one of them as its own, and adopts it; never a holder under a token no copy of it carried.
 ATTEMPT = "lockguard_attempt"
+#: At most this many tokens travel in ATTEMPT (a delivery adds two at most; a bound against a forged header).
+MAX_ATTEMPT_TOKENS = 4
 
 #: The park token P of a parked delivery's copies (safety and woken): its waiter entry, and the token of
 #: the reservation RELEASE hands to it (``_handoff``).
@@ -107,3 +111,9 @@ def read_str(request: Any, name: str) -> str:
     """A token header, ``""`` when absent."""
     value = read(request, name)
     return str(value) if value is not None else ""
+
+
+def attempt_tokens(request: Any) -> frozenset[str]:
+    """The orphan tokens the message carries (:data:`ATTEMPT`), at most :data:`MAX_ATTEMPT_TOKENS`."""
+    raw = read_str(request, ATTEMPT)
+    return frozenset(t for t in raw.split(",")[:MAX_ATTEMPT_TOKENS] if t) if raw else frozenset()

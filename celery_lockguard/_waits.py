@@ -165,16 +165,19 @@ def park(
     first_ms: int = 0,
     park_token: str = "",
     countdown: float | None = None,
+    orphans: frozenset[str] = frozenset(),
 ) -> Any:
     """Park behind ``holder`` and publish the one safety copy; see :mod:`celery_lockguard._handoff`.
 
     ``park_token``/``countdown``: chosen by the caller when it already handed something to this wait
     (a multi-entity waiter's kept reservations carry the park token and last the countdown).
+    ``orphans``: tokens the park's copies adopt a holder of their own id under (header ``lockguard_attempt``).
 
     Returns the safety copy's signature (the caller raises ``Retry``), ``"acquire_again"`` (the
     lease was gone by PARK), ``"adopt:<P>"`` (the safety copy's publish failed, yet a releaser had
     already woken us: ACQUIRE adopting P), or ``None``: back off as before (arguments that are not
-    JSON, a full queue, an error at PARK, or a failed publish whose entry was taken back).
+    JSON, a full queue, or a failed publish whose entry was taken back). An error at PARK is no answer:
+    PARK may have run, so the safety copy goes out all the same (``after_park``'s ``unconfirmed``).
     """
     req = task.request
     workflow.check_lock_order(task, call.key)  # a workflow member: never park in a lock-order cycle
@@ -182,7 +185,7 @@ def park(
     # A copy of a delivery that parked before keeps its place in the queue (not the tail).
     first = headers.read_int(req, headers.PARKED_AT) or None
     hdrs = {
-        **republish.wait_headers(req, None, first_delivered_ms=first_ms),
+        **republish.wait_headers(req, ",".join(sorted(orphans)) or None, first_delivered_ms=first_ms),
         headers.PARK: park_token,
         headers.PARKED_AT: first or int(time.time() * 1000),
         **multi.park_headers(call),
@@ -214,8 +217,13 @@ def park(
             emit("lock.backend_unavailable", task.name, **{**fields, "reason": f"park: {errors.describe(exc)}"})
             answer = "unavailable"
     then = after_park(answer, free_retries)
-    if then != "parked":
+    if then not in ("parked", "unconfirmed"):
         return "acquire_again" if then == "acquire_again" else None
+    if then == "unconfirmed":
+        # The copy is this park's safety copy (it carries the park token), due when a wait would be: what the
+        # caller handed to the park token lasts the longer safety countdown, so it outlives this one.
+        waits_spent, holder_ttl = headers.read_int(req, headers.WAITS), holder.pttl_ms / 1000
+        countdown = min(countdown, republish.wait_countdown(waits_spent, holder_ttl), republish.max_countdown(s))
     emit_waiting(task, opts, call, decision, holder, countdown, fields["waits"], "park")
     emit("lock.retry_scheduled", task.name, **fields, countdown=round(countdown, 3), policy="park")
     try:

@@ -42,10 +42,6 @@ OWN_DEAD_REMOTE = HolderFacts(own_id=True, duplicate=True, alive=False)
 OWN_DEAD_HERE = HolderFacts(own_id=True, duplicate=True, alive=False, dead_here=True)
 OWN_CLAIM = HolderFacts(own_id=True, duplicate=True, alive=True, queued=True)
 OWN_ORPHAN = HolderFacts(own_id=True, duplicate=True, alive=True, orphan=True)
-# A reservation (state handed) made for a park of this call under a token this copy does not carry: not alive
-# (nothing runs or renews under it); ``reserved`` unless this delivery adopted that token once already.
-OWN_RESERVED = HolderFacts(own_id=True, duplicate=True, alive=False, reserved=True)
-OWN_RESERVED_ADOPTED = HolderFacts(own_id=True, duplicate=True, alive=False)
 PARENT = HolderFacts(own_id=False, duplicate=True, alive=True, parent=True)
 
 
@@ -93,11 +89,6 @@ TABLE = [
     ("held", PARENT, {}, Action.WAIT),
     ("held", PARENT, {"on_locked": "raise"}, Action.RAISE),
     ("held", OWN_ORPHAN, {"on_locked": "raise", "waits": 100}, Action.ADOPT),
-    # a reservation kept or handed for a park of this call, under a token no copy of it carries: adopted, never
-    # watched as a running original; met again under a token this delivery adopted once, it waits
-    ("held", OWN_RESERVED, {}, Action.ADOPT),
-    ("held", OWN_RESERVED, {"can_park": True, "on_locked": "raise"}, Action.ADOPT),
-    ("held", OWN_RESERVED_ADOPTED, {"can_park": True}, Action.WAIT),
     # park and wake: only behind a live holder of other work, where the runtime can park
     ("held", OTHER_DIFFERENT, {"can_park": True}, Action.PARK),
     ("held", OTHER_DUP_ALIVE, {"can_park": True, "on_locked": "retry"}, Action.PARK),
@@ -137,8 +128,6 @@ HOLDERS = [
     OWN_DEAD_HERE,
     OWN_CLAIM,
     OWN_ORPHAN,
-    OWN_RESERVED,
-    OWN_RESERVED_ADOPTED,
     PARENT,
 ]
 OUTCOMES = ("acquired", "held", "record", "unavailable", "late", "misconfigured", "throttled")
@@ -208,7 +197,7 @@ def test_the_whole_space_keeps_the_promises() -> None:
             assert (h is not None and h.own_id and h.alive) or (case.watch_copy and case.outcome == "record")
         # Adopting is only ever taking over something of our own.
         if action is Action.ADOPT:
-            assert h is not None and h.own_id and (h.queued or h.dead_here or h.orphan or h.reserved)
+            assert h is not None and h.own_id and (h.queued or h.dead_here or h.orphan)
         # The decision is a function of the facts.
         assert decide_delivery(case) == decide_delivery(case)
 
@@ -279,7 +268,7 @@ AFTER_PARK = [
     ("free", MAX_FREE_RETRIES, "back_off"),
     ("full", 0, "back_off"),
     ("unserializable", 0, "back_off"),
-    ("unavailable", 0, "back_off"),
+    ("unavailable", 0, "unconfirmed"),  # PARK may have run: its safety copy goes out all the same
 ]
 
 

@@ -11,6 +11,7 @@ import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 import pytest
@@ -213,9 +214,11 @@ def test_a_woken_copy_answered_from_the_record_frees_its_reservation_for_the_nex
     assert messages(r, app, second.task_id)[-1].headers.get(headers.WOKEN) == 1, "the next waiter was stranded"
 
 
-def test_an_outage_at_park_backs_off_as_before(
+def test_an_outage_at_park_publishes_the_parks_copy_due_as_a_wait(
     app: Celery, r: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """PARK's reply lost is no answer (it may have run): the copy is the park's safety copy, carrying its token,
+    so it settles with an entry PARK may have left and never runs beside a woken copy; due as a wait would be."""
     runs: list[str] = []
     t = waiter(app, runs)
     hold(r, prefix, "inv:6")
@@ -227,7 +230,10 @@ def test_an_outage_at_park_backs_off_as_before(
     out = deliver(t, (6, 100))
     assert out.state == "RETRY"
     (msg,) = messages(r, app, out.task_id)
-    assert headers.PARK not in msg.headers and msg.headers[headers.WAITS] == 1
+    assert msg.headers[headers.PARK] and not msg.headers.get(headers.WOKEN) and msg.headers[headers.WAITS] == 1
+    # Due as a first wait is (at most 0.25 s), not at the holder's TTL as a parked delivery's safety copy.
+    eta = datetime.fromisoformat(msg.headers["eta"])
+    assert r.pttl(lock_name(prefix, "inv:6")) > 5000 and (eta - datetime.now(timezone.utc)).total_seconds() < 2
 
 
 def test_arguments_that_are_not_json_back_off_as_before(

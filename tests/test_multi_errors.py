@@ -635,7 +635,7 @@ def test_a_keep_before_refused_by_a_wrong_type_key_writes_nothing_and_the_parks_
     c.delete(lock_name(prefix, "acc:2"))
     with capture_logs() as logs:
         assert redeliver(t, parked).state == "SUCCESS" and ran == [(1, 2)], "the safety copy adopts acc:1"
-    assert any(e.get("reason") == "adopting_own_reservation" for e in logs)
+    assert any(e.get("reason") == "adopting_own_orphan" for e in logs)
     assert held(c, prefix) == []
 
 
@@ -693,7 +693,7 @@ def run_due_copies(
 
 @pytest.mark.parametrize("completion", [True, False])
 @pytest.mark.parametrize("blocker_ends", ["before_the_copy_comes", "after_the_copy_parks"])
-def test_a_server_frozen_through_keep_before_park_and_give_back_leaves_no_reservation_the_job_waits_out(
+def test_a_server_frozen_through_keep_before_and_park_leaves_no_reservation_the_job_waits_out(
     redis_url: str,
     r: redis.Redis,
     prefix: str,
@@ -702,12 +702,13 @@ def test_a_server_frozen_through_keep_before_park_and_give_back_leaves_no_reserv
     blocker_ends: str,
     completion: bool,
 ) -> None:
-    """The lock server freezes as KEEP_BEFORE is sent and thaws only after PARK and the give-back timed out too:
-    KEEP_BEFORE runs on thaw and keeps acc:1 for the new park token for the blocker's whole countdown (a minute
-    here), yet no park carries that token and the give-back never freed it. The copy that comes back (the wait)
-    carries the call's task id: it adopts the reservation kept for its own call, and runs as soon as acc:2 is
-    free -- not after taking it for a running original to watch until it lapses (a reviewer saw the job run 33 s
-    late; without completion records no watch is published and nothing was left to run the job). Once, and
+    """The lock server freezes as KEEP_BEFORE is sent and thaws only after PARK timed out too: KEEP_BEFORE runs on
+    thaw and keeps acc:1 for the new park token for the blocker's whole countdown (a minute here). PARK's reply
+    was lost, so the delivery cannot tell whether it parked: its copy goes out as the park's safety copy (the park
+    token in its headers), due when a wait would be, and nothing is given back. That copy adopts acc:1 and runs as
+    soon as acc:2 is free -- before, the delivery gave back (which timed out too) and backed off with a copy that
+    did not carry the token: it took acc:1 for a running original and watched it until it lapsed (a reviewer saw
+    the job run 33 s late; without completion records no watch is published and the job was dropped). Once, and
     nothing is left held. Still blocked by acc:2 when it comes, it keeps acc:1 for its own park (KEEP_BEFORE under
     the park's token), whose woken copy adopts both when acc:2 is released."""
     app = app_on(redis_url, prefix, lock_server.url)
@@ -723,23 +724,21 @@ def test_a_server_frozen_through_keep_before_park_and_give_back_leaves_no_reserv
     def frozen(client: Any, names: list[str], args: list[Any]) -> Any:
         sent.append(args)
         if len(sent) == 1:
-            lock_server.pause()  # KEEP_BEFORE, then PARK, then the give-back: each times out
-        try:
-            return real(client, names, args)
-        finally:
-            if len(sent) == 2:  # the give-back: thaw now
-                lock_server.resume()
+            lock_server.pause()  # KEEP_BEFORE, then PARK: each times out
+        return real(client, names, args)
 
     monkeypatch.setattr(scripts, "keep_before", frozen)
     try:
         with capture_logs() as logs:
             out = redeliver(t, copy)
     finally:
-        lock_server.resume()
+        lock_server.resume()  # thaw once the delivery has ended
         monkeypatch.setattr(scripts, "keep_before", real)
-    assert (out.state, ran) == ("RETRY", []) and len(sent) == 2
+    assert (out.state, ran) == ("RETRY", []) and len(sent) == 1, "nothing given back: the park may hold it"
     reasons = [str(e.get("reason")) for e in logs]
-    assert sum("Timeout" in x for x in reasons) == 3, reasons  # KEEP_BEFORE, PARK and the give-back
+    assert sum("Timeout" in x for x in reasons) == 2, reasons  # KEEP_BEFORE and PARK
+    safety = copies(r, app, copy.task_id)[-1]
+    assert safety.headers[headers.PARK] == sent[0][1] and not safety.headers.get(headers.WOKEN), "the park's copy"
     c = lock_server.client()
     c.ping()  # the thawed server has run what it had read before it answers this
     kept = c.hgetall(lock_name(prefix, "acc:1"))
@@ -758,5 +757,82 @@ def test_a_server_frozen_through_keep_before_park_and_give_back_leaves_no_reserv
     assert run_due_copies(r, app, t, copy.task_id, delivered, ran, until=released_at + 10)
     assert ran == [(1, 2)], "promptly: from a copy due within seconds, not once acc:1 lapses (a minute)"
     run_due_copies(r, app, t, copy.task_id, delivered, ran, until=float("inf"))  # every copy left, safety included
+    assert ran == [(1, 2)], "once"
+    assert held(c, prefix) == []
+
+
+@pytest.mark.parametrize("completion", [True, False])
+def test_a_give_back_that_never_ran_after_a_full_queue_leaves_a_reservation_the_wait_adopts(
+    redis_url: str,
+    r: redis.Redis,
+    prefix: str,
+    lock_server: RedisServer,
+    monkeypatch: pytest.MonkeyPatch,
+    completion: bool,
+) -> None:
+    """A woken copy blocked again keeps acc:1 (KEEP_BEFORE), then PARK answers ``full``: it cannot park, so it
+    gives acc:1 back and backs off. The give-back never reaches the server (an error before it was sent): acc:1
+    stays kept under the park token for the blocker's countdown. The wait carries that token as its orphan token,
+    so it adopts acc:1 and runs as soon as acc:2 is free -- before, it met acc:1 held under its own task id by a
+    token it did not carry, watched it as a running original until it lapsed, or, without completion records,
+    dropped the job. Once, and nothing is left held."""
+    app = app_on(redis_url, prefix, lock_server.url)
+    c = lock_server.client()
+    ran: list[Any] = []
+    t = transfer(app, ran, completion=completion)
+    copy, second = woken_blocked(app, r, c, prefix, t, ttl_ms=60_000)
+    delivered = {i for i, m in enumerate(published(r, app)) if m.task_id == copy.task_id}
+    monkeypatch.setattr(handoff, "MAX_WAITERS", 0)  # PARK answers full
+    real = scripts.keep_before
+    sent: list[list[Any]] = []
+
+    def give_back_never_sent(client: Any, names: list[str], args: list[Any]) -> Any:
+        sent.append(args)
+        if len(sent) == 2:  # the give-back: lost before it reached the server
+            raise redis.exceptions.TimeoutError("Timeout connecting to server")
+        return real(client, names, args)
+
+    monkeypatch.setattr(scripts, "keep_before", give_back_never_sent)
+    with capture_logs():
+        out = redeliver(t, copy)
+    monkeypatch.setattr(scripts, "keep_before", real)
+    monkeypatch.setattr(handoff, "MAX_WAITERS", 1000)
+    assert (out.state, ran, len(sent)) == ("RETRY", [], 2)
+    kept = sent[0][1]
+    assert c.hget(lock_name(prefix, "acc:1"), "token") == kept, "the give-back did not run: acc:1 is still kept"
+    wait = copies(r, app, copy.task_id)[-1]
+    assert kept in wait.headers[headers.ATTEMPT].split(",") and wait.headers.get(headers.PARK) != kept, "a wait"
+    released_at = time.time()
+    L.release_and_wake(c, second, prefix, reserve_ms=5000)
+    assert run_due_copies(r, app, t, copy.task_id, delivered, ran, until=released_at + 15)
+    assert ran == [(1, 2)], "promptly: from the wait's copy, not once acc:1 lapses (a minute)"
+    run_due_copies(r, app, t, copy.task_id, delivered, ran, until=float("inf"))
+    assert ran == [(1, 2)], "once"
+    assert held(c, prefix) == []
+
+
+def test_a_redelivered_original_never_adopts_a_reservation_handed_to_its_park(
+    redis_url: str, r: redis.Redis, prefix: str, lock_server: RedisServer
+) -> None:
+    """Only a copy carrying a token adopts a reservation of its own id. The original message redelivered (a worker
+    killed after the park, before the ack) meets acc:2 handed to its park, under a token it does not carry: it
+    must not run it, for the park's woken copy does -- adopting by task id would run the job twice (no completion
+    records here to answer the second)."""
+    app = app_on(redis_url, prefix, lock_server.url)
+    c = lock_server.client()
+    ran: list[Any] = []
+    t = transfer(app, ran, completion=False)
+    blocker = hold(c, prefix, "acc:2", ttl_ms=60_000)
+    out = deliver(t, (1, 2))
+    assert (out.state, ran) == ("RETRY", [])
+    _, _, woken = L.release_and_wake(c, blocker, prefix, reserve_ms=5000)
+    assert woken is not None and handoff.wake(app, settings(app), woken, "holder", "other", c)
+    assert c.hget(lock_name(prefix, "acc:2"), "state") == "handed"
+    assert deliver(t, (1, 2), task_id=out.task_id).state != "SUCCESS" and ran == [], "the redelivery runs nothing"
+    woken_copy = next(m for m in copies(r, app, out.task_id) if m.headers.get(headers.WOKEN))
+    assert redeliver(t, woken_copy).state == "SUCCESS" and ran == [(1, 2)]
+    for m in copies(r, app, out.task_id):
+        if not m.headers.get(headers.WOKEN):
+            redeliver(t, m)  # the park's safety copy, and any the redelivery left
     assert ran == [(1, 2)], "once"
     assert held(c, prefix) == []
