@@ -1,0 +1,170 @@
+"""Third fresh-context review: two features crossed at a time, real prefork workers, real Redis.
+
+Tasks in ``tests/xr3app.py``: leases of 30 s, so a waiter that starts within :data:`BOUND` of a lease's
+end was woken by that end, not by its safety copy.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import redis
+
+from celery_lockguard.testing import wait_for
+
+from .conftest import Fleet, make_cfg
+from .test_wake_workers import BOUND, parked, started
+from .test_workers import records
+
+pytestmark = pytest.mark.integration
+
+
+def lock_key(prefix: str, key: str) -> str:
+    return f"{prefix}:v1:{{{key}}}:lock"
+
+
+def starts(r: redis.Redis, prefix: str, task_id: str) -> list[dict]:
+    return [x for x in records(r, prefix) if x["ev"] == "start" and x["task_id"] == task_id]
+
+
+def test_a_multi_entity_retry_wakes_the_waiter_parked_on_each_entity(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """multi-entity x retry(countdown): retry() frees every entity of the set before the retry is published,
+    and each freed entity's parked waiter starts at once (not at its 30 s safety copy); the retry runs."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    a, b = (uuid.uuid4().hex[:8] for _ in range(2))
+    gate = f"{prefix}:gate"
+    holder = app.tasks["xr.multi"].delay(a, b, gate, "holder", 1, 3.0)
+    wait_for(lambda: starts(r, prefix, holder.id), 30, what="the multi holder to start")
+    wa = app.tasks["xr.single"].delay(a, "", "wa")
+    parked(r, prefix, f"xm:{a}")
+    wb = app.tasks["xr.single"].delay(b, "", "wb")
+    parked(r, prefix, f"xm:{b}")
+    r.set(gate, 1)
+    opened = time.time()
+    for w in (wa, wb):
+        assert started(r, prefix, w.id, BOUND + 3) - opened < BOUND
+    assert holder.get(timeout=30) == {"tag": "holder", "retries": 1, "slot": None}
+    assert sorted(w.get(timeout=30)["tag"] for w in (wa, wb)) == ["wa", "wb"]
+    wait_for(lambda: not r.exists(lock_key(prefix, f"xm:{a}"), lock_key(prefix, f"xm:{b}")), 10, what="both freed")
+
+
+def test_a_slot_holder_retrying_wakes_the_waiter_parked_behind_the_full_limit(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """lock_limit x retry(countdown): both slots held, a third parks; one holder retries: its slot is freed
+    and the parked waiter starts at once in it; the retry then waits for a slot and runs."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=4)
+    p = uuid.uuid4().hex[:8]
+    g1, g2 = f"{prefix}:g1", f"{prefix}:g2"
+    task = app.tasks["xr.slot"]
+    h1 = task.delay(p, g1, "h1", 1, 2.0)
+    h2 = task.delay(p, g2, "h2", 0, 0)
+    wait_for(lambda: starts(r, prefix, h1.id) and starts(r, prefix, h2.id), 30, what="both slots held")
+    w = task.delay(p, "", "w")
+    parked(r, prefix, f"xs:{p}")
+    r.set(g1, 1)
+    opened = time.time()
+    assert started(r, prefix, w.id, BOUND + 3) - opened < BOUND
+    assert w.get(timeout=30)["tag"] == "w"
+    r.set(g2, 1)
+    assert h1.get(timeout=60)["retries"] == 1
+    assert h2.get(timeout=30)["tag"] == "h2"
+
+
+def test_an_until_done_retry_longer_than_the_queue_claim_keeps_its_claim_through_the_countdown(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """until_done x retry(countdown > queue_lock_ttl): the claim handed to the retry message lives at least
+    its countdown, so an identical publish during the countdown is answered with the queued retry (no
+    second run), and the retry runs once."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=2)
+    key = uuid.uuid4().hex[:8]
+    task = app.tasks["xr.ud"]
+    first = task.delay(key, "", "t", 1, 8.0)  # queue_lock_ttl=2, countdown 8 s
+    wait_for(lambda: starts(r, prefix, first.id), 30, what="the first attempt")
+    name = lock_key(prefix, f"xu:{key}")
+    wait_for(lambda: r.hget(name, "state") == "queued", 10, what="the claim handed over to the retry")
+    handed_at = time.monotonic()
+    ttl_at_handover = r.pttl(name)
+    assert ttl_at_handover > 6_000, ttl_at_handover
+    # let the queue claim's own TTL (2 s) pass: the hand-over must outlive it, the retry is 8 s away
+    wait_for(lambda: time.monotonic() - handed_at > 3.5, 10, what="queue_lock_ttl to pass")
+    assert r.hget(name, "state") == "queued", r.hgetall(name)
+    dup = task.delay(key, "", "t", 1, 8.0)  # identical work: the queued retry answers it
+    assert dup.id == first.id, "an identical publish during the retry's countdown was not deduplicated"
+    assert first.get(timeout=30) == {"tag": "t", "retries": 1, "slot": None}
+    assert len(starts(r, prefix, first.id)) == 2
+    wait_for(lambda: not r.exists(name), 10, what="the claim freed by the retry's end")
+
+
+def test_an_until_done_retry_hands_the_claim_over_and_its_end_wakes_the_parked_other_work(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """until_done x retry x park/wake: other work parked behind the running body stays behind the handed-over
+    claim and starts as soon as the retry's body ends (not at its safety copy)."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    key = uuid.uuid4().hex[:8]
+    gate = f"{prefix}:gate"
+    first = app.tasks["xr.ud"].delay(key, gate, "ud", 1, 2.0)
+    wait_for(lambda: starts(r, prefix, first.id), 30, what="the first attempt")
+    other = app.tasks["xr.ud_other"].delay(key, "", "other")
+    parked(r, prefix, f"xu:{key}")
+    r.set(gate, 1)
+    assert first.get(timeout=30)["retries"] == 1
+    ended = time.time()
+    assert started(r, prefix, other.id, BOUND + 3) - ended < BOUND
+    rows = [x["tag"] for x in records(r, prefix) if x["ev"] == "start"]
+    assert rows == ["ud", "ud", "other"], rows
+
+
+def test_a_multi_entity_until_done_retry_frees_the_other_entities_and_wakes_their_waiters(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """multi-entity x until_done x retry: the hand-over keeps the claim on its anchor and frees the other
+    entities, waking their parked waiters at once; the retry then runs and frees everything."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    a, b = sorted(uuid.uuid4().hex[:8] for _ in range(2))
+    gate = f"{prefix}:gate"
+    holder = app.tasks["xr.multi_ud"].delay(a, b, gate, "holder", 1, 4.0)
+    wait_for(lambda: starts(r, prefix, holder.id), 30, what="the holder to start")
+    wb = app.tasks["xr.single"].delay(b, "", "wb")
+    parked(r, prefix, f"xm:{b}")
+    r.set(gate, 1)
+    opened = time.time()
+    assert started(r, prefix, wb.id, BOUND + 3) - opened < BOUND
+    assert holder.get(timeout=30) == {"tag": "holder", "retries": 1, "slot": None}
+    wait_for(lambda: not r.exists(lock_key(prefix, f"xm:{a}"), lock_key(prefix, f"xm:{b}")), 10, what="both freed")
+
+
+def test_an_until_done_body_killed_mid_run_is_redelivered_runs_once_and_frees_the_entity(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """until_done x SIGKILL of the child mid-body (acks_late, reject_on_worker_lost): the redelivered copy
+    takes its own dead claim over at once (same host, pid gone), completes, and leaves nothing held."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=2)
+    key = uuid.uuid4().hex[:8]
+    res = app.tasks["xr.ud_kill"].delay(key, "k")
+    began = time.time()
+    assert res.get(timeout=60) == {"tag": "k"}
+    assert time.time() - began < 20, "the redelivered copy waited out the dead holder's 30 s lease"
+    rows = [x["ev"] for x in records(r, prefix) if x.get("task_id") == res.id]
+    assert rows == ["start", "start", "end"], rows
+    wait_for(lambda: not r.exists(lock_key(prefix, f"xk:{key}")), 10, what="the entity freed")
+    again = app.tasks["xr.ud_kill"].delay(key, "k")
+    assert again.id != res.id and again.get(timeout=30) == {"tag": "k"}
