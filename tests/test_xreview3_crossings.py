@@ -168,3 +168,170 @@ def test_an_until_done_body_killed_mid_run_is_redelivered_runs_once_and_frees_th
     wait_for(lambda: not r.exists(lock_key(prefix, f"xk:{key}")), 10, what="the entity freed")
     again = app.tasks["xr.ud_kill"].delay(key, "k")
     assert again.id != res.id and again.get(timeout=30) == {"tag": "k"}
+
+
+def force_release(app: object, key: str) -> str:
+    """``celery lockguard release KEY --yes`` in process, on the test's app (its prefix and lock Redis)."""
+    from celery.bin.base import CLIContext
+    from click.testing import CliRunner
+
+    from celery_lockguard._cli import lockguard
+
+    obj = CLIContext(app=app, no_color=True, workdir=None, quiet=True)
+    out = CliRunner().invoke(lockguard, ["release", key, "--yes"], obj=obj)
+    assert out.exit_code == 0, out.output
+    return out.output
+
+
+def test_a_multi_entity_body_killed_mid_run_is_redelivered_and_takes_its_dead_set_over(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """multi-entity x SIGKILL (acks_late): the redelivered copy (same id, same host, pid gone) takes every
+    entity of its dead set over at once and runs, rather than waiting out the 30 s leases."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=2)
+    a, b = (uuid.uuid4().hex[:8] for _ in range(2))
+    began = time.time()
+    res = app.tasks["xr.multi_kill"].delay(a, b, "k")
+    assert res.get(timeout=60) == {"tag": "k"}
+    assert time.time() - began < 20, "the redelivered copy waited out its dead set's 30 s leases"
+    rows = [x["ev"] for x in records(r, prefix) if x.get("task_id") == res.id]
+    assert rows == ["start", "start", "end"], rows
+    wait_for(lambda: not r.exists(lock_key(prefix, f"xm:{a}"), lock_key(prefix, f"xm:{b}")), 10, what="both freed")
+
+
+def test_a_slot_holder_killed_mid_run_is_redelivered_and_the_limit_is_not_exceeded(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """lock_limit x SIGKILL (acks_late): with the other slot held, the redelivered copy takes its own dead
+    slot over (same id, same host, pid gone) and runs at once, and the limit of 2 is never exceeded."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    p = uuid.uuid4().hex[:8]
+    gate = f"{prefix}:gate"
+    other = app.tasks["xr.slot"].delay(p, gate, "other")
+    wait_for(lambda: starts(r, prefix, other.id), 30, what="the other slot holder")
+    began = time.time()
+    res = app.tasks["xr.slot_kill"].delay(p, "k")
+    assert res.get(timeout=60) == {"tag": "k"}
+    took = time.time() - began
+    r.set(gate, 1)
+    assert other.get(timeout=30)["tag"] == "other"
+    assert took < 20, f"the redelivered copy waited {took:.1f}s: its dead slot's 30 s lease"
+
+
+def test_an_until_done_body_terminated_frees_its_claim_and_an_identical_publish_runs(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """until_done x revoke(terminate=True): the main process cuts the claim-lease to its grace; an identical
+    publish after that is accepted as new work and runs (the entity is not blocked for the 30 s lease)."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=2)
+    key = uuid.uuid4().hex[:8]
+    gate = f"{prefix}:gate"
+    first = app.tasks["xr.ud"].delay(key, gate, "t")
+    wait_for(lambda: starts(r, prefix, first.id), 30, what="the body")
+    app.control.revoke(first.id, terminate=True, signal="SIGKILL")
+    revoked = time.time()
+    wait_for(lambda: not r.exists(lock_key(prefix, f"xu:{key}")), BOUND + 3, what="the claim cut to its grace")
+    assert time.time() - revoked < BOUND
+    r.set(gate, 1)
+    again = app.tasks["xr.ud"].delay(key, gate, "t")
+    assert again.id != first.id
+    assert again.get(timeout=30)["tag"] == "t"
+
+
+def test_a_revoked_until_done_retry_frees_its_handed_over_claim_when_it_is_due(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """until_done x retry(countdown) x revoke: the retry message holding the handed-over claim is revoked;
+    the worker discards it when due and frees the claim then, not at the claim's TTL; new work runs."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=2)
+    key = uuid.uuid4().hex[:8]
+    name = lock_key(prefix, f"xu:{key}")
+    first = app.tasks["xr.ud"].delay(key, "", "t", 1, 4.0)
+    wait_for(lambda: starts(r, prefix, first.id), 30, what="the first attempt")
+    wait_for(lambda: r.hget(name, "state") == "queued", 30, what="the claim handed over to the retry")
+    handed = time.time()
+    claim_ttl = r.pttl(name) / 1000
+    app.control.revoke(first.id)
+    wait_for(lambda: not r.exists(name), claim_ttl + 5, what="the revoked retry's claim freed")
+    freed_after = time.time() - handed
+    assert freed_after < 4.0 + BOUND < claim_ttl, (freed_after, claim_ttl)
+    assert len(starts(r, prefix, first.id)) == 1, "the revoked retry ran"
+    again = app.tasks["xr.ud"].delay(key, "", "t2")
+    assert again.id != first.id and again.get(timeout=30)["tag"] == "t2"
+
+
+def test_a_forced_release_of_a_workflow_gap_wakes_the_waiter_and_the_late_member_never_overlaps_it(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """forced release x workflow lease: released in a gap, the parked plain task starts at once (woken);
+    the member that comes after the gap never runs beside it (it waits, or fails visibly with LockLost)."""
+    from celery import chain
+
+    from celery_lockguard import workflow
+
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    p = uuid.uuid4().hex[:8]
+    gate = f"{prefix}:gate"
+    m = app.tasks["rv.wfgate"]
+    sig = chain(m.si(p, "", "m1"), m.si(p, "", "m2").set(countdown=5))
+    wf = workflow(sig, lock_key="rvp:{p}", p=p, app=app, gap_ttl=300).apply_async()
+    name = lock_key(prefix, f"rvp:{p}")
+    wait_for(lambda: r.hget(name, "state") == "gap", 30, what="m1 to hand the lease to the gap")
+    plain = app.tasks["rv.del"].delay(p, gate, "plain", 3.0)
+    parked(r, prefix, f"rvp:{p}")
+    out = force_release(app, f"rvp:{p}")
+    released = time.time()
+    assert started(r, prefix, plain.id, BOUND + 3) - released < BOUND, out
+    r.set(gate, 1)
+    assert plain.get(timeout=60)["tag"] == "plain"
+    try:
+        wf.get(timeout=60)
+    except Exception as err:  # noqa: BLE001 - a visible failure is allowed; a silent overlap is not
+        assert type(err).__name__ == "LockLost", repr(err)
+    rows = records(r, prefix, p)
+    spans = {x["tag"]: [x["at"], None] for x in rows if x["ev"] == "start"}
+    for x in rows:
+        if x["ev"] == "end":
+            spans[x["tag"]][1] = x["at"]
+    if "m2" in spans:
+        assert spans["m2"][0] >= spans["plain"][1] or spans["m2"][1] <= spans["plain"][0], spans
+
+
+def test_a_forced_release_of_an_until_done_retry_claim_never_loses_the_retry(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """forced release x until_done retry hand-over: other work parked behind the running body; the body
+    retries (claim handed to the 4 s retry); an operator releases the claim: the waiter runs at once, and
+    the retry, arriving while it runs, is accepted work: it waits and runs after it (not lost, not beside)."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    key = uuid.uuid4().hex[:8]
+    g1, g2 = f"{prefix}:g1", f"{prefix}:g2"
+    name = lock_key(prefix, f"xu:{key}")
+    first = app.tasks["xr.ud"].delay(key, g1, "ud", 1, 4.0)
+    wait_for(lambda: starts(r, prefix, first.id), 30, what="the first attempt")
+    other = app.tasks["xr.ud_other"].delay(key, g2, "other")
+    parked(r, prefix, f"xu:{key}")
+    r.set(g1, 1)
+    wait_for(lambda: r.hget(name, "state") == "queued", 30, what="the claim handed over to the retry")
+    out = force_release(app, f"xu:{key}")
+    released = time.time()
+    assert started(r, prefix, other.id, BOUND + 3) - released < BOUND, out
+    wait_for(lambda: len(starts(r, prefix, first.id)) == 2 or time.time() - released > 8, 15, what="the retry due")
+    r.set(g2, 1)
+    assert other.get(timeout=30)["tag"] == "other"
+    assert first.get(timeout=60) == {"tag": "ud", "retries": 1, "slot": None}
+    rows = records(r, prefix)
+    t = {(x["tag"], x["ev"], x.get("retries")): x["t"] for x in rows}
+    assert t[("ud", "start", 1)] >= t[("other", "end", 0)], rows

@@ -97,3 +97,30 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
             os.kill(os.getpid(), signal.SIGKILL)
         record(ev="end", key=f"xk:{key}", tag=tag, task_id=self.request.id)
         return {"tag": tag}
+
+    def kill_once(name: str) -> None:
+        """SIGKILL this child the first time ``name`` is seen (the redelivered copy then runs on)."""
+        if gates.set(f"{cfg['prefix']}:killed:{name}", 1, nx=True):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="xr.multi_kill", lock_key=("xm:{a}", "xm:{b}"), lock_ttl=TTL,
+        acks_late=True, reject_on_worker_lost=True,
+    )  # fmt: skip
+    def multi_kill(self: Any, a: str, b: str, tag: str = "") -> dict[str, Any]:
+        """Multi-entity work whose first delivery SIGKILLs its child mid-body (acks_late: redelivered)."""
+        record(ev="start", key=f"xm:{a}+xm:{b}", tag=tag, task_id=self.request.id)
+        kill_once(f"{a}+{b}")
+        record(ev="end", key=f"xm:{a}+xm:{b}", tag=tag, task_id=self.request.id)
+        return {"tag": tag}
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="xr.slot_kill", lock_key="xs:{p}", lock_limit=2, lock_ttl=TTL,
+        on_locked="retry", acks_late=True, reject_on_worker_lost=True,
+    )  # fmt: skip
+    def slot_kill(self: Any, p: str, tag: str = "") -> dict[str, Any]:
+        """A slot holder whose first delivery SIGKILLs its child mid-body (acks_late: redelivered)."""
+        record(ev="start", key=f"xs:{p}", tag=tag, task_id=self.request.id)
+        kill_once(f"slot:{p}:{tag}")
+        record(ev="end", key=f"xs:{p}", tag=tag, task_id=self.request.id)
+        return {"tag": tag}
