@@ -119,3 +119,89 @@ def test_a_forced_release_of_one_account_in_a_workflow_gap_frees_the_other_when_
         pytest.fail(f"the workflow failed (LockLost) but account:{kept} is still held ({ttl} ms left): {kept_lease}")
     assert took < BOUND, took
     wait_for(lambda: not held(r, cfg, a) and not held(r, cfg, b), 30, what="both accounts to be free")
+
+
+def test_terminating_a_running_member_of_a_multi_entity_workflow_frees_both_accounts_within_the_grace(
+    fleet: Fleet, redis_url: str, prefix: str, tmp_path: Any
+) -> None:
+    """multi-entity workflow x revoke(terminate=True): the main process cuts every account of the workflow
+    to the shorten grace, and each account's parked waiter starts soon after (not after the 60 s TTL)."""
+    cfg = make_cfg(prefix, redis_url)
+    start_worker(fleet, cfg, concurrency=3)
+    app = create_app(cfg)
+    r = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
+    t = f"t-{uuid.uuid4().hex[:6]}"
+    a, b = sorted((f"{t}-a", f"{t}-b"))
+    sig = chain(
+        app.tasks["wf.step"].s(tenant=t, tag="s1", seconds=0.1),
+        app.tasks["wf.gate"].s(tenant=t, tag="held", gate=str(tmp_path / "never")),
+        app.tasks["wf.step"].s(tenant=t, tag="s3", seconds=0.1),
+    )
+    workflow(sig, lock_key=XFER, src=a, dst=b, lock_ttl=60, gap_ttl=300).apply_async()
+    wait_for(lambda: any(x["tag"] == "held" for x in rows(r, cfg, t)), 60, what="the gated member")
+    running = next(x for x in rows(r, cfg, t) if x["tag"] == "held")
+    plain_a = app.tasks["wf.account"].delay(tenant=t, tag="plain-a", acct=a)
+    plain_b = app.tasks["wf.account"].delay(tenant=t, tag="plain-b", acct=b)
+    wait_for(lambda: all(r.llen(wait_name(prefix, f"account:{x}")) for x in (a, b)), 30, what="both parked")
+    app.control.revoke(running["task_id"], terminate=True, signal="SIGKILL")
+    revoked = time.time()
+    for tag in ("plain-a", "plain-b"):
+        assert started_at(r, cfg, t, tag, BOUND + 5) - revoked < BOUND, tag
+    assert plain_a.get(timeout=30)["tags"] == ["plain-a"] and plain_b.get(timeout=30)["tags"] == ["plain-b"]
+    assert not any(x["tag"] == "s3" for x in rows(r, cfg, t))
+
+
+def test_revoking_the_member_a_multi_entity_workflow_gap_waits_for_frees_both_accounts(
+    fleet: Fleet, redis_url: str, prefix: str
+) -> None:
+    """multi-entity workflow x revoke of the queued member (countdown in the gap): when the worker discards
+    it, both accounts are freed and each one's parked waiter woken (not the 300 s gap TTL)."""
+    cfg = make_cfg(prefix, redis_url)
+    start_worker(fleet, cfg, concurrency=3)
+    app = create_app(cfg)
+    r = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
+    t = f"t-{uuid.uuid4().hex[:6]}"
+    a, b = sorted((f"{t}-a", f"{t}-b"))
+    sig = chain(
+        app.tasks["wf.step"].s(tenant=t, tag="s1", seconds=0.1),
+        app.tasks["wf.step"].s(tenant=t, tag="s2", seconds=0.1).set(countdown=4),
+    )
+    res = workflow(sig, lock_key=XFER, src=a, dst=b, lock_ttl=60, gap_ttl=300).apply_async()
+    wait_for(lambda: held(r, cfg, b).get("state") == "gap", 60, what="s1 to hand both accounts to the gap")
+    for acct, tag in ((a, "plain-a"), (b, "plain-b")):
+        app.tasks["wf.account"].delay(tenant=t, tag=tag, acct=acct)
+    wait_for(lambda: all(r.llen(wait_name(prefix, f"account:{x}")) for x in (a, b)), 30, what="both parked")
+    app.control.revoke(res.id)
+    wait_for(lambda: held(r, cfg, a).get("state") != "gap", 30, what="the revoked member's gap to end")
+    freed = time.time()
+    for tag in ("plain-a", "plain-b"):
+        assert started_at(r, cfg, t, tag, BOUND + 5) - freed < BOUND, tag
+    assert not any(x["tag"] == "s2" for x in rows(r, cfg, t))
+
+
+def test_a_multi_entity_workflow_member_sigkilled_is_taken_over_on_every_account(
+    fleet: Fleet, redis_url: str, prefix: str
+) -> None:
+    """multi-entity workflow x SIGKILL of a member's child (acks_late): the redelivery takes the workflow
+    over on both accounts with new fences, the chain finishes, and both accounts end free."""
+    cfg = make_cfg(prefix, redis_url)
+    start_worker(fleet, cfg, concurrency=2)
+    app = create_app(cfg)
+    r = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
+    t = f"t-{uuid.uuid4().hex[:6]}"
+    a, b = sorted((f"{t}-a", f"{t}-b"))
+    sig = chain(
+        app.tasks["wf.step"].s(tenant=t, tag="s1", seconds=0.1),
+        app.tasks["wf.crash_once"].s(tenant=t, tag="crash"),
+        app.tasks["wf.step"].s(tenant=t, tag="s3", seconds=0.1),
+    )
+    began = time.time()
+    res = workflow(sig, lock_key=XFER, src=a, dst=b, lock_ttl=30).apply_async()
+    assert res.get(timeout=90)["tags"] == ["s1", "crash", "s3"]
+    assert time.time() - began < 20, "the redelivery waited out the killed member's 30 s lease"
+    mine = rows(r, cfg, t)
+    fences = {x["tag"]: x["fences"] for x in mine if x["ev"] == "end"}
+    for acct in (f"account:{a}", f"account:{b}"):
+        assert fences["crash"][acct] > fences["s1"][acct] and fences["s3"][acct] == fences["crash"][acct], fences
+    assert r.get(f"{prefix}:effects:{t}") == "1"
+    wait_for(lambda: not held(r, cfg, a) and not held(r, cfg, b), 10, what="both accounts free")
