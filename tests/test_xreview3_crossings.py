@@ -335,3 +335,50 @@ def test_a_forced_release_of_an_until_done_retry_claim_never_loses_the_retry(
     rows = records(r, prefix)
     t = {(x["tag"], x["ev"], x.get("retries")): x["t"] for x in rows}
     assert t[("ud", "start", 1)] >= t[("other", "end", 0)], rows
+
+
+def test_terminating_a_debounced_run_wakes_the_next_bursts_parked_run_within_the_grace(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """debounce x revoke(terminate=True): the next burst's run, parked behind the running one, starts once
+    the main process has cut the terminated run's lease to its grace (not after the 30 s TTL)."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    key = uuid.uuid4().hex[:8]
+    task = app.tasks["xr.deb"]
+    v1 = task.delay(key, "v1", f"{prefix}:never")
+    wait_for(lambda: starts(r, prefix, v1.id), 30, what="v1 to start")
+    nxt = task.delay(key, "A")
+    parked(r, prefix, f"xd:{key}")
+    app.control.revoke(v1.id, terminate=True, signal="SIGKILL")
+    revoked = time.time()
+    assert started(r, prefix, nxt.id, BOUND + 3) - revoked < BOUND
+    assert nxt.get(timeout=30) == {"tag": "A"}
+
+
+def test_a_debounced_run_killed_mid_body_with_the_next_burst_parked_ends_on_the_last_arguments(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """debounce x SIGKILL (acks_late): v1 runs and is killed mid-body while the next burst's run A is parked
+    behind it; the redelivered v1 and A resolve to one more run of A (the last arguments), A's result is
+    its own, and the entity is neither blocked for the 30 s lease nor left held."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    key = uuid.uuid4().hex[:8]
+    gate = f"{prefix}:gate"
+    task = app.tasks["xr.deb"]
+    v1 = task.delay(key, "v1", gate, True)
+    wait_for(lambda: starts(r, prefix, v1.id), 30, what="v1 to start")
+    nxt = task.delay(key, "A")
+    parked(r, prefix, f"xd:{key}")
+    r.set(gate, 1)  # v1's first delivery SIGKILLs its child now; its redelivery runs straight through
+    began = time.time()
+    assert nxt.get(timeout=60) == {"tag": "A"}
+    assert time.time() - began < 20, "A waited out the killed run's 30 s lease"
+    out = v1.get(timeout=60)
+    rows = records(r, prefix)
+    ends = [x["tag"] for x in rows if x["ev"] == "end"]
+    assert ends and ends[-1] == "A", (ends, out)
+    wait_for(lambda: not r.exists(lock_key(prefix, f"xd:{key}")), 10, what="the entity freed")

@@ -124,3 +124,16 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
         kill_once(f"slot:{p}:{tag}")
         record(ev="end", key=f"xs:{p}", tag=tag, task_id=self.request.id)
         return {"tag": tag}
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="xr.deb", lock_key="xd:{key}", lock_ttl=TTL,
+        lock_debounce=0.5, acks_late=True, reject_on_worker_lost=True,
+    )  # fmt: skip
+    def deb(self: Any, key: str, tag: str = "", gate: str = "", kill: bool = False) -> dict[str, Any]:
+        """Debounced work on ``xd:{key}``: held until ``gate`` opens; ``kill``: then SIGKILL the first delivery."""
+        record(ev="start", key=f"xd:{key}", tag=tag, task_id=self.request.id)
+        until_open(gate)
+        if kill:
+            kill_once(f"deb:{key}:{tag}")
+        record(ev="end", key=f"xd:{key}", tag=tag, task_id=self.request.id)
+        return {"tag": tag}
