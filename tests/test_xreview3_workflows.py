@@ -249,3 +249,34 @@ def test_a_forced_release_of_one_account_while_a_workflow_member_runs_frees_the_
         ttl = r.pttl(lock_name(prefix, f"account:{b}"))
         pytest.fail(f"the workflow ended ({outcome}) but account:{b} is still held ({ttl} ms left): {kept_lease}")
     assert took < BOUND, took
+
+
+def test_a_failing_chord_page_of_a_multi_entity_workflow_frees_both_accounts_after_the_last_page(
+    fleet: Fleet, redis_url: str, prefix: str
+) -> None:
+    """multi-entity workflow x chord with a failing page: the pages keep both accounts until the last one
+    leaves, then the workflow ends failed, both accounts are freed and each one's parked waiter starts at
+    once (not after the 300 s gap)."""
+    from celery import chord, group
+
+    cfg = make_cfg(prefix, redis_url)
+    start_worker(fleet, cfg, concurrency=3)
+    app = create_app(cfg)
+    r = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
+    t = f"t-{uuid.uuid4().hex[:6]}"
+    a, b = sorted((f"{t}-a", f"{t}-b"))
+    page, step = app.tasks["wf.page"], app.tasks["wf.step"]
+    header = group(page.s(tenant=t, tag=f"p{i}", fail=i == 1, seconds=1.5) for i in range(3))
+    sig = chain(step.s(tenant=t, tag="fetch", seconds=0), chord(header, app.tasks["wf.collect"].s(tenant=t, tag="c")))
+    res = workflow(sig, lock_key=XFER, src=a, dst=b, lock_ttl=60, gap_ttl=300).apply_async()
+    wait_for(lambda: any(x["tag"] == "p1" for x in rows(r, cfg, t)), 60, what="the failing page")
+    plains = [app.tasks["wf.account"].delay(tenant=t, tag=f"plain-{x}", acct=x) for x in (a, b)]
+    with pytest.raises(Exception):  # noqa: B017 - a ChordError or the page's own error
+        res.get(timeout=90)
+    for p in plains:
+        p.get(timeout=BOUND + 10)
+    mine = rows(r, cfg, t)
+    pages_end = max(x["t"] for x in mine if x["tag"] in ("p0", "p2") and x["ev"] == "end")
+    for x in (a, b):
+        assert span(mine, {f"plain-{x}"})[0] >= pages_end, "a plain task ran beside a page"
+    wait_for(lambda: not held(r, cfg, a) and not held(r, cfg, b), 30, what="both accounts free")
