@@ -382,3 +382,48 @@ def test_a_debounced_run_killed_mid_body_with_the_next_burst_parked_ends_on_the_
     ends = [x["tag"] for x in rows if x["ev"] == "end"]
     assert ends and ends[-1] == "A", (ends, out)
     wait_for(lambda: not r.exists(lock_key(prefix, f"xd:{key}")), 10, what="the entity freed")
+
+
+def hold_entity(r: redis.Redis, prefix: str, key: str) -> object:
+    """A foreign holder of ``key`` for 30 s (other work: a contender parks behind it)."""
+    from celery_lockguard import _lease as L
+
+    got = L.acquire(
+        r, prefix, key, ttl_ms=30_000, task_id=f"holder-{uuid.uuid4().hex[:6]}", task_name="ops.holder",
+        digest="d", worker="w@h", fence_ttl_ms=60_000,
+    )  # fmt: skip
+    assert isinstance(got, L.Lease), got
+    return got
+
+
+def test_a_woken_multi_waiter_that_gives_up_gives_back_the_reservation_it_was_handed(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """multi-entity park/wake x give-up (lock_max_waits=1): the waiter parks on lo (its one wait); lo's release
+    hands it a reservation and wakes it; its woken copy meets hi held and, out of waits, fails visibly
+    with LockContended. That exit must give lo back at once (waking lo's next waiter), not keep it reserved
+    for the reservation's TTL."""
+    from celery_lockguard import _handoff as handoff
+    from celery_lockguard._config import settings
+
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=2)
+    lo, hi = sorted(uuid.uuid4().hex[:8] for _ in range(2))
+    first = hold_entity(r, prefix, f"xm:{lo}")
+    waiter = app.tasks["xr.multi_w1"].delay(hi, lo, "waiter")
+    parked(r, prefix, f"xm:{lo}")
+    behind = app.tasks["xr.single"].delay(lo, "", "behind")  # parks on lo behind the multi waiter
+    parked(r, prefix, f"xm:{lo}", 2)
+    hold_entity(r, prefix, f"xm:{hi}")
+    handoff.release(app, settings(app), r, f"xm:{lo}", first.token, "ops.holder", first.task_id)  # type: ignore[attr-defined]
+    with pytest.raises(Exception) as err:
+        waiter.get(timeout=30)
+    assert type(err.value).__name__ == "LockContended", repr(err.value)
+    gave_up = time.time()
+    try:
+        took = started(r, prefix, behind.id, BOUND + 3) - gave_up
+    except Exception:  # noqa: BLE001
+        left = r.hgetall(lock_key(prefix, f"xm:{lo}"))
+        pytest.fail(f"lo still held after the waiter gave up ({r.pttl(lock_key(prefix, f'xm:{lo}'))} ms): {left}")
+    assert took < BOUND, took

@@ -137,3 +137,11 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
             kill_once(f"deb:{key}:{tag}")
         record(ev="end", key=f"xd:{key}", tag=tag, task_id=self.request.id)
         return {"tag": tag}
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="xr.multi_w1", lock_key=("xm:{a}", "xm:{b}"), lock_ttl=TTL,
+        on_locked="retry", lock_max_waits=1,
+    )  # fmt: skip
+    def multi_w1(self: Any, a: str, b: str, tag: str = "") -> dict[str, Any]:
+        """Work on ``xm:{a}`` and ``xm:{b}`` that waits once at most, then gives up with LockContended."""
+        return body(self, f"xm:{a}+xm:{b}", "", tag, 0, 0)
