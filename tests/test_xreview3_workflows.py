@@ -280,3 +280,41 @@ def test_a_failing_chord_page_of_a_multi_entity_workflow_frees_both_accounts_aft
     for x in (a, b):
         assert span(mine, {f"plain-{x}"})[0] >= pages_end, "a plain task ran beside a page"
     wait_for(lambda: not held(r, cfg, a) and not held(r, cfg, b), 30, what="both accounts free")
+
+
+def test_a_forced_release_of_one_account_while_chord_pages_run_frees_the_other_when_the_pages_leave(
+    fleet: Fleet, redis_url: str, prefix: str
+) -> None:
+    """forced release x multi-entity workflow x chord: the anchor is released while the pages run; when the
+    last page leaves (WORKFLOW_LEAVE finds a part gone) or the callback fails LockLost, the other account
+    must be freed and its parked waiter woken, not left to the 60 s lease TTL.
+
+    FAILS (confirmed defect, same class as the tests above): b stays 'running' until its TTL."""
+    from celery import chord, group
+
+    cfg = make_cfg(prefix, redis_url)
+    start_worker(fleet, cfg, concurrency=3)
+    app = create_app(cfg)
+    r = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
+    t = f"t-{uuid.uuid4().hex[:6]}"
+    a, b = sorted((f"{t}-a", f"{t}-b"))
+    page, step = app.tasks["wf.page"], app.tasks["wf.step"]
+    header = group(page.s(tenant=t, tag=f"p{i}", seconds=2) for i in range(2))
+    sig = chain(step.s(tenant=t, tag="fetch", seconds=0), chord(header, app.tasks["wf.collect"].s(tenant=t, tag="c")))
+    res = workflow(sig, lock_key=XFER, src=a, dst=b, lock_ttl=60, gap_ttl=300).apply_async()
+    wait_for(lambda: len({x["tag"] for x in rows(r, cfg, t) if x["tag"] in ("p0", "p1")}) == 2, 60, what="pages")
+    app.tasks["wf.account"].delay(tenant=t, tag="plain", acct=b)
+    wait_for(lambda: r.llen(wait_name(prefix, f"account:{b}")), 30, what="plain to park on b")
+    force_release(app, f"account:{a}")
+    try:
+        outcome = repr(res.get(timeout=60))
+    except Exception as err:  # noqa: BLE001
+        outcome = repr(err)
+    ended = time.time()
+    try:
+        took = started_at(r, cfg, t, "plain", BOUND + 5) - ended
+    except Exception:  # noqa: BLE001
+        kept_lease = held(r, cfg, b)
+        ttl = r.pttl(lock_name(prefix, f"account:{b}"))
+        pytest.fail(f"the workflow ended ({outcome}) but account:{b} is still held ({ttl} ms left): {kept_lease}")
+    assert took < BOUND, took
