@@ -427,3 +427,38 @@ def test_a_woken_multi_waiter_that_gives_up_gives_back_the_reservation_it_was_ha
         left = r.hgetall(lock_key(prefix, f"xm:{lo}"))
         pytest.fail(f"lo still held after the waiter gave up ({r.pttl(lock_key(prefix, f'xm:{lo}'))} ms): {left}")
     assert took < BOUND, took
+
+
+@pytest.mark.parametrize("member", ["until_done", "multi"])
+def test_a_workflow_member_with_its_own_lock_retrying_past_the_gap_keeps_both_and_frees_both(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, member: str
+) -> None:
+    """workflow x a member's own lock (until_done claim, or several entities) x retry(countdown > gap_ttl):
+    the retry keeps the workflow (other work on its entity waits for the end) and its own lock is handed
+    over or freed; the chain finishes and every key ends free."""
+    from celery import chain
+
+    from celery_lockguard import workflow
+
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    p, k1, k2 = (uuid.uuid4().hex[:8] for _ in range(3))
+    if member == "until_done":
+        first = app.tasks["xr.ud"].si(k1, "", "m1", 1, 4.0)
+        own = [lock_key(prefix, f"xu:{k1}")]
+    else:
+        first = app.tasks["xr.multi"].si(k1, k2, "", "m1", 1, 4.0)
+        own = [lock_key(prefix, f"xm:{k1}"), lock_key(prefix, f"xm:{k2}")]
+    sig = chain(first, app.tasks["rv.after"].si(p, "m2"))
+    wf = workflow(sig, lock_key="xw:{p}", p=p, app=app, gap_ttl=2).apply_async()
+    wait_for(lambda: [x for x in records(r, prefix) if x.get("tag") == "m1"], 30, what="m1's first try")
+    other = app.tasks["xr.wf_plain"].delay(p, "other")
+    assert wf.get(timeout=60) == {"tag": "m2"}
+    assert other.get(timeout=60)["tag"] == "other"
+    rows = records(r, prefix)
+    t_m2 = next(x["t"] for x in rows if x.get("tag") == "m2")
+    t_other = next(x["t"] for x in rows if x.get("tag") == "other" and x["ev"] == "start")
+    assert t_other >= t_m2, rows
+    assert [x.get("retries") for x in rows if x.get("tag") == "m1" and x["ev"] == "start"] == [0, 1]
+    wait_for(lambda: not r.exists(*own, lock_key(prefix, f"xw:{p}")), 10, what="every key free")

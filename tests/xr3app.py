@@ -145,3 +145,8 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
     def multi_w1(self: Any, a: str, b: str, tag: str = "") -> dict[str, Any]:
         """Work on ``xm:{a}`` and ``xm:{b}`` that waits once at most, then gives up with LockContended."""
         return body(self, f"xm:{a}+xm:{b}", "", tag, 0, 0)
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="xr.wf_plain", lock_key="xw:{p}", lock_ttl=TTL)
+    def wf_plain(self: Any, p: str, tag: str = "") -> dict[str, Any]:
+        """Other work on the workflow entity ``xw:{p}``: waits behind the workflow."""
+        return body(self, f"xw:{p}", "", tag, 0, 0)
