@@ -462,3 +462,25 @@ def test_a_workflow_member_with_its_own_lock_retrying_past_the_gap_keeps_both_an
     assert t_other >= t_m2, rows
     assert [x.get("retries") for x in rows if x.get("tag") == "m1" and x["ev"] == "start"] == [0, 1]
     wait_for(lambda: not r.exists(*own, lock_key(prefix, f"xw:{p}")), 10, what="every key free")
+
+
+@pytest.mark.parametrize("mode", ["ud", "multi", "slot", "deb"])
+def test_a_redelivery_after_the_body_ran_is_answered_from_its_record_and_frees_the_entity(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, mode: str
+) -> None:
+    """completion record ("answered") x until_done / several entities / lock_limit / debounce: the child is
+    SIGKILLed after the body ran and released but before the result is stored or the message acked
+    (acks_late): the redelivered copy is answered from the record (the side effect ran once), its result is
+    the body's, and the entity is free at once afterwards."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=2)
+    key = uuid.uuid4().hex[:8]
+    task = app.tasks[f"xr.after_{mode}"]
+    res = task.delay(key, "t")
+    assert res.get(timeout=60) == {"tag": "t", "effects": 1}
+    assert r.get(f"{prefix}:killed:after:{res.id}") == "1", "the child was not killed after the body"
+    assert r.get(f"{prefix}:effects:{res.id}") == "1"
+    wait_for(lambda: not r.keys(f"{prefix}:v1:{{xa:{key}*:lock*"), 5, what="the entity free")
+    again = task.delay(key, "t2")
+    assert again.id != res.id and again.get(timeout=60)["tag"] == "t2"
