@@ -484,3 +484,29 @@ def test_a_redelivery_after_the_body_ran_is_answered_from_its_record_and_frees_t
     wait_for(lambda: not r.keys(f"{prefix}:v1:{{xa:{key}*:lock*"), 5, what="the entity free")
     again = task.delay(key, "t2")
     assert again.id != res.id and again.get(timeout=60)["tag"] == "t2"
+
+
+def test_until_started_a_waiting_identical_copy_is_still_the_one_queued_copy(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """until_started x execution-time wait: A runs; B (identical, accepted once A started) meets A and waits
+    (queue modes back off, docs/model.md). B has not started, so it is still the one queued copy: C
+    (identical) is answered with B; A then B run, nothing else."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    worker = fleet.worker(cfg, concurrency=3)
+    key = uuid.uuid4().hex[:8]
+    gate = f"{prefix}:gate"
+    task = app.tasks["xr.us"]
+    a = task.delay(key, gate)
+    wait_for(lambda: starts(r, prefix, a.id), 30, what="A to start")
+    b = task.delay(key, gate)
+    assert b.id != a.id
+    wait_for(lambda: f"lock.waiting task_name=xr.us lock_key=xq:{key} task_id={b.id}" in worker.log(), 30,
+             what="B to meet A and wait")  # fmt: skip
+    c = task.delay(key, gate)
+    assert c.id == b.id, "a second queued copy of identical work was accepted while B waits"
+    r.set(gate, 1)
+    a.get(timeout=30)
+    b.get(timeout=60)
+    assert len([x for x in records(r, prefix) if x["ev"] == "start"]) == 2

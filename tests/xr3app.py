@@ -182,3 +182,9 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
               **after)  # fmt: skip
     def after_deb(self: Any, key: str, tag: str = "") -> dict[str, Any]:
         return once(self, f"xa:{key}", tag)
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="xr.us", lock_key="xq:{key}", lock_ttl=TTL,
+              lock_mode="until_started")  # fmt: skip
+    def us(self: Any, key: str, gate: str = "") -> dict[str, Any]:
+        """``until_started`` work on ``xq:{key}`` (identical each call): held until ``gate`` opens."""
+        return body(self, f"xq:{key}", gate, "us", 0, 0)
