@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 import pytest
 import redis
@@ -151,11 +152,11 @@ def test_a_multi_entity_until_done_retry_frees_the_other_entities_and_wakes_thei
 
 
 def test_an_until_done_body_killed_mid_run_is_redelivered_runs_once_and_frees_the_entity(
-    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+    fleet: Fleet, broker_cfg: dict[str, Any], prefix: str, r: redis.Redis
 ) -> None:
     """until_done x SIGKILL of the child mid-body (acks_late, reject_on_worker_lost): the redelivered copy
     takes its own dead claim over at once (same host, pid gone), completes, and leaves nothing held."""
-    cfg = make_cfg(prefix, redis_url)
+    cfg = broker_cfg
     app = fleet.app(cfg)
     fleet.worker(cfg, concurrency=2)
     key = uuid.uuid4().hex[:8]
@@ -184,11 +185,11 @@ def force_release(app: object, key: str) -> str:
 
 
 def test_a_multi_entity_body_killed_mid_run_is_redelivered_and_takes_its_dead_set_over(
-    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+    fleet: Fleet, broker_cfg: dict[str, Any], prefix: str, r: redis.Redis
 ) -> None:
     """multi-entity x SIGKILL (acks_late): the redelivered copy (same id, same host, pid gone) takes every
     entity of its dead set over at once and runs, rather than waiting out the 30 s leases."""
-    cfg = make_cfg(prefix, redis_url)
+    cfg = broker_cfg
     app = fleet.app(cfg)
     fleet.worker(cfg, concurrency=2)
     a, b = (uuid.uuid4().hex[:8] for _ in range(2))
@@ -202,11 +203,11 @@ def test_a_multi_entity_body_killed_mid_run_is_redelivered_and_takes_its_dead_se
 
 
 def test_a_slot_holder_killed_mid_run_is_redelivered_and_the_limit_is_not_exceeded(
-    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+    fleet: Fleet, broker_cfg: dict[str, Any], prefix: str, r: redis.Redis
 ) -> None:
     """lock_limit x SIGKILL (acks_late): with the other slot held, the redelivered copy takes its own dead
     slot over (same id, same host, pid gone) and runs at once, and the limit of 2 is never exceeded."""
-    cfg = make_cfg(prefix, redis_url)
+    cfg = broker_cfg
     app = fleet.app(cfg)
     fleet.worker(cfg, concurrency=3)
     p = uuid.uuid4().hex[:8]
@@ -358,12 +359,12 @@ def test_terminating_a_debounced_run_wakes_the_next_bursts_parked_run_within_the
 
 
 def test_a_debounced_run_killed_mid_body_with_the_next_burst_parked_ends_on_the_last_arguments(
-    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+    fleet: Fleet, broker_cfg: dict[str, Any], prefix: str, r: redis.Redis
 ) -> None:
     """debounce x SIGKILL (acks_late): v1 runs and is killed mid-body while the next burst's run A is parked
     behind it; the redelivered v1 and A resolve to one more run of A (the last arguments), A's result is
     its own, and the entity is neither blocked for the 30 s lease nor left held."""
-    cfg = make_cfg(prefix, redis_url)
+    cfg = broker_cfg
     app = fleet.app(cfg)
     fleet.worker(cfg, concurrency=3)
     key = uuid.uuid4().hex[:8]
@@ -466,20 +467,23 @@ def test_a_workflow_member_with_its_own_lock_retrying_past_the_gap_keeps_both_an
 
 @pytest.mark.parametrize("mode", ["ud", "multi", "slot", "deb"])
 def test_a_redelivery_after_the_body_ran_is_answered_from_its_record_and_frees_the_entity(
-    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, mode: str
+    fleet: Fleet, broker_cfg: dict[str, Any], prefix: str, r: redis.Redis, mode: str
 ) -> None:
     """completion record ("answered") x until_done / several entities / lock_limit / debounce: the child is
     SIGKILLed after the body ran and released but before the result is stored or the message acked
     (acks_late): the redelivered copy is answered from the record (the side effect ran once), its result is
     the body's, and the entity is free at once afterwards."""
-    cfg = make_cfg(prefix, redis_url)
+    cfg = broker_cfg
     app = fleet.app(cfg)
-    fleet.worker(cfg, concurrency=2)
+    worker = fleet.worker(cfg, concurrency=2)
     key = uuid.uuid4().hex[:8]
     task = app.tasks[f"xr.after_{mode}"]
     res = task.delay(key, "t")
     assert res.get(timeout=60) == {"tag": "t", "effects": 1}
-    assert r.get(f"{prefix}:killed:after:{res.id}") == "1", "the child was not killed after the body"
+    assert r.get(f"{prefix}:killed:after:{res.id}") == "1"
+    wait_for(lambda: [x for x in worker.log().splitlines() if "completion.skipped" in x and res.id in x], 60,
+             what="the redelivered copy answered from the record")  # fmt: skip
+    assert res.get(timeout=10) == {"tag": "t", "effects": 1}
     assert r.get(f"{prefix}:effects:{res.id}") == "1"
     wait_for(lambda: not r.keys(f"{prefix}:v1:{{xa:{key}*:lock*"), 5, what="the entity free")
     again = task.delay(key, "t2")

@@ -151,34 +151,40 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
         """Other work on the workflow entity ``xw:{p}``: waits behind the workflow."""
         return body(self, f"xw:{p}", "", tag, 0, 0)
 
-    def kill_after(self: Any, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
-        """``on_success``: the body ran and released (its completion recorded), but the result is not stored
-        and the message not acked yet: SIGKILL the child once (acks_late redelivers the message)."""
-        kill_once(f"after:{task_id}")
+    class KillAfterCall(LockedTask):  # type: ignore[misc]
+        """``__call__`` returns (the lease released, the completion recorded), then the child is SIGKILLed
+        once, before Celery stores the result or acks the message: acks_late redelivers it."""
+
+        abstract = True
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            out = super().__call__(*args, **kwargs)
+            kill_once(f"after:{self.request.id}")
+            return out
 
     def once(self: Any, key: str, tag: str) -> dict[str, Any]:
         record(ev="start", key=key, tag=tag, task_id=self.request.id)
         n = gates.incr(f"{cfg['prefix']}:effects:{self.request.id}")
         return {"tag": tag, "effects": n}
 
-    after = {"acks_late": True, "reject_on_worker_lost": True, "on_success": kill_after, "lock_ttl": TTL}
+    after = {"acks_late": True, "reject_on_worker_lost": True, "lock_ttl": TTL}
 
-    @app.task(base=LockedTask, bind=True, shared=False, name="xr.after_ud", lock_key="xa:{key}",
+    @app.task(base=KillAfterCall, bind=True, shared=False, name="xr.after_ud", lock_key="xa:{key}",
               lock_mode="until_done", **after)  # fmt: skip
     def after_ud(self: Any, key: str, tag: str = "") -> dict[str, Any]:
         return once(self, f"xa:{key}", tag)
 
-    @app.task(base=LockedTask, bind=True, shared=False, name="xr.after_multi", lock_key=("xa:{key}", "xa:{key}:2"),
+    @app.task(base=KillAfterCall, bind=True, shared=False, name="xr.after_multi", lock_key=("xa:{key}", "xa:{key}:2"),
               **after)  # fmt: skip
     def after_multi(self: Any, key: str, tag: str = "") -> dict[str, Any]:
         return once(self, f"xa:{key}", tag)
 
-    @app.task(base=LockedTask, bind=True, shared=False, name="xr.after_slot", lock_key="xa:{key}", lock_limit=2,
+    @app.task(base=KillAfterCall, bind=True, shared=False, name="xr.after_slot", lock_key="xa:{key}", lock_limit=2,
               on_locked="retry", **after)  # fmt: skip
     def after_slot(self: Any, key: str, tag: str = "") -> dict[str, Any]:
         return once(self, f"xa:{key}", tag)
 
-    @app.task(base=LockedTask, bind=True, shared=False, name="xr.after_deb", lock_key="xa:{key}", lock_debounce=0.3,
+    @app.task(base=KillAfterCall, bind=True, shared=False, name="xr.after_deb", lock_key="xa:{key}", lock_debounce=0.3,
               **after)  # fmt: skip
     def after_deb(self: Any, key: str, tag: str = "") -> dict[str, Any]:
         return once(self, f"xa:{key}", tag)
