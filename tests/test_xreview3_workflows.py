@@ -318,3 +318,40 @@ def test_a_forced_release_of_one_account_while_chord_pages_run_frees_the_other_w
         ttl = r.pttl(lock_name(prefix, f"account:{b}"))
         pytest.fail(f"the workflow ended ({outcome}) but account:{b} is still held ({ttl} ms left): {kept_lease}")
     assert took < BOUND, took
+
+
+def test_terminating_a_member_after_a_forced_release_of_the_anchor_still_frees_the_other_account(
+    fleet: Fleet, redis_url: str, prefix: str, tmp_path: Any
+) -> None:
+    """forced release x multi-entity workflow x revoke(terminate=True): the operator releases the anchor while
+    a member runs, then the member is terminated. The main process's abort must still cut the other account
+    to the grace and its parked waiter start soon after, not after the 60 s lease TTL.
+
+    FAILS (confirmed defect, same class): WORKFLOW_ABORT decides on the anchor alone; the anchor no longer
+    names the workflow, so nothing is written and the other account waits out its TTL."""
+    cfg = make_cfg(prefix, redis_url)
+    start_worker(fleet, cfg, concurrency=3)
+    app = create_app(cfg)
+    r = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
+    t = f"t-{uuid.uuid4().hex[:6]}"
+    a, b = sorted((f"{t}-a", f"{t}-b"))
+    sig = chain(
+        app.tasks["wf.step"].s(tenant=t, tag="s1", seconds=0.1),
+        app.tasks["wf.gate"].s(tenant=t, tag="held", gate=str(tmp_path / "never")),
+        app.tasks["wf.step"].s(tenant=t, tag="s3", seconds=0.1),
+    )
+    workflow(sig, lock_key=XFER, src=a, dst=b, lock_ttl=60, gap_ttl=300).apply_async()
+    wait_for(lambda: any(x["tag"] == "held" for x in rows(r, cfg, t)), 60, what="the gated member")
+    running = next(x for x in rows(r, cfg, t) if x["tag"] == "held")
+    app.tasks["wf.account"].delay(tenant=t, tag="plain", acct=b)
+    wait_for(lambda: r.llen(wait_name(prefix, f"account:{b}")), 30, what="plain to park on b")
+    force_release(app, f"account:{a}")
+    app.control.revoke(running["task_id"], terminate=True, signal="SIGKILL")
+    revoked = time.time()
+    try:
+        took = started_at(r, cfg, t, "plain", BOUND + 5) - revoked
+    except Exception:  # noqa: BLE001
+        kept_lease = held(r, cfg, b)
+        ttl = r.pttl(lock_name(prefix, f"account:{b}"))
+        pytest.fail(f"the member was terminated but account:{b} is still held ({ttl} ms left): {kept_lease}")
+    assert took < BOUND, took
