@@ -465,6 +465,10 @@ def create_app(cfg: dict[str, Any]) -> Celery:
 
     register_multi_tasks(app, cfg, record)
 
+    from .xr3app import register as register_xr3_tasks
+
+    register_xr3_tasks(app, cfg, record)
+
     if cfg.get("beat_every"):
         app.conf.beat_schedule = {
             "reindex": {"task": "reindex_catalog", "schedule": float(cfg["beat_every"]), "args": (2.5,)}
