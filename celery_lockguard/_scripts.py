@@ -1244,19 +1244,24 @@ return 1
 WORKFLOW_ABORT = """
 -- WORKFLOW_ABORT: from the worker's main process, which has no token: end the workflow lease a
 -- member of workflow W holds or is waiting for, when that member will not go on (revoked while
--- queued, terminated while running). Decided on KEYS[1] (the anchor); done to every entity still W's.
+-- queued, terminated while running). Decided on the first entity still W's (the anchor, unless it was
+-- released by force or expired); done to every entity still W's.
 -- KEYS[1..N] lease hashes of the workflow's entities (N = 1, or lock_key as a sequence)
 -- ARGV[1] workflow id  ARGV[2] member task id
 -- ARGV[3] grace_ms for a running member (its child may not be dead yet: cut to the grace, never
 --         lengthened); a member the lease waits for in the gap (next = ARGV[4]) frees it at once
 -- ARGV[4] the member's slot ('#<index>')
 -- Returns 1 shortened or freed; 0 the lease is not W's at that member (nothing written)
-local cur = redis.call('HMGET', KEYS[1], 'workflow', 'state', 'task_id', 'next')
+local cur = {}
+for i = 1, #KEYS do  -- decided on the first entity still W's: one may be gone (forced, expired)
+  cur = redis.call('HMGET', KEYS[i], 'workflow', 'state', 'task_id', 'next')
+  if cur[1] == ARGV[1] then break end
+end
 if cur[1] ~= ARGV[1] then return 0 end
 local free = cur[2] == 'gap' and cur[4] == ARGV[4]
 if not free and not (cur[2] == 'running' and cur[3] == ARGV[2]) then return 0 end
 for i = 1, #KEYS do
-  if i == 1 or redis.call('HGET', KEYS[i], 'workflow') == ARGV[1] then
+  if redis.call('HGET', KEYS[i], 'workflow') == ARGV[1] then
     if free then
       redis.call('DEL', KEYS[i])
     else
@@ -1266,6 +1271,34 @@ for i = 1, #KEYS do
   end
 end
 return 1
+"""
+
+WORKFLOW_FORFEIT = """
+-- WORKFLOW_FORFEIT: a workflow over several entities found one of them gone (a forced release, an
+-- expiry). Its other scripts then write nothing (all or none), so the entities still W's would stay held
+-- until gap_ttl or lock_ttl, their waiters with them. This frees none itself: it names those to release
+-- (by RELEASE, which wakes each entity's oldest waiter), once nothing of W runs under them any more.
+-- KEYS[1..N] lease hashes of the workflow's entities
+-- ARGV[1] workflow id W
+-- ARGV[2] who asks: 'enter' (a member that found the loss on entering: only entities in the gap go,
+--         a running member ends them itself), 'pass' (the running member ending: all go), 'leave' (a
+--         chord page ending: one page fewer runs (field active); all go with the last)
+-- Returns a flat {i, token, ...}: the entities still W's to release now ({}: none, or pages still run)
+local mine = {}
+for i = 1, #KEYS do
+  local f = redis.call('HMGET', KEYS[i], 'workflow', 'token', 'state')
+  if f[1] == ARGV[1] and f[2] then
+    if ARGV[2] ~= 'enter' or f[3] == 'gap' then mine[#mine + 1] = {i, f[2]} end
+  end
+end
+if ARGV[2] == 'leave' and #mine > 0 then
+  local running = 0
+  for _, m in ipairs(mine) do running = redis.call('HINCRBY', KEYS[m[1]], 'active', -1) end
+  if running > 0 then return {} end
+end
+local out = {}
+for _, m in ipairs(mine) do out[#out + 1] = m[1]; out[#out + 1] = m[2] end
+return out
 """
 
 
@@ -1531,3 +1564,4 @@ workflow_leave = Script("WORKFLOW_LEAVE", WORKFLOW_LEAVE)
 workflow_waits_on = Script("WORKFLOW_WAITS_ON", WORKFLOW_WAITS_ON)
 workflow_end = Script("WORKFLOW_END", WORKFLOW_END)
 workflow_abort = Script("WORKFLOW_ABORT", WORKFLOW_ABORT)
+workflow_forfeit = Script("WORKFLOW_FORFEIT", WORKFLOW_FORFEIT)

@@ -731,6 +731,7 @@ def deliver(
             continue  # waited in this process (the publish failed)
         if action is MemberAction.LOST:
             emit("workflow.lost", task.name, **fields, reason=decision.reason)
+            forfeit(task, s, spec, client, "enter")
             _give_back_own_wait(task, args, kwargs)
             raise LockLost(spec.key)
         if action is MemberAction.FAIL_OPEN:
@@ -1111,14 +1112,42 @@ def hand_on(
                 f"task {task.name!r}: lock store unavailable handing {spec.key!r} on to member {index} of "
                 f"workflow {spec.name!r}: {_describe(exc)}"
             ) from exc
-        handed = False
+        return False
     lease.released = True
     lease.handed_to = index  # type: ignore[attr-defined]
     if handed:
         emit("workflow.handed_over", task.name, **fields, fence=lease.fence_field, next_member=index)
     else:
         emit("workflow.lost", task.name, **fields, reason="lease_gone_at_hand_over")
+        forfeit(task, s, spec, client, "leave" if spec.parallel else "pass")
     return handed
+
+
+def forfeit(task: Any, s: Settings, spec: Spec, client: Any, who: str) -> None:
+    """The workflow lost one of its entities (a forced release, an expiry): end it, and free the others.
+
+    Its scripts are all or none, so with one entity gone they write nothing, and the entities still its own
+    would stay held (gap or running) until ``gap_ttl`` or ``lock_ttl``, their waiters with them. WORKFLOW_FORFEIT
+    names those nothing of it runs under any more (``who``: ``enter``, ``pass``, ``leave``); they are released
+    by their token, each waking its oldest waiter, once the workflow is marked ended (so no stale member
+    copy starts it again). One entity: nothing to do (its loss is the whole lease). Never raises: what it
+    cannot free lapses by its TTL.
+    """
+    if len(spec.entities) < 2:
+        return
+    names = [keys.lock_name(s.key_prefix, k) for k in spec.entities]
+    req = task.request
+    try:
+        flat = scripts.workflow_forfeit(client, names, [spec.id, who])
+        if not flat:
+            return
+        mark_ended(client, s, spec)
+        for i in range(0, len(flat), 2):
+            key = spec.entities[int(flat[i]) - 1]
+            handoff.release(task.app, s, client, key, str(flat[i + 1]), task.name, str(req.id))
+    except Exception as exc:  # noqa: BLE001 - the member's own outcome stands; the entities lapse by their TTL
+        fields = {"lock_key": spec.key, "task_id": req.id, "workflow_id": spec.id, "workflow": spec.name}
+        emit("lock.backend_unavailable", task.name, **fields, reason=f"forfeit: {_describe(exc)}")
 
 
 def gap_ms_for(gap_ttl_ms: int, covering: int) -> int:

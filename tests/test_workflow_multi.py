@@ -164,6 +164,44 @@ def test_abort_frees_every_entity_in_a_gap_and_cuts_a_running_member_on_all(c: A
     assert abort(c, "wf1", "m2", 1) == 0  # missing keys
 
 
+def forfeit(c: Any, who: str, wid: str = "wf1") -> list[tuple[int, str]]:
+    flat = scripts.workflow_forfeit(c, names(), [wid, who])
+    return [(int(flat[i]), str(flat[i + 1])) for i in range(0, len(flat), 2)]
+
+
+def test_forfeit_names_the_entities_still_the_workflows_once_nothing_runs_under_them(c: Any) -> None:
+    """One entity gone: the others, still W's, are named for release -- by the member ending (``pass``), by a
+    member entering only while they wait in the gap (``enter``), by the last chord page out (``leave``)."""
+    assert forfeit(c, "pass") == [] and forfeit(c, "enter") == []  # missing keys: nothing
+    enter(c, spec(), "m1")
+    c.delete(lock_name(P, A))  # the anchor forced away
+    assert forfeit(c, "pass", wid="other") == []  # another workflow's id: nothing
+    assert forfeit(c, "enter") == [], "a member runs under B: it ends it itself"
+    assert forfeit(c, "pass") == [(2, "tok1")]
+    assert c.hget(lock_name(P, B), "token") == "tok1", "named, not written: RELEASE frees it and wakes its waiter"
+    pass_on_b = scripts.workflow_pass(c, [lock_name(P, B)], ["tok1", wf.slot(1), 2000, ""])
+    assert int(pass_on_b) == 1 and c.hget(lock_name(P, B), "state") == "gap"
+    assert forfeit(c, "enter") == [(2, "tok1")], "in the gap: the member that finds the loss ends it"
+
+
+def test_forfeit_by_a_chord_page_waits_for_the_last_page(c: Any) -> None:
+    enter(c, spec(parallel=True, width=2), "p1")
+    enter(c, spec(parallel=True, width=2), "p2")
+    c.delete(lock_name(P, B))  # forced away while both pages run
+    assert forfeit(c, "enter") == []
+    assert forfeit(c, "leave") == [] and c.hget(lock_name(P, A), "active") == "1", "one page still runs"
+    assert forfeit(c, "leave") == [(1, "tok1")]
+
+
+def test_abort_decides_on_an_entity_still_the_workflows_when_the_anchor_is_gone(c: Any) -> None:
+    enter(c, spec(), "m1")
+    c.delete(lock_name(P, A))  # the anchor forced away
+    assert abort(c, "wf1", "m1", 0, grace_ms=300) == 1 and 0 < c.pttl(lock_name(P, B)) <= 300
+    hold = plain(c, A, task_id="other")  # another holder on the anchor now: left alone
+    assert abort(c, "wf1", "m1", 0, grace_ms=100) == 1 and c.pttl(lock_name(P, A)) > 1000
+    assert c.hget(lock_name(P, A), "token") == hold.token
+
+
 def test_a_take_over_draws_a_new_fence_on_every_entity(c: Any) -> None:
     first = enter(c, spec(), "m1")
     again = enter(c, spec(), "m1", token="tok2")
@@ -195,7 +233,8 @@ def test_a_corrupt_fence_of_any_entity_refuses_before_writing(c: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["workflow_enter", "workflow_pass", "workflow_leave", "workflow_abort", "workflow_waits_on"]
+    "name",
+    ["workflow_enter", "workflow_pass", "workflow_leave", "workflow_abort", "workflow_waits_on", "workflow_forfeit"],
 )
 def test_noscript_after_script_flush_reloads_the_multi_entity_workflow_scripts(c: Any, name: str) -> None:
     enter(c, spec(), "m1")
@@ -208,6 +247,8 @@ def test_noscript_after_script_flush_reloads_the_multi_entity_workflow_scripts(c
         assert scripts.workflow_leave(c, names(), ["tok1", wf.slot(0), 2000]) == 0
     elif name == "workflow_waits_on":
         assert scripts.workflow_waits_on(c, names(), ["tok1", "inv:7"]) == 1
+    elif name == "workflow_forfeit":
+        assert forfeit(c, "pass") == [(1, "tok1"), (2, "tok1")]
     else:
         assert abort(c, "wf1", "m1", 0) == 1
     assert c.script_exists(getattr(scripts, name).sha) == [True]
