@@ -8,7 +8,9 @@ of its other entities.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -33,6 +35,28 @@ def app(redis_url: str, prefix: str) -> Iterator[Celery]:
 
 def messages(r: redis.Redis, app: Celery, task_id: str) -> list[Message]:
     return [m for m in published(r, app) if m.task_id == task_id]
+
+
+def deliver_due(
+    r: redis.Redis, app: Celery, t: Any, task_id: str, until: float, stop: Callable[[], bool] = lambda: False
+) -> None:
+    """Deliver this call's copies as a worker would, each when due (its eta), earliest first, until ``until``."""
+    delivered: set[int] = set()
+    while time.time() < until and not stop():
+        mine = [(m, i) for i, m in enumerate(published(r, app)) if m.task_id == task_id and i not in delivered]
+        if not mine:
+            return
+        msg, i = min(mine, key=lambda p: (eta_of(p[0]), p[1]))
+        if eta_of(msg) > until:
+            return
+        time.sleep(max(0.0, eta_of(msg) - time.time()))
+        delivered.add(i)
+        redeliver(t, msg)
+
+
+def eta_of(msg: Message) -> float:
+    eta = msg.headers.get("eta")
+    return datetime.fromisoformat(eta).timestamp() if eta else 0.0
 
 
 def release(app: Celery, r: redis.Redis, prefix: str, lease: L.Lease) -> bool:
@@ -156,3 +180,84 @@ def test_unconfirmed_park_that_ran_with_max_waits_spent_gives_up_and_wakes_nobod
     release(app, r, prefix, lease)
     assert not r.exists(lock_name(prefix, "inv:4")), r.hgetall(lock_name(prefix, "inv:4"))
     assert [m for m in messages(r, app, out.task_id) if m.headers.get(headers.WOKEN)] == []
+
+
+# -- a multi-entity until_done retry's hand-over (release_others) crossed with an error at one entity ----------
+
+
+def test_an_until_done_retry_failing_at_one_other_entity_still_frees_and_wakes_the_rest(
+    app: Celery, r: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The retry hands the anchor (acc:1) over as its claim and frees the others (acc:2, acc:3), waking their
+    waiters. acc:2's waiter queue is of another type (the vehicle test_multi_errors uses): its free fails. As
+    for RELEASE_MULTI and KEEP_BEFORE since 38f128b, the loop must go on: acc:3 freed, its waiter woken; the
+    anchor handed over (or freed), not left held by a body that has ended."""
+    woken: list[dict[str, Any]] = []
+    monkeypatch.setattr(handoff, "publish", lambda _app, spec: woken.append(spec))
+    attempts: list[str] = []
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="r2.tri",
+        lock_key=("acc:{a}", "acc:{b}", "acc:{c}"),
+        lock_mode="until_done",
+        max_retries=2,
+    )
+    def tri(self: Any, a: int, b: int, c: int) -> int:
+        attempts.append(self.request.id)
+        if len(attempts) == 1:
+            parked = handoff.park(
+                r, prefix, "acc:3", "p3", "{}", task_id="w3", task_name="n", digest="d", countdown=30
+            )
+            assert parked.kind == "parked"
+            r.set(wait_name(prefix, "acc:2"), "planted", px=30_000)  # a string where acc:2's waiter queue is
+            raise self.retry(countdown=5)
+        return len(attempts)
+
+    out = deliver(tri, (1, 2, 3))
+    assert out.state == "RETRY" and len(attempts) == 1
+    holder3 = r.hgetall(lock_name(prefix, "acc:3"))
+    holder1 = r.hgetall(lock_name(prefix, "acc:1"))
+    assert holder3.get("token") == "p3" and holder3.get("state") == "handed", (
+        f"acc:3 (after the failing acc:2) is left {holder3} (pttl {r.pttl(lock_name(prefix, 'acc:3'))} ms); "
+        f"its waiter woken: {len(woken)}"
+    )
+    assert len(woken) == 1
+    assert holder1.get("state") in (None, "queued"), f"the anchor is left held by the ended body: {holder1}"
+
+
+def test_an_until_done_retry_whose_hand_over_failed_is_not_lost_behind_its_own_ended_body(
+    app: Celery, r: redis.Redis, prefix: str
+) -> None:
+    """The same failed hand-over: the anchor stays held under the ended body's token, the retry goes out
+    without a claim. The retry copy meets a holder of its own id under a token it does not carry: it must
+    not drop itself as a duplicate of a running original (nothing runs; the job would be lost), but wait
+    (or adopt) and run once."""
+    attempts: list[str] = []
+
+    @app.task(
+        base=LockedTask,
+        bind=True,
+        shared=False,
+        name="r2.tri2",
+        lock_key=("acc:{a}", "acc:{b}", "acc:{c}"),
+        lock_mode="until_done",
+        max_retries=2,
+        lock_ttl=3,
+    )
+    def tri(self: Any, a: int, b: int, c: int) -> int:
+        attempts.append(self.request.id)
+        if len(attempts) == 1:
+            r.set(wait_name(prefix, "acc:12"), "planted", px=30_000)
+            raise self.retry(countdown=0)
+        return len(attempts)
+
+    out = deliver(tri, (11, 12, 13))
+    assert out.state == "RETRY" and len(attempts) == 1
+    deliver_due(r, app, tri, out.task_id, until=time.time() + 20, stop=lambda: len(attempts) >= 2)
+    assert len(attempts) == 2, (
+        f"the retry never ran: {len(attempts)} runs; published {[m.custom() for m in messages(r, app, out.task_id)]}; "
+        f"acc:11 {r.hgetall(lock_name(prefix, 'acc:11'))}"
+    )
