@@ -261,3 +261,56 @@ def test_an_until_done_retry_whose_hand_over_failed_is_not_lost_behind_its_own_e
         f"the retry never ran: {len(attempts)} runs; published {[m.custom() for m in messages(r, app, out.task_id)]}; "
         f"acc:11 {r.hgetall(lock_name(prefix, 'acc:11'))}"
     )
+
+
+# -- an unconfirmed PARK of a workflow member with its own lock: the workflow's gap and its two copies ----------
+
+
+def _wf_spec(index: int) -> Any:
+    from celery_lockguard import _workflow as wf
+
+    return wf.Spec(
+        id="wfr2", key="tenant:r2:pipeline", name="workflow:r2", digest="d1", ttl_ms=5000, gap_ms=1000,
+        index=index, count=3, on_locked="retry", on_unavailable="fail_closed", max_waits=100, max_hold=3600.0,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("order", ["safety_first", "woken_first"])
+def test_unconfirmed_park_of_a_workflow_member_runs_it_once_and_keeps_the_workflow(
+    app: Celery, r: redis.Redis, prefix: str, park_ran_reply_lost: list[str], order: str
+) -> None:
+    """Member 1 of a workflow parks on its own lock (inv:9); PARK ran, its reply lost. The copy goes out early,
+    the workflow handed to member 1's slot for at least its countdown. The holder ends (woken copy out); both
+    copies come: the member runs once, and the workflow is handed on to member 2, never ended or freed."""
+    from celery_lockguard import _scripts as scripts
+    from celery_lockguard import _workflow as wf
+
+    ran: list[str] = []
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="r2.own", lock_key="inv:{inv}", lock_ttl=5)
+    def own(self: Any, prev: Any = None, inv: int = 0) -> list[str]:
+        ran.append(self.request.id)
+        return [*(prev or []), "own"]
+
+    wkey = lock_name(prefix, "tenant:r2:pipeline")
+    stub = type("S", (), {"key_prefix": prefix, "fence_ttl": 86400.0})()
+    req0 = type("R", (), {"id": "m0", "task": "r2.step", "hostname": "w1@host"})()
+    assert wf.enter(r, stub, _wf_spec(0), req0, "tok0", False).kind == "started"
+    assert int(scripts.workflow_pass(r, [wkey], ["tok0", wf.slot(1), 1000])) == 1
+    holder = hold(r, prefix, "inv:9")
+    out = deliver(own, (), {"inv": 9}, task_id="m1", headers={"lockguard_workflow": _wf_spec(1).header()})
+    assert out.state == "RETRY" and park_ran_reply_lost == ["parked"]
+    (safety,) = messages(r, app, "m1")
+    gap = r.hgetall(wkey)
+    assert gap.get("state") == "gap" and gap.get("next") == wf.slot(1), gap
+    assert r.pttl(wkey) >= (eta_of(safety) - time.time()) * 1000, "the hand-over covers the copy's countdown"
+    assert release(app, r, prefix, holder)
+    woken = messages(r, app, "m1")[-1]
+    assert woken.headers.get(headers.WOKEN) == 1
+    time.sleep(max(0.0, eta_of(safety) - time.time()))
+    first, second = (safety, woken) if order == "safety_first" else (woken, safety)
+    states = [redeliver(own, first).state, redeliver(own, second).state]
+    deliver_due(r, app, own, "m1", until=time.time() + 5)  # anything they published of themselves
+    assert ran == ["m1"], (ran, states)
+    lease = r.hgetall(wkey)
+    assert lease.get("state") == "gap" and lease.get("next") == wf.slot(2), (lease, states)
