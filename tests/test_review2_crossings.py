@@ -314,3 +314,39 @@ def test_unconfirmed_park_of_a_workflow_member_runs_it_once_and_keeps_the_workfl
     assert ran == ["m1"], (ran, states)
     lease = r.hgetall(wkey)
     assert lease.get("state") == "gap" and lease.get("next") == wf.slot(2), (lease, states)
+
+
+# -- lockguard_attempt forged by anyone with broker access: bounded, never a crash ----------------------------
+
+
+@pytest.mark.parametrize(
+    "forged",
+    [
+        ",".join(f"tok{i:04d}" for i in range(10_000)),  # 10 000 tokens
+        ",,,,,,,,,,,,",  # empty fields only
+        12345,  # not a string
+        ["a", "b"],  # a JSON list
+        {"x": 1},  # a JSON object
+        "x" * 200_000,  # one huge token
+    ],
+    ids=["many", "empty", "int", "list", "dict", "huge"],
+)
+def test_a_forged_attempt_header_is_bounded_and_never_crashes_the_delivery(
+    app: Celery, r: redis.Redis, prefix: str, forged: Any
+) -> None:
+    """A copy carrying a forged ``lockguard_attempt`` waits (parks) as any copy would; what it carries on is
+    bounded (MAX_ATTEMPT_TOKENS tokens, never more than it came with), and the job runs once."""
+    runs: list[str] = []
+    t = waiter(app, runs)
+    holder = hold(r, prefix, "inv:5")
+    out = deliver(t, (5, 100), headers={headers.ATTEMPT: forged, headers.WAITS: 1})
+    assert out.state == "RETRY" and runs == [], out
+    (copy,) = messages(r, app, out.task_id)
+    carried = str(copy.headers.get(headers.ATTEMPT) or "")
+    tokens = [tk for tk in carried.split(",") if tk]
+    assert len(tokens) <= headers.MAX_ATTEMPT_TOKENS, len(tokens)
+    # never more than it was given (a token's length is not bounded: like the arguments, the sender's size)
+    assert len(carried) <= len(str(forged)), f"the copy carries on {len(carried)} characters"
+    assert release(app, r, prefix, holder)
+    deliver_due(r, app, t, out.task_id, until=time.time() + 5)
+    assert runs == [f"{out.task_id}:100"], runs
