@@ -22,7 +22,7 @@ from .test_cluster import cluster, cprefix, entities_on_distinct_slots, rc  # no
 pytestmark = [pytest.mark.cluster]  # its own private Cluster (module fixture)
 
 
-def test_an_in_order_roll_back_failing_at_one_entity_still_gives_back_the_others(rc: Any, cprefix: str) -> None:
+def test_an_in_order_roll_back_failing_at_one_entity_still_gives_back_the_others(rc: Any, cprefix: str) -> None:  # noqa: F811
     """a, b taken in order, c held by other work: the roll-back gives a and b back. a's give-back fails
     (its waiter queue is of another type, the vehicle test_cluster uses); b must still be given back."""
     a, b, c = sorted(entities_on_distinct_slots(rc, cprefix, 1)[:3])

@@ -152,7 +152,9 @@ def test_unconfirmed_park_that_ran_on_a_full_lock_limit_runs_once_when_a_slot_fr
     runs: list[str] = []
     t = waiter(app, runs, lock_limit=2)
     common = {"task_name": "other", "worker": "w", "fence_ttl_ms": 60_000, "limit": 2}
-    holders = [L.acquire(r, prefix, "inv:3", ttl_ms=10_000, task_id=f"h{i}", digest=f"d{i}", **common) for i in range(2)]
+    holders = [
+        L.acquire(r, prefix, "inv:3", ttl_ms=10_000, task_id=f"h{i}", digest=f"d{i}", **common) for i in range(2)
+    ]
     assert all(isinstance(h, L.Lease) for h in holders), holders
     out = deliver(t, (3, 100))
     assert out.state == "RETRY"
@@ -208,9 +210,7 @@ def test_an_until_done_retry_failing_at_one_other_entity_still_frees_and_wakes_t
     def tri(self: Any, a: int, b: int, c: int) -> int:
         attempts.append(self.request.id)
         if len(attempts) == 1:
-            parked = handoff.park(
-                r, prefix, "acc:3", "p3", "{}", task_id="w3", task_name="n", digest="d", countdown=30
-            )
+            parked = handoff.park(r, prefix, "acc:3", "p3", "{}", task_id="w3", task_name="n", digest="d", countdown=30)
             assert parked.kind == "parked"
             r.set(wait_name(prefix, "acc:2"), "planted", px=30_000)  # a string where acc:2's waiter queue is
             raise self.retry(countdown=5)

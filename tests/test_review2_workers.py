@@ -54,7 +54,7 @@ def test_a_multi_entity_waiter_whose_park_is_refused_runs_once_soon_after_the_ho
     wait_for(lambda: oom_refusals(c) >= before + 2, 30, what="two PARKs refused (the copy came back)")
     c.config_set("maxmemory", 0)
     out = worker.output()
-    assert "park: OutOfMemoryError" in out or "reason=\"park: " in out, out[-3000:]
+    assert "park: OutOfMemoryError" in out or 'reason="park: ' in out, out[-3000:]
     wait_for(lambda: c.llen(f"{prefix}:v1:{{pair:{b}}}:wait") >= 1, 30, what="the waiter parked once writes pass")
     _, _, woken = L.release_and_wake(c, holder, prefix, reserve_ms=int(handoff.RESERVATION_TTL * 1000))
     released_at = time.time()
