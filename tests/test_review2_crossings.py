@@ -350,3 +350,86 @@ def test_a_forged_attempt_header_is_bounded_and_never_crashes_the_delivery(
     assert release(app, r, prefix, holder)
     deliver_due(r, app, t, out.task_id, until=time.time() + 5)
     assert runs == [f"{out.task_id}:100"], runs
+
+
+# -- the orphan tokens crossed with retry(): a retry is a new attempt, it carries none -------------------------
+
+
+def test_a_copy_that_adopted_its_orphan_then_retries_publishes_a_retry_without_orphan_tokens(
+    app: Celery, r: redis.Redis, prefix: str
+) -> None:
+    """A wait copy carries the token of an ACQUIRE that errored yet ran (its orphan lease); it adopts the orphan,
+    runs, and calls retry(). The retry carries no lockguard_attempt (a retry is a new attempt), takes the entity
+    afresh and runs once; nothing is left held."""
+    runs: list[str] = []
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="r2.retrying", lock_key="inv:{a}", max_retries=2)
+    def retrying(self: Any, a: int) -> int:
+        runs.append(self.request.id)
+        if len(runs) == 1:
+            raise self.retry(countdown=0)
+        return len(runs)
+
+    task_id = "r2-orphan-retry"
+    orphan = hold(r, prefix, "inv:7", task_id=task_id, task_name="r2.retrying")  # the ACQUIRE that ran on thaw
+    out = deliver(retrying, (7,), task_id=task_id, headers={headers.ATTEMPT: f"junk,{orphan.token}", headers.WAITS: 1})
+    assert out.state == "RETRY" and len(runs) == 1, (out, runs)
+    (again,) = messages(r, app, task_id)
+    assert headers.ATTEMPT not in again.headers, again.custom()
+    assert not r.exists(lock_name(prefix, "inv:7")), r.hgetall(lock_name(prefix, "inv:7"))
+    assert redeliver(retrying, again).state == "SUCCESS" and runs == [task_id, task_id]
+    assert not r.exists(lock_name(prefix, "inv:7"))
+
+
+# -- an unconfirmed PARK of a multi-entity woken copy that kept a reservation: its copy revoked, or early ------
+
+
+def _lose_next_park_reply(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = handoff.park
+
+    def ran_then_lost(*args: Any, **kwargs: Any) -> Any:
+        real(*args, **kwargs)
+        monkeypatch.setattr(handoff, "park", real)
+        raise redis.TimeoutError("Timeout reading from socket")
+
+    monkeypatch.setattr(handoff, "park", ran_then_lost)
+
+
+@pytest.mark.parametrize("then", ["revoked", "early_then_woken"])
+def test_unconfirmed_park_of_a_woken_multi_entity_copy_that_kept_a_reservation(
+    redis_url: str, r: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch, then: str
+) -> None:
+    """The woken copy of acc:1's waiter meets acc:2 held, keeps acc:1 and parks on acc:2; PARK ran, its reply lost.
+    Revoked, its copy gives back acc:1 and leaves no entry on acc:2 to be woken for nobody. Delivered early, it
+    parks again keeping acc:1; acc:2's release then runs the job once and leaves nothing held."""
+    from types import SimpleNamespace
+
+    from celery_lockguard._signals import free_reservation_from_main
+
+    from .test_multi_errors import copies, held, transfer, woken_blocked
+
+    app = make_app("review2m", redis_url, prefix)
+    ran: list[Any] = []
+    t = transfer(app, ran)
+    copy, second = woken_blocked(app, r, r, prefix, t, ttl_ms=60_000)
+    _lose_next_park_reply(monkeypatch)
+    assert redeliver(t, copy).state == "RETRY" and ran == []
+    parked = copies(r, app, copy.task_id)[-1]
+    assert parked.headers[headers.PARK_ENTITY] == "acc:2" and not parked.headers.get(headers.WOKEN)
+    assert r.hget(lock_name(prefix, "acc:1"), "token") == parked.headers[headers.PARK]  # kept for the copy
+    assert r.llen(wait_name(prefix, "acc:2")) == 1  # PARK ran
+    if then == "revoked":
+        free_reservation_from_main(
+            t, SimpleNamespace(id=parked.task_id, headers=parked.custom(), request_dict={}), (1, 2), {}
+        )
+        assert not r.exists(lock_name(prefix, "acc:1")), r.hgetall(lock_name(prefix, "acc:1"))
+        assert release(app, r, prefix, second) is False, "acc:2 was handed to a revoked waiter"
+        assert not r.exists(lock_name(prefix, "acc:2")), r.hgetall(lock_name(prefix, "acc:2"))
+        return
+    assert redeliver(t, parked).state == "RETRY" and ran == []  # acc:2 still held: parks again
+    assert release(app, r, prefix, second)
+    deliver_due(r, app, t, copy.task_id, until=time.time() + 5, stop=lambda: bool(ran))
+    assert ran == [(1, 2)]
+    for m in copies(r, app, copy.task_id):  # every copy delivered again (a duplicate): none runs it twice
+        redeliver(t, m)
+    assert ran == [(1, 2)] and held(r, prefix) == []
