@@ -433,3 +433,49 @@ def test_unconfirmed_park_of_a_woken_multi_entity_copy_that_kept_a_reservation(
     for m in copies(r, app, copy.task_id):  # every copy delivered again (a duplicate): none runs it twice
         redeliver(t, m)
     assert ran == [(1, 2)] and held(r, prefix) == []
+
+
+# -- orphan tokens: two of a copy's carried tokens each holding part of its entities ---------------------------
+
+
+def test_a_copy_whose_entities_are_held_under_two_of_its_carried_tokens_adopts_them_without_spinning(
+    app: Celery, r: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """acc:31 is left under token P1 and acc:32 under P2, both this call's and both carried in lockguard_attempt
+    (on Cluster a KEEP_BEFORE per entity, one call re-tokening and the next timing out, leaves exactly this:
+    "under the old token or the new one"). ADOPT takes one token at a time: adopting P1 meets acc:32 under P2,
+    adopting P2 meets acc:31 under P1. The delivery must settle (adopt both, or wait) in a bounded number of
+    ACQUIREs, not spin until one of them lapses."""
+    from celery_lockguard import _delivery
+
+    ran: list[Any] = []
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="r2.pair", lock_key=("acc:{a}", "acc:{b}"))
+    def pair(self: Any, a: int, b: int) -> int:
+        ran.append((a, b))
+        return a + b
+
+    task_id = "r2-two-tokens"
+    for key, token in (("acc:31", "p1" * 16), ("acc:32", "p2" * 16)):  # a woken copy's reservations (wake_oldest)
+        r.hset(
+            lock_name(prefix, key),
+            mapping={"token": token, "task_id": task_id, "task_name": "r2.pair", "digest": "", "host": "",
+                     "pid": 0, "worker": "", "state": "handed", "ttl": 3000, "fence": ""},
+        )  # fmt: skip
+        r.pexpire(lock_name(prefix, key), 3000)
+    calls: list[str] = []
+    real = _delivery._acquire
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(str(args[7]))  # replace_token
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_delivery, "_acquire", counted)
+    began = time.monotonic()
+    out = deliver(
+        pair, (31, 32), task_id=task_id, headers={headers.ATTEMPT: f"{'p1' * 16},{'p2' * 16}", headers.WAITS: 1}
+    )
+    took = time.monotonic() - began
+    assert len(calls) <= 6, (
+        f"{len(calls)} ACQUIREs in {took:.2f} s ({out.state}, ran {ran}); replace tokens {calls[:6]}..."
+    )
