@@ -479,3 +479,42 @@ def test_a_copy_whose_entities_are_held_under_two_of_its_carried_tokens_adopts_t
     assert len(calls) <= 6, (
         f"{len(calls)} ACQUIREs in {took:.2f} s ({out.state}, ran {ran}); replace tokens {calls[:6]}..."
     )
+
+
+# -- an unconfirmed PARK crossed with lock_debounce: the burst's run parks, its copies come back -------------
+
+
+@pytest.mark.parametrize("order", ["safety_first", "woken_first"])
+def test_unconfirmed_park_of_a_debounced_run_runs_the_burst_once(
+    app: Celery, r: redis.Redis, prefix: str, park_ran_reply_lost: list[str], order: str
+) -> None:
+    """A burst of two publishes; the last (the burst's run) meets other work on the entity and parks; PARK ran,
+    its reply lost. The release wakes it; both copies come (the early safety copy and the woken one): the burst
+    runs once, with the last arguments, and nothing is left held."""
+    ran: list[Any] = []
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="r2.reindex", lock_key="doc:{doc}", lock_debounce=0.2)
+    def reindex(self: Any, doc: int, text: str = "") -> str:
+        ran.append((self.request.id, text))
+        return text
+
+    holder = hold(r, prefix, "doc:8")
+    reindex.delay(8, "v1")
+    last = reindex.delay(8, "v2")
+    deliver_due(r, app, reindex, last.id, until=time.time() + 3, stop=lambda: bool(park_ran_reply_lost))
+    for m in published(r, app):  # the superseded first publish, once due
+        if m.task_id != last.id:
+            time.sleep(max(0.0, eta_of(m) - time.time()))
+            redeliver(reindex, m)
+    assert park_ran_reply_lost == ["parked"] and ran == []
+    safety = messages(r, app, last.id)[-1]
+    assert safety.headers.get(headers.PARK) and not safety.headers.get(headers.WOKEN)
+    assert release(app, r, prefix, holder)
+    woken = messages(r, app, last.id)[-1]
+    assert woken.headers.get(headers.WOKEN) == 1
+    time.sleep(max(0.0, eta_of(safety) - time.time()))
+    first, second = (safety, woken) if order == "safety_first" else (woken, safety)
+    states = [redeliver(reindex, first).state, redeliver(reindex, second).state]
+    assert [text for _, text in ran] == ["v2"], (ran, states)
+    assert not r.exists(lock_name(prefix, "doc:8")), r.hgetall(lock_name(prefix, "doc:8"))
+    no_entry_left(r, prefix, "doc:8")
