@@ -17,7 +17,7 @@ name per token. Releases and records live in :mod:`._release` and :mod:`._record
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from celery import states
@@ -124,6 +124,9 @@ class DeliveryState:
     #: (header ``lockguard_attempt``) and the reservations this delivery re-tokened or gave back with a call
     #: whose reply may be lost (KEEP_BEFORE). A copy it publishes carries them on.
     orphans: frozenset[str] = frozenset()
+    #: Orphan tokens adopted once in this delivery: met again (two tokens on two entities, each adoption
+    #: blocked by the other), the delivery backs off rather than spin until one lapses.
+    adopted: set[str] = field(default_factory=set)
 
     @classmethod
     def of(
@@ -224,7 +227,7 @@ def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kw
                     on_locked=opts.on_locked,  # type: ignore[arg-type]
                     on_unavailable=opts.on_unavailable,  # type: ignore[arg-type]
                     outcome=outcome,
-                    holder=_facts(task, call, holder, state.orphans) if holder is not None else None,
+                    holder=_facts(task, call, holder, state.orphans, state.adopted) if holder is not None else None,
                     # A watch copy answers from the record when its original never stored a state.
                     watch_copy=state.watch_copy and not (outcome == "record" and not original_settled(task)),
                     waits=headers.read_int(req, headers.WAITS),
@@ -263,6 +266,8 @@ def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kw
                 reason=decision.reason,
             )
             state.replace_token = holder.token
+            if holder.token in state.orphans:
+                state.adopted.add(holder.token)
             continue
         handed: str | None = None  # the claim token a wait carries on, when the lease consumed the claim
         if isinstance(got, Lease):  # held only to read the record, or it came too late, or the store is down
@@ -588,24 +593,34 @@ def _orphans(known: frozenset[str], *tokens: str) -> frozenset[str]:
     return frozenset((newest + sorted(known - set(newest)))[: headers.MAX_ATTEMPT_TOKENS])
 
 
-def _facts(task: Any, call: CallNames, holder: Holder, orphans: frozenset[str] = frozenset()) -> HolderFacts:
+def _facts(
+    task: Any,
+    call: CallNames,
+    holder: Holder,
+    orphans: frozenset[str] = frozenset(),
+    adopted: set[str] | frozenset[str] = frozenset(),
+) -> HolderFacts:
     """What the decision needs to know about the holder ACQUIRE met (ours? alive? a duplicate? an orphan?).
 
-    ``orphans``: tokens this delivery may have left a lease or reservation of its own id under (``DeliveryState``).
+    ``orphans``: tokens this delivery may have left a lease or reservation of its own id under; ``adopted``:
+    those it adopted once already (``DeliveryState``). Nothing of ours runs under such a token, so its holder
+    is never a running original: adopted, or (met again) waited out.
     """
     req = task.request
     own = holder.task_id == keys.meta(req.id)  # holder metadata is bounded (keys.MAX_META)
     here = holder.host == lease_ops.HOST
+    carried = own and holder.token in orphans
+    again = carried and holder.token in adopted  # adopted once: not again in this delivery (no spin)
     return HolderFacts(
         own_id=own,
         duplicate=holder.task_name == task.name and holder.digest == call.digest,
-        alive=_holder_alive(task, holder, own),
-        dead_here=own and here and not lease_ops.pid_alive(holder.pid),
+        alive=_holder_alive(task, holder, own) and not carried,
+        dead_here=own and here and not again and not lease_ops.pid_alive(holder.pid),
         queued=own and holder.state in ("queued", "publishing"),
         # A wait after an ACQUIRE that errored carries that attempt's token: if the ACQUIRE ran after
         # all, this lease is its orphan. Adopting replaces the token, so a duplicated copy of the wait
         # message finds a fresh token and is dropped instead of running the body beside us.
-        orphan=own and holder.token in orphans,
+        orphan=carried and not again,
         parent=not own and bool(req.parent_id) and holder.task_id == keys.meta(str(req.parent_id)),
     )
 

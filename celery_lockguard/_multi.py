@@ -272,21 +272,45 @@ class _InOrder:
         extends them to its wait. Token-checked (KEEP_BEFORE, one entity per call: several slots).
         """
         ttl = max(self.reserve_ms, 1000)
-        for key in taken:
-            names = [lock_name(self.prefix, key), wait_name(self.prefix, key), waiters_name(self.prefix, key)]
-            scripts.keep_before(self.client, names, [self.token, self.reserved, ttl, self.reserve_ms, 1, 1])
+        args = [self.token, self.reserved, ttl, self.reserve_ms, 1, 1]
+        _raise(_for_each(taken, lambda key: scripts.keep_before(self.client, _names(self.prefix, key), args)))
 
     def roll_back(self, taken: list[str]) -> None:
-        """Give back the entities taken (token-checked), handing each to a waiter that parked behind it meanwhile."""
-        for key in taken:
+        """Give back the entities taken (token-checked), handing each to a waiter that parked behind it meanwhile.
+
+        One entity's error does not stop the others (each is in its own slot); the first is raised after them.
+        """
+
+        def give_back(key: str) -> None:
             reply = scripts.release_multi(
-                self.client,
-                [lock_name(self.prefix, key), wait_name(self.prefix, key), waiters_name(self.prefix, key)],
-                [self.token, "", 0, self.reserve_ms, 1],
+                self.client, _names(self.prefix, key), [self.token, "", 0, self.reserve_ms, 1]
             )
             woken = _woken((key,), reply[2])
             if woken is not None and self.wake is not None:
                 self.wake(woken)
+
+        _raise(_for_each(taken, give_back))
+
+
+def _names(prefix: str, key: str) -> list[str]:
+    """The three keys a per-entity RELEASE_MULTI or KEEP_BEFORE touches: lease hash, wait queue, waiter entries."""
+    return [lock_name(prefix, key), wait_name(prefix, key), waiters_name(prefix, key)]
+
+
+def _for_each(keys: Any, call: Callable[[str], Any]) -> Exception | None:
+    """``call(key)`` for every key, whatever one of them raises; the first error, or ``None``."""
+    error: Exception | None = None
+    for key in keys:
+        try:
+            call(key)
+        except Exception as exc:  # noqa: BLE001 - handed back to the caller once every entity had its turn
+            error = error or exc
+    return error
+
+
+def _raise(error: Exception | None) -> None:
+    if error is not None:
+        raise error
 
 
 def _release_args(
@@ -401,13 +425,22 @@ def release(
 def release_others(client: Any, lease: MultiLease, wake: Callable[[Woken], Any] | None) -> None:
     """Free every entity but the anchor (an ``until_done`` retry keeps its claim there), waking their waiters."""
     from . import _handoff as handoff  # imports _lease, which imports this module lazily
+    from ._errors import describe
+    from ._events import emit
 
     reserve_ms = handoff.reserve_ms() if wake is not None else 0
-    for key in lease.keys[1:]:
-        names = [lock_name(lease.prefix, key), wait_name(lease.prefix, key), waiters_name(lease.prefix, key)]
+
+    def free(key: str) -> None:
+        names = _names(lease.prefix, key)
         woken = _woken((key,), scripts.release_multi(client, names, [lease.token, "", 0, reserve_ms, 1])[2])
         if woken is not None and wake is not None:
             wake(woken)
+
+    # One entity's error stops neither the others nor the anchor's hand-over: that entity lapses by its TTL.
+    error = _for_each(lease.keys[1:], free)
+    if error is not None:
+        fields = {"lock_key": lease.key, "lock_keys": list(lease.keys), "task_id": lease.task_id}
+        emit("lock.backend_unavailable", lease.task_name, **fields, reason=f"release others: {describe(error)}")
 
 
 def keep_before(
