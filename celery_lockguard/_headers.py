@@ -24,8 +24,9 @@ CLAIM = "lockguard_claim"
 #: back (KEEP_BEFORE) with a call whose reply was lost. The returning message recognises a holder of its own
 #: id under one of them as its own, and adopts it; never a holder under a token no copy of it carried.
 ATTEMPT = "lockguard_attempt"
-#: At most this many tokens travel in ATTEMPT (a delivery adds two at most; a bound against a forged header).
-MAX_ATTEMPT_TOKENS = 4
+#: At most this many tokens travel in ATTEMPT (a delivery adds two at most; a bound against a forged header),
+#: each at most this long (ours are 32 hex digits): anything else is no token of ours and is dropped.
+MAX_ATTEMPT_TOKENS, MAX_TOKEN_LEN = 4, 64
 
 #: The park token P of a parked delivery's copies (safety and woken): its waiter entry, and the token of
 #: the reservation RELEASE hands to it (``_handoff``).
@@ -116,4 +117,6 @@ def read_str(request: Any, name: str) -> str:
 def attempt_tokens(request: Any) -> frozenset[str]:
     """The orphan tokens the message carries (:data:`ATTEMPT`), at most :data:`MAX_ATTEMPT_TOKENS`."""
     raw = read_str(request, ATTEMPT)
-    return frozenset(t for t in raw.split(",")[:MAX_ATTEMPT_TOKENS] if t) if raw else frozenset()
+    if not raw:
+        return frozenset()
+    return frozenset(t for t in raw.split(",", MAX_ATTEMPT_TOKENS)[:MAX_ATTEMPT_TOKENS] if 0 < len(t) <= MAX_TOKEN_LEN)
