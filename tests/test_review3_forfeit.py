@@ -314,3 +314,109 @@ def test_a_chord_page_whose_retries_ran_out_after_a_forced_release_does_not_free
     assert anchor.get("workflow") == "wfr3" and anchor.get("state") == "running", (
         f"page 2 still runs, yet account {A} is {anchor or 'free'}"
     )
+
+
+@pytest.mark.parametrize("planted", ["wait_queue", "lease_hash"])
+def test_an_until_done_retry_with_a_wrong_type_key_on_its_anchor_still_frees_and_wakes_the_others(
+    app: Celery, r: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch, planted: str
+) -> None:
+    """release_others x WRONGTYPE on the anchor (acc:1): the retry frees acc:2 (its parked waiter woken) whatever
+    the anchor's keys hold; the anchor is handed over as the retry's claim (its wait queue planted) or, its lease
+    hash replaced by a string, left as it is (nothing of ours), and the retry is published either way."""
+    from celery_lockguard import _handoff as handoff
+    from celery_lockguard._keys import wait_name
+
+    woken: list[dict[str, Any]] = []
+    monkeypatch.setattr(handoff, "publish", lambda _app, spec: woken.append(spec))
+    attempts: list[str] = []
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="r3.duo", lock_key=("acc:{a}", "acc:{b}"),
+        lock_mode="until_done", max_retries=2,
+    )  # fmt: skip
+    def duo(self: Any, a: int, b: int) -> int:
+        attempts.append(self.request.id)
+        parked = handoff.park(r, prefix, "acc:2", "p2", "{}", task_id="w2", task_name="n", digest="d", countdown=30)
+        assert parked.kind == "parked"
+        if planted == "wait_queue":
+            r.set(wait_name(prefix, "acc:1"), "planted", px=30_000)
+        else:
+            r.delete(lock_name(prefix, "acc:1"))
+            r.set(lock_name(prefix, "acc:1"), "planted", px=30_000)
+        raise self.retry(countdown=5)
+
+    out = deliver(duo, (1, 2))
+    assert out.state == "RETRY" and len(attempts) == 1, out
+    two = r.hgetall(lock_name(prefix, "acc:2"))
+    assert two.get("token") == "p2" and two.get("state") == "handed" and len(woken) == 1, (two, woken)
+    assert [m for m in published(r, app) if m.task_id == out.task_id], "the retry was not published"
+    if planted == "wait_queue":
+        assert r.hget(lock_name(prefix, "acc:1"), "state") == "queued", r.hgetall(lock_name(prefix, "acc:1"))
+
+
+@pytest.mark.parametrize("then", ["free", "taken"])
+def test_a_wait_copy_whose_orphan_lapses_before_it_is_adopted_runs_once_or_waits(
+    app: Celery, r: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch, then: str
+) -> None:
+    """adopt-once x the carried orphan lapsing between the ACQUIRE that met it and the adoption: the copy takes
+    the entity afresh and runs once (``free``), or, another task having taken it meanwhile (``taken``), never
+    runs beside it: it waits (RETRY, a copy published), the other task's lease untouched."""
+    from celery_lockguard import _delivery as delivery
+    from celery_lockguard import _headers as headers
+
+    from .test_paths import hold
+
+    runs: list[str] = []
+    others: list[L.Lease] = []
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="r3.adopt", lock_key="inv:{a}", lock_ttl=5)
+    def adopt(self: Any, a: int) -> int:
+        runs.append(self.request.id)
+        return a
+
+    task_id = "r3-orphan-lapse"
+    orphan = hold(r, prefix, "inv:8", task_id=task_id, task_name="r3.adopt")
+    real = delivery._facts
+
+    def facts_then_lapse(*args: Any, **kw: Any) -> Any:
+        out = real(*args, **kw)
+        if args[2].token == orphan.token and r.exists(lock_name(prefix, "inv:8")):
+            r.delete(lock_name(prefix, "inv:8"))  # the orphan lapses (its TTL) before the adoption
+            if then == "taken":
+                others.append(plain(r, prefix, "inv:8"))
+        return out
+
+    monkeypatch.setattr(delivery, "_facts", facts_then_lapse)
+    out = deliver(adopt, (8,), task_id=task_id, headers={headers.ATTEMPT: orphan.token, headers.WAITS: 1})
+    if then == "free":
+        assert out.state == "SUCCESS" and runs == [task_id], (out, runs)
+        assert not r.exists(lock_name(prefix, "inv:8")), r.hgetall(lock_name(prefix, "inv:8"))
+    else:
+        assert runs == [] and out.state == "RETRY", (out, runs)
+        assert r.hget(lock_name(prefix, "inv:8"), "token") == others[0].token
+
+
+@pytest.mark.parametrize("forced", ["anchor", "sibling"])
+def test_a_stale_copy_of_the_first_member_after_a_forfeit_never_starts_the_workflow_again(
+    app: Celery, r: redis.Redis, prefix: str, forced: str
+) -> None:
+    """forfeit x a redelivered stale member after WORKFLOW_END: member 1 ends finding one account forced away and
+    retaken; its forfeit marks the workflow ended. A copy of member 0 (no result stored: a lost ack before the
+    store) comes back: it is told the workflow ended (WorkflowEnded), never takes the accounts again."""
+    gone, kept = (A, B) if forced == "anchor" else (B, A)
+    ran: list[str] = []
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="r3.step3")
+    def step(self: Any, prev: Any = None) -> str:
+        ran.append(self.request.id)
+        if self.request.id == "m1":
+            force_release(app, gone)
+            plain(r, prefix, gone)
+        return "ran"
+
+    start_in_gap(r, prefix)
+    assert deliver(step, (), {}, task_id="m1", headers={"lockguard_workflow": spec(1).header()}).state == "SUCCESS"
+    assert not r.exists(lock_name(prefix, kept))
+    stale = deliver(step, (), {}, task_id="m0", headers={"lockguard_workflow": spec(0).header()})
+    assert ran == ["m1"] and stale.state == "FAILURE" and failed_with(stale) == "WorkflowEnded", stale
+    assert not r.exists(lock_name(prefix, kept)) and r.hget(lock_name(prefix, gone), "task_id") == "other"

@@ -3,6 +3,7 @@ crossed with a member's retry() (see tests/test_review3_forfeit.py for the same 
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
@@ -58,3 +59,46 @@ def test_a_member_that_retries_after_an_account_was_forced_away_ends_the_chain_v
     assert outcome == "LockLost", outcome
     assert not any(x["tag"] == "s3" for x in rows(r, cfg, t))
     wait_for(lambda: not held(r, cfg, a) and not held(r, cfg, b), 10, what="both accounts to be free")
+
+
+def test_a_chord_page_sigkilled_under_a_forfeited_workflow_leaves_the_accounts_to_their_ttl(
+    fleet: Fleet, redis_url: str, prefix: str
+) -> None:
+    """forfeit 'leave' x a chord page SIGKILLed (acks_late: its count in ``active`` never leaves): one account is
+    forced away while the other page runs; the chain fails visibly (the callback finds the loss) and the account
+    still the workflow's is free within its lock_ttl of the last live page's end, never held longer."""
+    from celery import chord, group
+
+    cfg = make_cfg(prefix, redis_url)
+    start_worker(fleet, cfg, concurrency=3)
+    app = create_app(cfg)
+    r = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
+    t = f"t-{uuid.uuid4().hex[:6]}"
+    a, b = sorted((f"{t}-a", f"{t}-b"))
+    header = group(
+        app.tasks["wf.page"].s(tenant=t, tag="p0", seconds=4),
+        app.tasks["wf.crash_once"].s(tenant=t, tag="k"),
+    )
+    sig = chain(
+        app.tasks["wf.step"].s(tenant=t, tag="s1", seconds=0.1),
+        chord(header, app.tasks["wf.collect"].s(tenant=t, tag="collect")),
+    )
+    res = workflow(sig, lock_key=XFER, src=a, dst=b, lock_ttl=5, gap_ttl=300).apply_async()
+    wait_for(lambda: any(x["tag"] == "p0" for x in rows(r, cfg, t)), 60, what="page p0 to start")
+    wait_for(lambda: sum(x["tag"] == "k" for x in rows(r, cfg, t)) >= 2, 30, what="page k to die and come back")
+    force_release(app, f"account:{b}")
+    p0_end = wait_for(
+        lambda: next((x["t"] for x in rows(r, cfg, t) if x["tag"] == "p0" and x["ev"] == "end"), None),
+        30,
+        what="page p0 to end",
+    )
+    try:
+        res.get(timeout=30)
+        outcome = "ran"
+    except CeleryTimeout:
+        outcome = "no result"
+    except Exception as err:  # noqa: BLE001
+        outcome = type(err).__name__
+    assert outcome == "LockLost", (outcome, rows(r, cfg, t))
+    wait_for(lambda: not held(r, cfg, a), max(0.5, p0_end + 5 + 2 - time.time()), what=f"account {a} to lapse")
+    assert not held(r, cfg, b)
