@@ -115,6 +115,15 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         record(self, "try", tenant, tag, retries=self.request.retries)
         raise self.retry(countdown=0.1)
 
+    @app.task(base=LockedTask, bind=True, shared=False, name="wf.gate_retry", max_retries=2)
+    def gate_retry(self: Any, prev: Any = None, tenant: str = "", tag: str = "", gate: str = "") -> dict[str, Any]:
+        """Hold the workflow lease until ``gate`` exists, then retry once (0.5 s); the retry runs."""
+        record(self, "try", tenant, tag, retries=self.request.retries)
+        if self.request.retries < 1:
+            wait_gate(gate)
+            raise self.retry(countdown=0.5)
+        return run(self, prev, tenant, tag, 0.1, retries=self.request.retries)
+
     @app.task(base=LockedTask, bind=True, shared=False, name="wf.retry_bare", max_retries=2, default_retry_delay=4)
     def retry_bare(
         self: Any, prev: Any = None, tenant: str = "", tag: str = "", countdown: float | None = None
