@@ -1283,17 +1283,22 @@ WORKFLOW_FORFEIT = """
 -- ARGV[2] who asks: 'enter' (a member that found the loss on entering: only entities in the gap go,
 --         a running member ends them itself), 'pass' (the running member ending: all go), 'leave' (a
 --         chord page ending: one page fewer runs (field active); all go with the last)
+-- ARGV[3] 'pass'/'leave': the caller's lease token; only entities under it are W's to it (a delivery taken
+--         over has a fresh token, which is not the stale one's to free). 'enter': '' (no token yet)
+-- ARGV[4] 'leave': '1' when this page was counted out already (its retries ran out after it left): not again
 -- Returns a flat {i, token, ...}: the entities still W's to release now ({}: none, or pages still run)
 local mine = {}
 for i = 1, #KEYS do
-  local f = redis.call('HMGET', KEYS[i], 'workflow', 'token', 'state')
-  if f[1] == ARGV[1] and f[2] then
-    if ARGV[2] ~= 'enter' or f[3] == 'gap' then mine[#mine + 1] = {i, f[2]} end
+  local f = redis.call('HMGET', KEYS[i], 'workflow', 'token', 'state', 'active')
+  if f[1] == ARGV[1] and f[2] and (ARGV[2] == 'enter' or f[2] == ARGV[3]) then
+    if ARGV[2] ~= 'enter' or f[3] == 'gap' then mine[#mine + 1] = {i, f[2], tonumber(f[4]) or 0} end
   end
 end
 if ARGV[2] == 'leave' and #mine > 0 then
-  local running = 0
-  for _, m in ipairs(mine) do running = redis.call('HINCRBY', KEYS[m[1]], 'active', -1) end
+  local running = mine[1][3]
+  if ARGV[4] ~= '1' then
+    for _, m in ipairs(mine) do running = redis.call('HINCRBY', KEYS[m[1]], 'active', -1) end
+  end
   if running > 0 then return {} end
 end
 local out = {}

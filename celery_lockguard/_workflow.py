@@ -731,7 +731,7 @@ def deliver(
             continue  # waited in this process (the publish failed)
         if action is MemberAction.LOST:
             emit("workflow.lost", task.name, **fields, reason=decision.reason)
-            forfeit(task, s, spec, client, "enter")
+            forfeit(task, s, spec, client, "enter", "")
             _give_back_own_wait(task, args, kwargs)
             raise LockLost(spec.key)
         if action is MemberAction.FAIL_OPEN:
@@ -771,13 +771,17 @@ def _already_ran(task: Any) -> bool:
 
 
 def _never_answered(task: Any) -> bool:
-    """Whether no result was ever stored for this member (a redelivered copy of one that ran has one)."""
+    """Whether no final result was stored for this member (a redelivered copy of one that ran has one).
+
+    ``RETRY`` is no answer: it is this copy's own retry (or wait) asking to run again, so a copy of a member
+    whose workflow ended meanwhile (forfeited while it retried) must answer, or its chain hangs.
+    """
     from celery.backends.base import DisabledBackend
 
     if isinstance(task.backend, DisabledBackend) or task.request.is_eager:
         return False
     try:
-        return bool(task.backend.get_state(task.request.id) == states.PENDING)
+        return bool(task.backend.get_state(task.request.id) in (states.PENDING, states.RETRY))
     except Exception:  # noqa: BLE001 - an unreachable backend: drop as before, the state cannot be stored either
         return False
 
@@ -1119,16 +1123,19 @@ def hand_on(
         emit("workflow.handed_over", task.name, **fields, fence=lease.fence_field, next_member=index)
     else:
         emit("workflow.lost", task.name, **fields, reason="lease_gone_at_hand_over")
-        forfeit(task, s, spec, client, "leave" if spec.parallel else "pass")
+        # Under this delivery's own token only (a take-over's fresh token is not ours), and a page counted
+        # out already (``left``) is not counted out again.
+        forfeit(task, s, spec, client, "leave" if spec.parallel else "pass", lease.token, left)
     return handed
 
 
-def forfeit(task: Any, s: Settings, spec: Spec, client: Any, who: str) -> None:
+def forfeit(task: Any, s: Settings, spec: Spec, client: Any, who: str, token: str, left: bool = False) -> None:
     """The workflow lost one of its entities (a forced release, an expiry): end it, and free the others.
 
     Its scripts are all or none, so with one entity gone they write nothing, and the entities still its own
     would stay held (gap or running) until ``gap_ttl`` or ``lock_ttl``, their waiters with them. WORKFLOW_FORFEIT
-    names those nothing of it runs under any more (``who``: ``enter``, ``pass``, ``leave``); they are released
+    names those nothing of it runs under any more (``who``: ``enter``, ``pass``, ``leave``; ``token``: the
+    caller's lease token, ``""`` for a member entering; ``left``: a chord page already counted out); they are released
     by their token, each waking its oldest waiter, once the workflow is marked ended (so no stale member
     copy starts it again). One entity: nothing to do (its loss is the whole lease). Never raises: what it
     cannot free lapses by its TTL.
@@ -1138,7 +1145,7 @@ def forfeit(task: Any, s: Settings, spec: Spec, client: Any, who: str) -> None:
     names = [keys.lock_name(s.key_prefix, k) for k in spec.entities]
     req = task.request
     try:
-        flat = scripts.workflow_forfeit(client, names, [spec.id, who])
+        flat = scripts.workflow_forfeit(client, names, [spec.id, who, token, "1" if left else ""])
         if not flat:
             return
         mark_ended(client, s, spec)

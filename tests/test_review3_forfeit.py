@@ -74,10 +74,9 @@ def test_a_member_retrying_after_an_entity_was_forced_away_fails_its_retry_copy_
 ) -> None:
     """forfeit 'pass' x a member's retry(): an operator releases one account while member 1 runs; the member then
     retries. Its hand-over to the retry copy finds the loss and forfeits (the other account freed, the workflow
-    marked ended). The retry copy must end visibly (LockLost, docs/multi-entity.md), not be dropped as a stale
-    copy of an ended workflow: its state is RETRY, so WorkflowEnded is not raised and the chain hangs.
-
-    FAILS (confirmed defect, since b4760ae): the retry copy meets 'ended' and is dropped (Ignore), state RETRY."""
+    marked ended). The retry copy must end visibly (WorkflowEnded, a LockLost), not be dropped as a stale copy of
+    an ended workflow. Failed before the fix: its state was RETRY, not PENDING, so it was dropped (Ignore) and
+    the chain hung; RETRY now counts as not yet answered."""
     gone = A if forced == "anchor" else B
     ran: list[int] = []
 
@@ -97,7 +96,7 @@ def test_a_member_retrying_after_an_entity_was_forced_away_fails_its_retry_copy_
     time.sleep(0.3)
     again = redeliver(retrying, copy)
     assert ran == [0], ran  # the body never ran again on accounts the workflow no longer holds
-    assert again.state == "FAILURE" and failed_with(again) == "LockLost", (
+    assert again.state == "FAILURE" and failed_with(again) == "WorkflowEnded", (
         f"the retry copy of a forfeited workflow ended as {again.state} ({again.retval!r}): "
         "the member's result is never final, the chain waits forever"
     )
@@ -228,8 +227,8 @@ def test_a_stale_delivery_ending_after_a_take_over_never_frees_the_accounts_unde
     hand-over finds its token gone. Nothing was forced away, and D2's body runs under both accounts: they must
     stay held under D2's token (never two bodies per entity), and the workflow must not be marked ended.
 
-    FAILS (confirmed defect, since b4760ae): WORKFLOW_FORFEIT names entities by workflow id, not by D1's token:
-    D1's forfeit 'pass' releases both accounts under D2's token and marks the workflow ended."""
+    Failed before its fix (a defect of the first forfeit): WORKFLOW_FORFEIT named entities by workflow id, not by
+    D1's token: D1's forfeit 'pass' released both accounts under D2's token and marked the workflow ended."""
     stub = SimpleNamespace(key_prefix=prefix, fence_ttl=86400.0)
     d2 = SimpleNamespace(id="m1", task="r3.slow", hostname="w2@other-host")
     took: list[str] = []
@@ -295,8 +294,8 @@ def test_a_chord_page_whose_retries_ran_out_after_a_forced_release_does_not_free
     page fewer) and its failing end leaves again (``left``: not counted twice by WORKFLOW_LEAVE). The account
     still the workflow's must stay held while page 2's body runs (never two bodies per entity).
 
-    FAILS (confirmed defect, since b4760ae): forfeit 'leave' counts page 1 out twice (``active`` 2 -> 0), so it
-    releases account A, marked ended, while page 2 runs."""
+    Failed before its fix (a defect of the first forfeit): forfeit 'leave' counted page 1 out twice (``active``
+    2 -> 0), so it released account A, marked ended, while page 2 ran."""
     page = spec(1).header(parallel=True, width=2)
 
     @app.task(base=LockedTask, bind=True, shared=False, name="r3.page2", max_retries=0)

@@ -164,8 +164,8 @@ def test_abort_frees_every_entity_in_a_gap_and_cuts_a_running_member_on_all(c: A
     assert abort(c, "wf1", "m2", 1) == 0  # missing keys
 
 
-def forfeit(c: Any, who: str, wid: str = "wf1") -> list[tuple[int, str]]:
-    flat = scripts.workflow_forfeit(c, names(), [wid, who])
+def forfeit(c: Any, who: str, wid: str = "wf1", token: str = "tok1", left: bool = False) -> list[tuple[int, str]]:
+    flat = scripts.workflow_forfeit(c, names(), [wid, who, "" if who == "enter" else token, "1" if left else ""])
     return [(int(flat[i]), str(flat[i + 1])) for i in range(0, len(flat), 2)]
 
 
@@ -176,6 +176,7 @@ def test_forfeit_names_the_entities_still_the_workflows_once_nothing_runs_under_
     enter(c, spec(), "m1")
     c.delete(lock_name(P, A))  # the anchor forced away
     assert forfeit(c, "pass", wid="other") == []  # another workflow's id: nothing
+    assert forfeit(c, "pass", token="tok-stale") == [], "a delivery taken over: its stale token frees nothing"
     assert forfeit(c, "enter") == [], "a member runs under B: it ends it itself"
     assert forfeit(c, "pass") == [(2, "tok1")]
     assert c.hget(lock_name(P, B), "token") == "tok1", "named, not written: RELEASE frees it and wakes its waiter"
@@ -190,6 +191,7 @@ def test_forfeit_by_a_chord_page_waits_for_the_last_page(c: Any) -> None:
     c.delete(lock_name(P, B))  # forced away while both pages run
     assert forfeit(c, "enter") == []
     assert forfeit(c, "leave") == [] and c.hget(lock_name(P, A), "active") == "1", "one page still runs"
+    assert forfeit(c, "leave", left=True) == [] and c.hget(lock_name(P, A), "active") == "1", "not counted twice"
     assert forfeit(c, "leave") == [(1, "tok1")]
 
 
