@@ -298,7 +298,7 @@ def test_unconfirmed_park_of_a_workflow_member_runs_it_once_and_keeps_the_workfl
     assert wf.enter(r, stub, _wf_spec(0), req0, "tok0", False).kind == "started"
     assert int(scripts.workflow_pass(r, [wkey], ["tok0", wf.slot(1), 1000])) == 1
     holder = hold(r, prefix, "inv:9")
-    out = deliver(own, (), {"inv": 9}, task_id="m1", headers={"lockguard_workflow": _wf_spec(1).header()})
+    out = deliver(own, (), {"inv": 9}, task_id="m1", headers={headers.WORKFLOW: _wf_spec(1).header()})
     assert out.state == "RETRY" and park_ran_reply_lost == ["parked"]
     (safety,) = messages(r, app, "m1")
     gap = r.hgetall(wkey)

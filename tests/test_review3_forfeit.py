@@ -15,6 +15,7 @@ from celery.bin.base import CLIContext
 from click.testing import CliRunner
 
 from celery_lockguard import LockedTask
+from celery_lockguard import _headers as headers
 from celery_lockguard import _lease as L
 from celery_lockguard import _scripts as scripts
 from celery_lockguard import _workflow as wf
@@ -89,7 +90,7 @@ def test_a_member_retrying_after_an_entity_was_forced_away_fails_its_retry_copy_
         return "ran"
 
     start_in_gap(r, prefix)
-    first = deliver(retrying, (), {}, task_id="m1", headers={"lockguard_workflow": spec(1).header()})
+    first = deliver(retrying, (), {}, task_id="m1", headers={headers.WORKFLOW: spec(1).header()})
     assert first.state == "RETRY", first
     assert not r.exists(lock_name(prefix, A)) and not r.exists(lock_name(prefix, B)), "forfeit freed the other"
     (copy,) = [m for m in published(r, app) if m.task_id == "m1"]
@@ -118,7 +119,7 @@ def test_a_forfeit_never_releases_an_account_another_task_took_after_the_forced_
         return "ran"
 
     start_in_gap(r, prefix)
-    out = deliver(step, (), {}, task_id="m1", headers={"lockguard_workflow": spec(1).header()})
+    out = deliver(step, (), {}, task_id="m1", headers={headers.WORKFLOW: spec(1).header()})
     assert out.state == "SUCCESS", out
     other = r.hgetall(lock_name(prefix, gone))
     assert other.get("token") == taken[0].token and other.get("task_id") == "other", other
@@ -142,7 +143,7 @@ def test_a_member_entering_after_a_forced_account_was_retaken_frees_only_the_wor
     start_in_gap(r, prefix)
     force_release(app, gone)
     lease = plain(r, prefix, gone)
-    out = deliver(step, (), {}, task_id="m1", headers={"lockguard_workflow": spec(1).header()})
+    out = deliver(step, (), {}, task_id="m1", headers={headers.WORKFLOW: spec(1).header()})
     assert ran == [] and out.state == "FAILURE" and failed_with(out) == "LockLost", out
     assert r.hget(lock_name(prefix, gone), "token") == lease.token
     assert not r.exists(lock_name(prefix, kept)), r.hgetall(lock_name(prefix, kept))
@@ -177,7 +178,7 @@ def test_a_retry_copy_that_finds_an_account_gone_in_its_gap_fails_with_lock_lost
         return "ran"
 
     start_in_gap(r, prefix)
-    first = deliver(retrying, (), {}, task_id="m1", headers={"lockguard_workflow": spec(1).header()})
+    first = deliver(retrying, (), {}, task_id="m1", headers={headers.WORKFLOW: spec(1).header()})
     assert first.state == "RETRY", first
     force_release(app, B)
     (copy,) = [m for m in published(r, app) if m.task_id == "m1"]
@@ -207,11 +208,11 @@ def test_a_chord_page_killed_under_a_forfeited_workflow_leaves_the_account_to_la
     killed = SimpleNamespace(id="p1", task="r3.page", hostname="w1@host")
     p1 = wf.Spec.from_header(page, "r3.page")
     assert wf.enter(r, stub, p1, killed, "ignored", False).kind == "entered"  # page 1 runs, then dies
-    out = deliver(page_task, (), {"n": 2}, task_id="p2", headers={"lockguard_workflow": page})
+    out = deliver(page_task, (), {"n": 2}, task_id="p2", headers={headers.WORKFLOW: page})
     assert out.state == "SUCCESS", out
     anchor = lock_name(prefix, A)
     assert r.hget(anchor, "workflow") == "wfr3" and 0 < r.pttl(anchor) <= 30_000, r.hgetall(anchor)
-    again = deliver(page_task, (), {"n": 1}, task_id="p1", headers={"lockguard_workflow": page})
+    again = deliver(page_task, (), {"n": 1}, task_id="p1", headers={headers.WORKFLOW: page})
     assert again.state == "FAILURE" and failed_with(again) == "LockLost", again
     deadline = time.time() + 35
     while r.exists(anchor) and time.time() < deadline:
@@ -242,7 +243,7 @@ def test_a_stale_delivery_ending_after_a_take_over_never_frees_the_accounts_unde
         return "ran"
 
     start_in_gap(r, prefix)
-    out = deliver(slow, (), {}, task_id="m1", headers={"lockguard_workflow": spec(1).header()})
+    out = deliver(slow, (), {}, task_id="m1", headers={headers.WORKFLOW: spec(1).header()})
     assert out.state == "SUCCESS" and took == ["tok-d2"], out
     leases = {k: r.hgetall(lock_name(prefix, k)) for k in (A, B)}
     assert all(h.get("token") == "tok-d2" for h in leases.values()), f"D2 still runs, its accounts: {leases}"
@@ -257,7 +258,6 @@ def test_a_member_parked_on_its_own_lock_woken_after_an_account_was_forced_away_
     visibly (LockLost), never runs its body, frees the other account at once and leaves nothing of its own on
     inv:7 (its reservation given back: the next waiter there is not held up)."""
     from celery_lockguard import _handoff as handoff
-    from celery_lockguard import _headers as headers
     from celery_lockguard._config import settings
     from celery_lockguard._keys import wait_name
 
@@ -272,7 +272,7 @@ def test_a_member_parked_on_its_own_lock_woken_after_an_account_was_forced_away_
 
     start_in_gap(r, prefix)
     holder = hold(r, prefix, "inv:7")
-    out = deliver(own, (), {"inv": 7}, task_id="m1", headers={"lockguard_workflow": spec(1).header()})
+    out = deliver(own, (), {"inv": 7}, task_id="m1", headers={headers.WORKFLOW: spec(1).header()})
     assert out.state == "RETRY" and r.llen(wait_name(prefix, "inv:7")) == 1, out
     assert r.hget(lock_name(prefix, A), "state") == "gap"
     force_release(app, B)
@@ -307,7 +307,7 @@ def test_a_chord_page_whose_retries_ran_out_after_a_forced_release_does_not_free
     stub = SimpleNamespace(key_prefix=prefix, fence_ttl=86400.0)
     other = SimpleNamespace(id="p2", task="r3.page2", hostname="w2@other-host")
     assert wf.enter(r, stub, wf.Spec.from_header(page, "r3.page2"), other, "x", False).kind == "entered"
-    out = deliver(page_task, (), {"n": 1}, task_id="p1", headers={"lockguard_workflow": page})
+    out = deliver(page_task, (), {"n": 1}, task_id="p1", headers={headers.WORKFLOW: page})
     assert out.state == "FAILURE", out
     anchor = r.hgetall(lock_name(prefix, A))
     assert anchor.get("workflow") == "wfr3" and anchor.get("state") == "running", (
@@ -361,7 +361,6 @@ def test_a_wait_copy_whose_orphan_lapses_before_it_is_adopted_runs_once_or_waits
     the entity afresh and runs once (``free``), or, another task having taken it meanwhile (``taken``), never
     runs beside it: it waits (RETRY, a copy published), the other task's lease untouched."""
     from celery_lockguard import _delivery as delivery
-    from celery_lockguard import _headers as headers
 
     from .test_paths import hold
 
@@ -414,8 +413,8 @@ def test_a_stale_copy_of_the_first_member_after_a_forfeit_never_starts_the_workf
         return "ran"
 
     start_in_gap(r, prefix)
-    assert deliver(step, (), {}, task_id="m1", headers={"lockguard_workflow": spec(1).header()}).state == "SUCCESS"
+    assert deliver(step, (), {}, task_id="m1", headers={headers.WORKFLOW: spec(1).header()}).state == "SUCCESS"
     assert not r.exists(lock_name(prefix, kept))
-    stale = deliver(step, (), {}, task_id="m0", headers={"lockguard_workflow": spec(0).header()})
+    stale = deliver(step, (), {}, task_id="m0", headers={headers.WORKFLOW: spec(0).header()})
     assert ran == ["m1"] and stale.state == "FAILURE" and failed_with(stale) == "WorkflowEnded", stale
     assert not r.exists(lock_name(prefix, kept)) and r.hget(lock_name(prefix, gone), "task_id") == "other"
