@@ -434,6 +434,14 @@ local function wake_oldest(queue, entries, freed, reserve_ms)
       -- a shared waiter's reservation is a slot: it refuses the single lease, not the other slots
       if slot then redis.call('HSET', target, 'slot', string.match(target, ':(%d+)$') or 0) end
       redis.call('PEXPIRE', target, reserve_ms)
+      if slot and target ~= lock_key then
+        -- slot i >= 1 is found by its marker {K}:fence:<i> (held_slot): a slot never taken before has none,
+        -- and the single lease would be taken beside this reservation. The marker is the slot's fence
+        -- counter: '0' lets the next fence be drawn from the clock; it lives as long as the reservation
+        -- (the woken copy's ACQUIRE gives it the fence TTL).
+        local marker = string.sub(lock_key, 1, #lock_key - 4) .. 'fence:' .. string.match(target, ':(%d+)$')
+        if redis.call('EXISTS', marker) == 0 then redis.call('SET', marker, '0', 'PX', reserve_ms) end
+      end
       redis.call('HSET', entries, 's:' .. p, 'waking', 'w:' .. p, now_ms)
       return {p, e[3]}
     end

@@ -159,3 +159,28 @@ def test_a_shared_waiter_giving_up_behind_the_single_lease_hands_no_slot_to_the_
     assert states == ["RETRY"] * 6 + ["FAILURE"] * 2, states
     assert r.llen(wait_name(prefix, "t:1")) == 0
     L.release(r, delete, prefix)
+
+
+def test_a_shared_waiter_woken_into_a_slot_never_taken_keeps_the_single_lease_out(redis_url: str, prefix: str) -> None:
+    """A shared waiter parked behind the single lease (no slot ever taken), then woken by WAKE into slot 1 while
+    slot 0 is held: slot 1 had no marker ``{K}:fence:1`` (markers were made only by taking a slot), so the
+    scan that finds slots (ACQUIRE's ``held_slot``) stopped before it and the single lease was taken beside
+    the reservation. Found by the limits model in CI: the single lease beside slots [0, 1]."""
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    first = L.acquire(r, prefix, "t:2", ttl_ms=30_000, task_id="del", task_name="delete", digest="d",
+                      worker="elsewhere", fence_ttl_ms=60_000)  # fmt: skip
+    assert isinstance(first, L.Lease)
+    parked = handoff.park(r, prefix, "t:2", "pw", "{}", task_id="w", task_name="export", digest="dw",
+                          countdown=10, limit=2)  # fmt: skip
+    assert parked.kind == "parked"
+    L.release(r, first, prefix)  # ended with no wake (a lease cut short; a holder with no waiters known)
+    slot0 = L.acquire(r, prefix, "t:2", ttl_ms=30_000, task_id="s0", task_name="export", digest="d0",
+                      worker="w1", fence_ttl_ms=60_000, limit=2)  # fmt: skip
+    assert isinstance(slot0, L.Lease) and slot0.slot == 0
+    assert not r.exists(f"{prefix}:v1:{{t:2}}:fence:1"), "slot 1 was never taken"
+    woken = L.wake_if_free(r, prefix, "t:2", 5000, limit=2)
+    assert woken is not None and r.hget(slot_lock_name(prefix, "t:2", 1), "state") == "handed"
+    L.release(r, slot0, prefix)
+    other = L.acquire(r, prefix, "t:2", ttl_ms=30_000, task_id="del2", task_name="delete", digest="d2",
+                      worker="elsewhere", fence_ttl_ms=60_000)  # fmt: skip
+    assert isinstance(other, L.Holder) and other.slot == 1, "the single lease waits for the reserved slot 1"
