@@ -86,3 +86,37 @@ def test_the_wake_marker_keeps_the_cluster_hash_tag(redis_url: str, prefix: str)
     markers = [k for k in r.scan_iter(f"{prefix}:*fence*")]
     assert f"{prefix}:v1:{{{key}}}:fence:1" in markers, markers
     assert all("{" + key + "}" in m for m in markers), markers
+
+
+def test_describe_reads_no_row_for_a_wake_marker_whose_reservation_is_gone(redis_url: str, prefix: str) -> None:
+    """The woken copy gave its reservation back (DEL): the '0' marker stays up to reserve_ms with no holder.
+    ``describe KEY`` (read_entity, walking markers) must show slot 0's holder only, not a phantom slot 1."""
+    from celery_lockguard._holders import read_entity
+
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    key = "t:6"
+    slot0 = _woken_into_slot_1(r, prefix, key, limit=2, reserve_ms=5000)
+    r.delete(slot_lock_name(prefix, key, 1))
+    assert r.exists(f"{prefix}:v1:{{{key}}}:fence:1")
+    rows = read_entity(r, prefix, key, slots=1)
+    assert [row.redis_key for row in rows] == [slot_lock_name(prefix, key, 0)], rows
+    L.release(r, slot0, prefix)
+    assert read_entity(r, prefix, key, slots=1) == []
+
+
+def test_describe_finds_a_slot_held_above_a_lapsed_wake_marker(redis_url: str, prefix: str) -> None:
+    """As the lapse above, read by ``describe KEY`` from an app whose largest lock_limit is 1 (the operator's
+    CLI): slot 2 is held, so the entity is not free."""
+    from celery_lockguard._holders import read_entity
+
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    key = "t:7"
+    slot0 = _woken_into_slot_1(r, prefix, key, limit=3, reserve_ms=400)
+    slot2 = L.acquire(r, prefix, key, ttl_ms=30_000, task_id="s2", task_name="export", digest="d2",
+                      worker="w2", fence_ttl_ms=60_000, limit=3)  # fmt: skip
+    assert isinstance(slot2, L.Lease) and slot2.slot == 2
+    wait_for(lambda: not r.exists(slot_lock_name(prefix, key, 1)), 5, "the reservation on slot 1 lapses")
+    L.release(r, slot0, prefix)
+    rows = read_entity(r, prefix, key, slots=1)
+    L.release(r, slot2, prefix)
+    assert [row.redis_key for row in rows] == [slot_lock_name(prefix, key, 2)], rows
