@@ -104,3 +104,29 @@ def test_a_duplicate_retry_copy_meeting_the_end_its_twin_wrote_before_storing_it
         f"a duplicate of the retry copy failed the member ({failed_with(second)}) although its twin's body "
         "succeeded: the RETRY rule reads its twin's not-yet-stored result as 'never answered'"
     )
+
+
+def test_a_chord_page_retry_copy_runs_after_its_sibling_left_for_good(app: Celery, r: redis.Redis, prefix: str) -> None:
+    """RETRY rule x a chord page's retry: page 1 retries (state RETRY), page 2 ends for good meanwhile. Page 1's
+    retry copy must still run (the slot is not the last page's to end while a page retries), never meet an
+    ended workflow; then the last page out hands the accounts on to the callback."""
+    page = spec(1, "wfr4c").header(parallel=True, width=2)
+    ran: list[tuple[str, int]] = []
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="r4.page", max_retries=2)
+    def page_task(self: Any, prev: Any = None, n: int = 0) -> int:
+        ran.append((self.request.id, self.request.retries))
+        if n == 1 and self.request.retries == 0:
+            raise self.retry(countdown=0)
+        return n
+
+    start_in_gap(r, prefix, "wfr4c")
+    p1 = traced(page_task, (), {"n": 1}, task_id="p1", headers={headers.WORKFLOW: page})
+    assert p1.state == "RETRY", p1
+    p2 = traced(page_task, (), {"n": 2}, task_id="p2", headers={headers.WORKFLOW: page})
+    assert p2.state == "SUCCESS", p2
+    (copy,) = [m for m in published(r, app) if m.task_id == "p1"]
+    again = redeliver(page_task, copy)
+    assert again.state == "SUCCESS" and ran == [("p1", 0), ("p2", 0), ("p1", 1)], (again, ran)
+    anchor = r.hgetall(lock_name(prefix, A))
+    assert anchor.get("workflow") == "wfr4c" and anchor.get("state") == "gap", anchor

@@ -96,3 +96,31 @@ def test_a_woken_copy_of_a_revoked_member_whose_revoke_was_stored_gives_its_rese
     assert ran == [] and app.AsyncResult("m1").state == "REVOKED"
     inv = r.hgetall(lock_name(prefix, "inv:8"))
     assert not inv, f"inv:8 still reserved for a member that will never run: {inv}"
+
+
+@pytest.mark.parametrize("state", ["PENDING", "RETRY"])
+def test_an_until_done_member_meeting_an_ended_workflow_frees_its_claim_on_its_own_entity(
+    app: Celery, r: redis.Redis, prefix: str, state: str
+) -> None:
+    """RETRY rule x until_done: member 1 (own lock_key inv:10, lock_mode until_done) was published (its claim on
+    inv:10 taken at publish); the workflow ends before it runs (aborted). Its copy, never answered (PENDING,
+    or RETRY after a retry), fails with WorkflowEnded -- and must free its claim on inv:10, or identical work
+    is refused and inv:10 stays held for a member that will never run."""
+    ran: list[str] = []
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="r4.ud", lock_key="inv:{inv}", lock_mode="until_done")
+    def ud(self: Any, prev: Any = None, inv: int = 0) -> str:
+        ran.append(self.request.id)
+        return "ran"
+
+    start_single_in_gap(r, prefix)
+    ud.apply_async(kwargs={"inv": 10}, task_id="m1", headers={headers.WORKFLOW: single(1).header()})
+    assert r.exists(lock_name(prefix, "inv:10")), "the publish claimed inv:10"
+    if state == "RETRY":
+        app.backend.mark_as_retry("m1", RuntimeError("earlier try"))
+    assert wf.abort(r, settings(app), single(1), "m1", app)
+    (msg,) = [m for m in published(r, app) if m.task_id == "m1"]
+    out = redeliver(ud, msg)
+    assert ran == [] and out.state == "FAILURE" and failed_with(out) == "WorkflowEnded", out
+    claim = r.hgetall(lock_name(prefix, "inv:10"))
+    assert not claim, f"inv:10 still claimed for a member that failed: {claim}"
