@@ -120,3 +120,25 @@ def test_describe_finds_a_slot_held_above_a_lapsed_wake_marker(redis_url: str, p
     rows = read_entity(r, prefix, key, slots=1)
     L.release(r, slot2, prefix)
     assert [row.redis_key for row in rows] == [slot_lock_name(prefix, key, 2)], rows
+
+
+def test_the_wake_writing_a_marker_runs_as_the_worker_acl_user() -> None:
+    """ACL x marker: the WAKE (SET, EXISTS on ``{K}:fence:<i>``) as a user granted only the workers' list:
+    no denial, the marker written."""
+    from celery_lockguard import acl
+    from celery_lockguard.testing import RedisServer
+
+    with RedisServer() as server:
+        admin = server.client()
+        try:
+            admin.execute_command("ACL", "SETUSER", "lg", *acl.rule("acl4", cli=False).split(), ">s3cret")
+        except redis.exceptions.ResponseError:
+            admin.execute_command(
+                "ACL", "SETUSER", "lg", *acl.rule("acl4", cli=False, setinfo=False).split(), ">s3cret"
+            )
+        assert {"set", "exists"} <= set(acl.IN_SCRIPTS)
+        user = redis.Redis(host="127.0.0.1", port=server.port, username="lg", password="s3cret",
+                           decode_responses=True)  # fmt: skip
+        _woken_into_slot_1(user, "acl4", "t:8", limit=2, reserve_ms=5000)
+        assert admin.get("acl4:v1:{t:8}:fence:1") == "0"
+        assert [e for e in admin.acl_log() if e.get("username") == "lg"] == []
