@@ -437,10 +437,15 @@ local function wake_oldest(queue, entries, freed, reserve_ms)
       if slot and target ~= lock_key then
         -- slot i >= 1 is found by its marker {K}:fence:<i> (held_slot): a slot never taken before has none,
         -- and the single lease would be taken beside this reservation. The marker is the slot's fence
-        -- counter: '0' lets the next fence be drawn from the clock; it lives as long as the reservation
-        -- (the woken copy's ACQUIRE gives it the fence TTL).
-        local marker = string.sub(lock_key, 1, #lock_key - 4) .. 'fence:' .. string.match(target, ':(%d+)$')
-        if redis.call('EXISTS', marker) == 0 then redis.call('SET', marker, '0', 'PX', reserve_ms) end
+        -- counter: '0' lets the next fence be drawn from the clock. It lives as long as slot 0's counter
+        -- {K}:fence (held now: the fence TTL), as a marker a taken slot leaves does: a slot taken above it
+        -- while it stands stays visible after this reservation lapses, since every scan stops at the
+        -- first missing marker.
+        local base = string.sub(lock_key, 1, #lock_key - 4) .. 'fence'
+        local marker = base .. ':' .. string.match(target, ':(%d+)$')
+        if redis.call('EXISTS', marker) == 0 then
+          redis.call('SET', marker, '0', 'PX', math.max(redis.call('PTTL', base), reserve_ms))
+        end
       end
       redis.call('HSET', entries, 's:' .. p, 'waking', 'w:' .. p, now_ms)
       return {p, e[3]}

@@ -659,6 +659,7 @@ def deliver(
         # slot's lease whoever left it, and a first member starts the workflow again once its lease is gone (a
         # forced release, gap_ttl), so the lease cannot tell such a copy from new work: its stored result can.
         emit("workflow.member_dropped", task.name, **fields, reason="already_ran")
+        _give_back_own_wait(task, args, kwargs)  # a woken copy's reservation: the next waiter's, at once
         raise Ignore()
     client = connection.client(s)
     take_over = False
@@ -749,12 +750,18 @@ def deliver(
 def _give_back_own_wait(task: Any, args: Any, kwargs: Any) -> None:
     """A member that ends here, never to take its own lock: free what its own entity's waiter queue holds for
     it -- the reservation it was woken into (the next waiter is woken), or its parked entry -- else that lease
-    end would wake nobody for ``RESERVATION_TTL``. Best effort: the reservation lapses by its TTL anyway."""
+    end would wake nobody for ``RESERVATION_TTL``; and its own queue claim (``until_started``/``until_done``),
+    else identical work is refused, and other work waits, for ``queue_lock_ttl``. Best effort: both lapse by
+    their TTL anyway."""
     from . import _signals as signals
 
     try:
         signals.free_reservation_from_main(task, task.request, args, kwargs)
     except Exception:  # noqa: BLE001 - the member's own outcome stands; the reservation lapses by its TTL
+        pass
+    try:
+        signals.free_claim_from_main(task, str(task.request.id), args or (), kwargs or {}, "workflow member ended")
+    except Exception:  # noqa: BLE001 - the claim lapses by its TTL
         pass
 
 
@@ -770,18 +777,31 @@ def _already_ran(task: Any) -> bool:
         return False
 
 
+#: How long a copy that met its workflow ended looks for a final result its twin is about to store: the member
+#: that ends a workflow marks it ended before its own result is stored (milliseconds apart).
+ANSWER_GRACE = 2.0
+
+
 def _never_answered(task: Any) -> bool:
     """Whether no final result was stored for this member (a redelivered copy of one that ran has one).
 
     ``RETRY`` is no answer: it is this copy's own retry (or wait) asking to run again, so a copy of a member
-    whose workflow ended meanwhile (forfeited while it retried) must answer, or its chain hangs.
+    whose workflow ended meanwhile (forfeited while it retried) must answer, or its chain hangs. A duplicate
+    copy may meet the end its twin wrote before the twin's result is stored: the state is read again for
+    :data:`ANSWER_GRACE`, and a final one arriving meanwhile means this copy is that duplicate.
     """
     from celery.backends.base import DisabledBackend
 
     if isinstance(task.backend, DisabledBackend) or task.request.is_eager:
         return False
+    deadline = time.monotonic() + ANSWER_GRACE
     try:
-        return bool(task.backend.get_state(task.request.id) in (states.PENDING, states.RETRY))
+        while True:
+            if task.backend.get_state(task.request.id) not in (states.PENDING, states.RETRY):
+                return False
+            if time.monotonic() >= deadline:
+                return True
+            time.sleep(0.1)
     except Exception:  # noqa: BLE001 - an unreachable backend: drop as before, the state cannot be stored either
         return False
 

@@ -5,6 +5,7 @@ and succeeded)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -86,7 +87,9 @@ def test_a_duplicate_retry_copy_meeting_the_end_its_twin_wrote_before_storing_it
     the body, succeeds, and (the last member) writes WORKFLOW_END and releases; copy 2 enters in the window before
     copy 1's tracer stores SUCCESS (here: copy 1's store is held back until copy 2 has run). Copy 2 finds the
     workflow ended and the state still RETRY: it must be dropped (its twin answered), not fail the member whose
-    body succeeded (a FAILURE fires the chain's errbacks / fails a chord's callback)."""
+    body succeeded (a FAILURE fires the chain's errbacks / fails a chord's callback). Copy 1's store lands 0.3 s
+    into copy 2's delivery (in a worker it lands milliseconds after the end is written): copy 2 reads the state
+    again for ``ANSWER_GRACE`` before it answers, and finds its twin's."""
     step, copy, ran = retried_once(app, r, prefix, "wfr4b", "succeed")
     backend = app.backend
     held: list[tuple[Any, ...]] = []
@@ -96,9 +99,11 @@ def test_a_duplicate_retry_copy_meeting_the_end_its_twin_wrote_before_storing_it
     assert ran == [0, 1] and held, (first, ran)
     assert not r.exists(lock_name(prefix, A)), "copy 1 ended the workflow"
     monkeypatch.setattr(backend, "mark_as_done", real)
-    second = redeliver(step, copy)  # copy 2, in the window
     ((args, kwargs),) = held
-    real(*args, **kwargs)  # copy 1's store lands
+    lands = threading.Timer(0.3, lambda: real(*args, **kwargs))  # copy 1's store lands during copy 2's delivery
+    lands.start()
+    second = redeliver(step, copy)  # copy 2, in the window
+    lands.join()
     assert ran == [0, 1], ran
     assert second.state != "FAILURE", (
         f"a duplicate of the retry copy failed the member ({failed_with(second)}) although its twin's body "
