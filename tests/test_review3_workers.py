@@ -62,7 +62,7 @@ def test_a_member_that_retries_after_an_account_was_forced_away_ends_the_chain_v
 
 
 def test_a_chord_page_sigkilled_under_a_forfeited_workflow_leaves_the_accounts_to_their_ttl(
-    fleet: Fleet, redis_url: str, prefix: str
+    fleet: Fleet, redis_url: str, prefix: str, tmp_path: Path
 ) -> None:
     """forfeit 'leave' x a chord page SIGKILLed (acks_late: its count in ``active`` never leaves): one account is
     forced away while the other page runs; the chain fails visibly (the callback finds the loss) and the account
@@ -75,8 +75,9 @@ def test_a_chord_page_sigkilled_under_a_forfeited_workflow_leaves_the_accounts_t
     r = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
     t = f"t-{uuid.uuid4().hex[:6]}"
     a, b = sorted((f"{t}-a", f"{t}-b"))
+    gate = tmp_path / "p0-ends"  # p0 runs until the account is forced away (a page of 4 s raced it in CI)
     header = group(
-        app.tasks["wf.page"].s(tenant=t, tag="p0", seconds=4),
+        app.tasks["wf.gate"].s(tenant=t, tag="p0", gate=str(gate)),
         app.tasks["wf.crash_once"].s(tenant=t, tag="k"),
     )
     sig = chain(
@@ -87,6 +88,7 @@ def test_a_chord_page_sigkilled_under_a_forfeited_workflow_leaves_the_accounts_t
     wait_for(lambda: any(x["tag"] == "p0" for x in rows(r, cfg, t)), 60, what="page p0 to start")
     wait_for(lambda: sum(x["tag"] == "k" for x in rows(r, cfg, t)) >= 2, 30, what="page k to die and come back")
     force_release(app, f"account:{b}")
+    gate.touch()
     p0_end = wait_for(
         lambda: next((x["t"] for x in rows(r, cfg, t) if x["tag"] == "p0" and x["ev"] == "end"), None),
         30,
