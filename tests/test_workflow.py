@@ -803,11 +803,26 @@ def test_a_redelivered_chord_page_that_already_ran_is_dropped_not_run_again(redi
     workflow still waits for its other page or its callback: it ran its body a second time, since a page joins
     the lease of its slot whoever left it (a chain member's copy finds the lease at the next member and is
     dropped). The model of crossing features found it (tests/test_model_crossings.py). Real tracer and Redis."""
-    from celery import chord
+    from celery import _state
 
-    from .tracer import make_app, published, redeliver_with_canvas
+    from .tracer import make_app
 
     app = make_app("wf-page-again", redis_url, prefix)
+    # Celery 5.3's Redis backend restores a chord's group through the *current* app (5.7 passes its own): made
+    # current here, or the chord's callback is never sent when another test left a backend-less app current.
+    before = _state.get_current_app()
+    app.set_current()
+    try:
+        _chord_page_again(app, redis_url, prefix)
+    finally:
+        before.set_current()
+
+
+def _chord_page_again(app: Any, redis_url: str, prefix: str) -> None:
+    from celery import chord
+
+    from .tracer import published, redeliver_with_canvas
+
     ran: list[str] = []
 
     @app.task(base=LockedTask, bind=True, shared=False, name="wfp.step")
