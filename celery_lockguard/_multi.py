@@ -35,8 +35,8 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from redis.exceptions import ResponseError
 
@@ -51,6 +51,9 @@ from ._lease import HOST, Done, Holder, MultiLease, Woken, _acquire_and_wait, he
 #: Reply of :func:`release`: (released, recorded, woken) as ``_lease.release_and_wake``'s. ``released`` is
 #: 1 when every entity was still ours, -1 when any was taken by another holder, else 0 (one expired).
 Released = tuple[int, int, Woken | None]
+
+
+T = TypeVar("T")
 
 
 def parked_on(call: CallNames, entity: str) -> CallNames:
@@ -297,12 +300,12 @@ def _names(prefix: str, key: str) -> list[str]:
     return [lock_name(prefix, key), wait_name(prefix, key), waiters_name(prefix, key)]
 
 
-def _for_each(keys: Any, call: Callable[[str], Any]) -> Exception | None:
-    """``call(key)`` for every key, whatever one of them raises; the first error, or ``None``."""
+def _for_each(items: Iterable[T], call: Callable[[T], Any]) -> Exception | None:
+    """``call(item)`` for every item, whatever one of them raises; the first error, or ``None``."""
     error: Exception | None = None
-    for key in keys:
+    for item in items:
         try:
-            call(key)
+            call(item)
         except Exception as exc:  # noqa: BLE001 - handed back to the caller once every entity had its turn
             error = error or exc
     return error
@@ -342,13 +345,19 @@ def _released(keys: tuple[str, ...], reply: Any, recorded: int) -> Released:
     return released, int(reply[0]) if recorded < 0 else recorded, _woken(keys, reply[2])
 
 
+def _chained(flat: Any, keys: tuple[str, ...]) -> list[Woken]:
+    """A script's flat woken triples (entity index, park token, message), one :class:`Woken` each."""
+    return [Woken(keys[int(flat[j]) - 1], flat[j + 1], flat[j + 2]) for j in range(0, len(flat), 3)]
+
+
+def _chain(found: list[Woken]) -> Woken | None:
+    """Waiters woken as one :class:`Woken` (the rest in ``also``: ``_handoff.wake`` publishes each), or ``None``."""
+    return Woken(found[0].key, found[0].park_token, found[0].message, tuple(found[1:])) if found else None
+
+
 def _woken(keys: tuple[str, ...], flat: Any) -> Woken | None:
     """RELEASE_MULTI's woken triples as one :class:`Woken` (the rest in ``also``), or ``None``."""
-    found = [Woken(keys[int(flat[j]) - 1], flat[j + 1], flat[j + 2]) for j in range(0, len(flat), 3)]
-    if not found:
-        return None
-    first = found[0]
-    return Woken(first.key, first.park_token, first.message, tuple(found[1:]))
+    return _chain(_chained(flat, keys))
 
 
 class Unfinished(Exception):
@@ -377,21 +386,16 @@ def _each_entity(keys: tuple[str, ...], call: Callable[[int], Any], reply_at: in
     one entity does not stop the others; it is raised at the end, as :class:`Unfinished` when some waiter
     was woken meanwhile (those must still be published), else as it is.
     """
-    codes: list[int] = []
+    codes = [0] * len(keys)  # a failed entity's stays 0
     found: list[Woken] = []
-    error: BaseException | None = None
-    for i, key in enumerate(keys):
-        try:
-            reply = call(i)
-        except Exception as exc:  # noqa: BLE001 - raised below, once the other entities are done
-            error = error or exc
-            codes.append(0)
-            continue
-        codes.append(int(reply[reply_at][0]))
-        w = _woken((key,), reply[reply_at + 1])
-        if w is not None:
-            found.append(w)
-    woken = Woken(found[0].key, found[0].park_token, found[0].message, tuple(found[1:])) if found else None
+
+    def one(i: int) -> None:
+        reply = call(i)
+        codes[i] = int(reply[reply_at][0])
+        found.extend(_chained(reply[reply_at + 1], (keys[i],)))
+
+    error = _for_each(range(len(keys)), one)
+    woken = _chain(found)
     if error is not None:
         raise Unfinished(error, woken) if woken is not None else error
     return codes, woken
