@@ -338,7 +338,9 @@ def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kw
             handoff.abandon(task.app, s, state.parked.key, state.reserved, task.name, req.id, limit=opts.limit)
         if action is Action.WAIT:
             # A wait after an ACQUIRE that errored adopts that attempt's orphan; every wait carries ours on.
-            attempt = ",".join(_orphans(state.orphans, token if outcome == "unavailable" and got is None else ""))
+            attempt = headers.attempt_value(
+                _orphans(state.orphans, token if outcome == "unavailable" and got is None else "")
+            )
             sig = waits.wait(
                 task, s, opts, call, decision, holder, attempt, handed, state.first_ms, throttled=throttled
             )

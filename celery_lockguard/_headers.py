@@ -120,3 +120,8 @@ def attempt_tokens(request: Any) -> frozenset[str]:
     if not raw:
         return frozenset()
     return frozenset(t for t in raw.split(",", MAX_ATTEMPT_TOKENS)[:MAX_ATTEMPT_TOKENS] if 0 < len(t) <= MAX_TOKEN_LEN)
+
+
+def attempt_value(tokens: frozenset[str]) -> str:
+    """The :data:`ATTEMPT` header carrying ``tokens`` (``""`` for none), read back by :func:`attempt_tokens`."""
+    return ",".join(sorted(tokens))

@@ -89,12 +89,6 @@ def task_limits(app: Any) -> dict[str, int]:
     return out
 
 
-def most_slots(app: Any) -> int:
-    """The largest ``lock_limit`` among the app's locked tasks (1 when none limits): the slots an entity may use
-    (``describe KEY`` reads that many by name, and past them as far as the slot fence counters go)."""
-    return max(task_limits(app).values(), default=1)
-
-
 def rate_tasks(app: Any) -> list[RateTask]:
     """The app's ``lock_rate`` tasks as ``lockguard locks`` matches an entity's window to them (template tasks only)."""
     out: list[RateTask] = []

@@ -185,7 +185,7 @@ def park(
     # A copy of a delivery that parked before keeps its place in the queue (not the tail).
     first = headers.read_int(req, headers.PARKED_AT) or None
     hdrs = {
-        **republish.wait_headers(req, ",".join(sorted(orphans)) or None, first_delivered_ms=first_ms),
+        **republish.wait_headers(req, headers.attempt_value(orphans) or None, first_delivered_ms=first_ms),
         headers.PARK: park_token,
         headers.PARKED_AT: first or int(time.time() * 1000),
         **multi.park_headers(call),
