@@ -650,7 +650,7 @@ def deliver(
 ) -> Any:
     """Carry out one member's delivery: enter the workflow lease, decide, run, hand on or release."""
     req = task.request
-    fields = {"lock_key": spec.key, "task_id": req.id, "workflow_id": spec.id, "workflow": spec.name}
+    fields = _fields(spec, req.id)
     if spec.unlocked or spec.id in _failed_open:
         emit("lock.fail_open", task.name, **fields, policy="fail_open", reason="an earlier member ran unlocked")
         return _run_unlocked(task, s, opts, spec, args, kwargs)
@@ -880,7 +880,7 @@ def _signature_options(node: Any, depth: int = 0) -> Iterator[dict[str, Any]]:
 
 def _end_unlocked(task: Any, s: Settings, spec: Spec) -> None:
     req = task.request
-    fields = {"lock_key": spec.key, "task_id": req.id, "workflow_id": spec.id, "workflow": spec.name}
+    fields = _fields(spec, req.id)
     try:
         if abort(connection.client(s), s, spec, req.id, task.app):
             emit("workflow.released_on_error", task.name, **fields, reason="fail_open")
@@ -1004,7 +1004,7 @@ def _run(
 def _finish(task: Any, s: Settings, spec: Spec, client: Any, lease: Lease, started_at: float, outcome: str) -> None:
     """Every exit of a member: hand the lease on (success with a next step, a retry) or release it."""
     req = task.request
-    fields = {"lock_key": spec.key, "task_id": req.id, "workflow_id": spec.id, "workflow": spec.name}
+    fields = _fields(spec, req.id)
     handed = getattr(lease, "handed_to", None)
     if outcome in ("retry", "handed_back"):
         if handed is None:
@@ -1112,7 +1112,7 @@ def hand_on(
     longer renewed, frees within its TTL).
     """
     req = task.request
-    fields = {"lock_key": spec.key, "task_id": req.id, "workflow_id": spec.id, "workflow": spec.name}
+    fields = _fields(spec, req.id)
     renewer().untrack(lease)
     name = [keys.lock_name(s.key_prefix, k) for k in spec.entities]
     gap = gap_ms_for(spec.gap_ms, gap_ms)
@@ -1173,7 +1173,7 @@ def forfeit(task: Any, s: Settings, spec: Spec, client: Any, who: str, token: st
             key = spec.entities[int(flat[i]) - 1]
             handoff.release(task.app, s, client, key, str(flat[i + 1]), task.name, str(req.id))
     except Exception as exc:  # noqa: BLE001 - the member's own outcome stands; the entities lapse by their TTL
-        fields = {"lock_key": spec.key, "task_id": req.id, "workflow_id": spec.id, "workflow": spec.name}
+        fields = _fields(spec, req.id)
         emit("lock.backend_unavailable", task.name, **fields, reason=f"forfeit: {_describe(exc)}")
 
 
@@ -1260,7 +1260,7 @@ def check_lock_order(task: Any, key: str) -> None:
         if errors.classify(exc) is None:
             raise
         return
-    fields = {"lock_key": spec.key, "task_id": req.id, "workflow_id": spec.id, "workflow": spec.name}
+    fields = _fields(spec, req.id)
     emit("workflow.deadlock", task.name, **fields, waits_for=key, cycle=">".join(cycle))
     raise WorkflowDeadlock(key, spec.key, cycle)
 
@@ -1304,7 +1304,7 @@ def abort_from_main(task: Any, request: Any, terminated: bool, reason: str | Non
         return False
     s = settings(task.app)
     grace_ms = int(s.shorten_grace * 1000)
-    fields = {"lock_key": spec.key, "task_id": request.id, "workflow_id": spec.id, "workflow": spec.name}
+    fields = _fields(spec, request.id)
     try:
         ended = abort(connection.client(s), s, spec, request.id, task.app)
     except Exception as exc:
@@ -1316,6 +1316,11 @@ def abort_from_main(task: Any, request: Any, terminated: bool, reason: str | Non
         reason = reason or ("terminated" if terminated else "revoked")
         emit("workflow.released_on_error", task.name, **fields, reason=reason, grace_ms=grace_ms if terminated else 0)
     return ended
+
+
+def _fields(spec: Spec, task_id: Any) -> dict[str, Any]:
+    """The fields every workflow event of a member carries: the entity, the member's id and its workflow."""
+    return {"lock_key": spec.key, "task_id": task_id, "workflow_id": spec.id, "workflow": spec.name}
 
 
 def _describe(exc: BaseException | None) -> str:
