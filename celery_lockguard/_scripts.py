@@ -406,6 +406,7 @@ return out
 _WAKE_OLDEST = """
 local function wake_oldest(queue, entries, freed, reserve_ms)
   local lock_key = string.match(freed, '^(.*}:lock):%d+$') or freed
+  local fence_key = string.sub(lock_key, 1, #lock_key - 4) .. 'fence'  -- {K}:fence; slot i's marker: ':<i>' after
   while true do
     local p = redis.call('LINDEX', queue, 0)
     if not p then return nil end
@@ -425,7 +426,7 @@ local function wake_oldest(queue, entries, freed, reserve_ms)
       else
         target = lock_key
         if redis.call('EXISTS', lock_key) == 1 then return nil end
-        if held_slot(lock_key, string.sub(lock_key, 1, #lock_key - 4) .. 'fence') then return nil end
+        if held_slot(lock_key, fence_key) then return nil end
       end
       redis.call('LPOP', queue)
       redis.call('HSET', target, 'token', p, 'task_id', e[4] or '', 'task_name', e[5] or '', 'digest', e[6] or '',
@@ -441,10 +442,9 @@ local function wake_oldest(queue, entries, freed, reserve_ms)
         -- {K}:fence (held now: the fence TTL), as a marker a taken slot leaves does: a slot taken above it
         -- while it stands stays visible after this reservation lapses, since every scan stops at the
         -- first missing marker.
-        local base = string.sub(lock_key, 1, #lock_key - 4) .. 'fence'
-        local marker = base .. ':' .. string.match(target, ':(%d+)$')
+        local marker = fence_key .. ':' .. string.match(target, ':(%d+)$')
         if redis.call('EXISTS', marker) == 0 then
-          redis.call('SET', marker, '0', 'PX', math.max(redis.call('PTTL', base), reserve_ms))
+          redis.call('SET', marker, '0', 'PX', math.max(redis.call('PTTL', fence_key), reserve_ms))
         end
       end
       redis.call('HSET', entries, 's:' .. p, 'waking', 'w:' .. p, now_ms)
