@@ -64,6 +64,7 @@ import re
 import socket
 import threading
 import time
+from bisect import bisect_left
 from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
@@ -114,11 +115,11 @@ _FIELDS = {
 
 
 def bucket_of(bounds: tuple[int, ...], ms: float) -> int:
-    """The index of the bucket ``ms`` falls in (``len(bounds)``: the +Inf one). Pure: any thread may call it."""
-    for i, bound in enumerate(bounds):
-        if ms <= bound:
-            return i
-    return len(bounds)
+    """The index of the bucket ``ms`` falls in (``len(bounds)``: the +Inf one). Pure: any thread may call it.
+
+    The first bound ``>= ms``: ``bisect_left``, in C (every observation is folded through here).
+    """
+    return bisect_left(bounds, ms)
 
 
 #: What a family's field names start with, to tell histogram fields from event counters.

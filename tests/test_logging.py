@@ -185,6 +185,43 @@ def test_a_process_that_configured_structlog_gets_events_through_structlog(caplo
     assert ours(caplog) == []
 
 
+@pytest.mark.parametrize("cache", [False, True])
+def test_a_filtering_structlog_below_its_level_builds_no_logger_and_still_counts(
+    cache: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """structlog's lazy proxy built a bound logger (and a PrintLogger) on every method read: for each
+    per-task debug event a production app filters out. The filter is now asked of the wrapper class."""
+    monkeypatch.setattr(events, "_structlog_logger", None)  # a proxy of its own: one that caches stays here
+    made: list[int] = []
+    seen: list[dict[str, Any]] = []
+
+    def factory(*args: Any) -> Any:
+        made.append(1)
+        return structlog.PrintLogger()
+
+    def keep(logger: Any, name: str, event: dict[str, Any]) -> Any:
+        seen.append(dict(event))
+        raise structlog.DropEvent
+
+    structlog.configure(
+        processors=[keep],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        logger_factory=factory,
+        cache_logger_on_first_use=cache,
+    )
+    events.emit("lock.acquired", "t", lock_key="k", task_id="t-1")  # debug: filtered out
+    assert made == [] and seen == []
+    events.emit("lock.skipped_duplicate", "t", lock_key="k", task_id="t-2", holder_task_id="t-1")  # info: logged
+    assert [e["event"] for e in seen] == ["lock.skipped_duplicate"] and made == [1]
+    events.emit("lock.acquired", "t", lock_key="k", task_id="t-3")
+    assert len(seen) == 1 and made == [1]  # cached or not, a filtered event builds nothing
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    events.emit("lock.acquired", "t", lock_key="k", task_id="t-4")
+    # Reconfigured to debug: the event is logged, unless the proxy cached its INFO logger on first use.
+    assert [e["event"] for e in seen] == ["lock.skipped_duplicate"] + ([] if cache else ["lock.acquired"])
+    assert metrics.snapshot()["t"]["lock.acquired"] == 3
+
+
 @pytest.mark.parametrize("backend", ["logging", "structlog"])
 def test_the_log_backend_setting_overrides_the_choice(
     app: Celery, caplog: pytest.LogCaptureFixture, backend: str
