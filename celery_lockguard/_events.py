@@ -234,13 +234,19 @@ def _below_level(proxy: Any, name: str) -> bool:
     Asked of the wrapper class the proxy would bind, not of a bound logger: structlog's lazy proxy
     builds a new bound logger (and a new ``PrintLogger``) on every attribute read unless it caches
     on first use, which cost a quarter of a filtered debug event's instructions per delivery. A proxy
-    that cached its logger (``cache_logger_on_first_use``) is asked directly: that logger decides.
+    that caches its logger (``cache_logger_on_first_use``) is asked directly: that logger decides, and
+    lockguard's first event is its first use whatever its level.
     """
     if _NOP is None:
         return False
-    if "bind" in vars(proxy):  # cached on first use: reading the method binds nothing new
-        return getattr(getattr(proxy, name), "__func__", None) is _NOP
     config = getattr(sys.modules.get("structlog._config"), "_CONFIG", None)
+    caches = getattr(proxy, "_cache_logger_on_first_use", None)
+    if caches is None:
+        caches = getattr(config, "cache_logger_on_first_use", False)
+    if "bind" in vars(proxy) or caches is True:
+        # Cached, or caching on its first use: reading the method binds nothing new after the first time, and
+        # the first event (even a filtered one) fixes the configuration the cached logger keeps, as before.
+        return getattr(getattr(proxy, name), "__func__", None) is _NOP
     wrapper = getattr(proxy, "_wrapper_class", None) or getattr(config, "default_wrapper_class", None)
     if wrapper is None:
         return getattr(getattr(proxy, name), "__func__", None) is _NOP
