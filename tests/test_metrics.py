@@ -184,3 +184,69 @@ def test_entries_appended_while_other_threads_fold_are_counted_once() -> None:
     snap = metrics.snapshot()["t.race"]
     assert snap["lock.acquired"] == 4 * per_thread
     assert snap["hold"]["count"] == 4 * per_thread and snap["hold"]["sum_ms"] == 3.0 * 4 * per_thread
+
+
+def _fold_by_entry(
+    counted: list[Any], observed: list[Any]
+) -> tuple[Counter[Any], dict[Any, list[float]], Counter[Any]]:
+    """The fold as it was before it was batched: one Python step per ledger entry (the reference)."""
+    counts: Counter[Any] = Counter()
+    hists: dict[Any, list[float]] = {}
+    pending: Counter[Any] = Counter()
+    for task_name, name, n, at in counted:
+        counts[(task_name, name)] += n
+        pending[(int(at // 60), task_name, name)] += n
+    for task_name, family, ms, at in observed:
+        bounds = metrics.HISTOGRAMS[family]
+        i = next((j for j, bound in enumerate(bounds) if ms <= bound), len(bounds))
+        count_field, sum_field, bucket_fields = metrics._FIELDS[family]
+        minute = int(at // 60)
+        mine = hists.setdefault((task_name, family), [0.0] * (len(bounds) + 3))
+        mine[0] += 1
+        mine[1] += ms
+        mine[2 + i] += 1
+        pending[(minute, task_name, count_field)] += 1
+        pending[(minute, task_name, sum_field)] += round(ms)
+        pending[(minute, task_name, bucket_fields[i])] += 1
+    return counts, hists, pending
+
+
+@pytest.mark.parametrize("coalesced", [False, True])
+def test_the_fold_adds_up_every_entry_in_its_minute_and_bucket(coalesced: bool) -> None:
+    """Every count, sum, bucket (found by bisect) and minute comes out as the definition's, at bucket edges,
+    across minutes, tasks and families, with and without the renewer's coalesced counts (n > 1)."""
+    import random
+
+    rng = random.Random(33 + coalesced)
+    edges = sorted({b + d for bounds in metrics.HISTOGRAMS.values() for b in bounds for d in (-0.5, 0.0, 0.25)})
+    values = [0.0, 0.4, 1.0, metrics.MAX_OBSERVATION_MS, *edges]
+    base = 1_764_900_000.0
+    counted = [
+        (
+            rng.choice(["a", "b", "c"]),
+            rng.choice(["lock.acquired", "lock.released", "lock.lost"]),
+            rng.choice([1, 1, 1, 3]) if coalesced else 1,
+            base + rng.uniform(0, 400),
+        )
+        for _ in range(3000)
+    ]
+    observed = [
+        (rng.choice(["a", "b"]), rng.choice(list(metrics.HISTOGRAMS)), rng.choice(values), base + rng.uniform(0, 400))
+        for _ in range(3000)
+    ]
+    metrics.clear()
+    try:
+        metrics._counted.extend(counted)
+        metrics._observed.extend(observed)
+        metrics.fold()
+        counts, hists, pending = _fold_by_entry(counted, observed)
+        assert (dict(metrics._counts), metrics._hists, dict(metrics._pending)) == (dict(counts), hists, dict(pending))
+        assert not metrics._counted and not metrics._observed
+        # A second fold adds the next batch to the same rows.
+        metrics._counted.extend(counted[:10])
+        metrics._observed.extend(observed[:10])
+        metrics.fold()
+        counts, hists, pending = _fold_by_entry(counted + counted[:10], observed + observed[:10])
+        assert (dict(metrics._counts), metrics._hists, dict(metrics._pending)) == (dict(counts), hists, dict(pending))
+    finally:
+        metrics.clear()
