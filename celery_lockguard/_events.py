@@ -243,12 +243,11 @@ def _below_level(proxy: Any, name: str) -> bool:
     caches = getattr(proxy, "_cache_logger_on_first_use", None)
     if caches is None:
         caches = getattr(config, "cache_logger_on_first_use", False)
-    if "bind" in vars(proxy) or caches is True:
+    wrapper = getattr(proxy, "_wrapper_class", None) or getattr(config, "default_wrapper_class", None)
+    if "bind" in vars(proxy) or caches is True or wrapper is None:
         # Cached, or caching on its first use: reading the method binds nothing new after the first time, and
         # the first event (even a filtered one) fixes the configuration the cached logger keeps, as before.
-        return getattr(getattr(proxy, name), "__func__", None) is _NOP
-    wrapper = getattr(proxy, "_wrapper_class", None) or getattr(config, "default_wrapper_class", None)
-    if wrapper is None:
+        # No wrapper class to ask (a structlog without one): the bound method decides, as before the cut.
         return getattr(getattr(proxy, name), "__func__", None) is _NOP
     return getattr(wrapper, name, None) is _NOP
 
