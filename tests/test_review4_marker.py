@@ -28,6 +28,18 @@ def _woken_into_slot_1(r: redis.Redis, prefix: str, key: str, limit: int, reserv
     return slot0
 
 
+def _slot_2_held_above_a_lapsed_reservation(r: redis.Redis, prefix: str, key: str) -> L.Lease:
+    """Slot 1 woken into a reservation that lapses (with its marker, both PX 400) while slot 2 is taken above
+    it; slot 0 then released: only slot 2 is held, past the first absent marker, fence:1."""
+    slot0 = _woken_into_slot_1(r, prefix, key, limit=3, reserve_ms=400)
+    slot2 = L.acquire(r, prefix, key, ttl_ms=30_000, task_id="s2", task_name="export", digest="d2",
+                      worker="w2", fence_ttl_ms=60_000, limit=3)  # fmt: skip
+    assert isinstance(slot2, L.Lease) and slot2.slot == 2
+    wait_for(lambda: not r.exists(slot_lock_name(prefix, key, 1)), 5, "the reservation on slot 1 lapses")
+    L.release(r, slot0, prefix)
+    return slot2
+
+
 def test_a_lapsed_woken_reservation_leaves_the_slot_above_it_visible_to_the_single_lease(
     redis_url: str, prefix: str
 ) -> None:
@@ -36,12 +48,7 @@ def test_a_lapsed_woken_reservation_leaves_the_slot_above_it_visible_to_the_sing
     must not be taken beside slot 2 -- but the scan stops at the first absent marker, fence:1."""
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     key = "t:3"
-    slot0 = _woken_into_slot_1(r, prefix, key, limit=3, reserve_ms=400)
-    slot2 = L.acquire(r, prefix, key, ttl_ms=30_000, task_id="s2", task_name="export", digest="d2",
-                      worker="w2", fence_ttl_ms=60_000, limit=3)  # fmt: skip
-    assert isinstance(slot2, L.Lease) and slot2.slot == 2
-    wait_for(lambda: not r.exists(slot_lock_name(prefix, key, 1)), 5, "the reservation on slot 1 lapses")
-    L.release(r, slot0, prefix)
+    slot2 = _slot_2_held_above_a_lapsed_reservation(r, prefix, key)
     assert r.exists(slot_lock_name(prefix, key, 2)), "slot 2 is still held"
     single = L.acquire(r, prefix, key, ttl_ms=30_000, task_id="del2", task_name="delete", digest="d3",
                        worker="elsewhere", fence_ttl_ms=60_000)  # fmt: skip
@@ -111,12 +118,7 @@ def test_describe_finds_a_slot_held_above_a_lapsed_wake_marker(redis_url: str, p
 
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     key = "t:7"
-    slot0 = _woken_into_slot_1(r, prefix, key, limit=3, reserve_ms=400)
-    slot2 = L.acquire(r, prefix, key, ttl_ms=30_000, task_id="s2", task_name="export", digest="d2",
-                      worker="w2", fence_ttl_ms=60_000, limit=3)  # fmt: skip
-    assert isinstance(slot2, L.Lease) and slot2.slot == 2
-    wait_for(lambda: not r.exists(slot_lock_name(prefix, key, 1)), 5, "the reservation on slot 1 lapses")
-    L.release(r, slot0, prefix)
+    slot2 = _slot_2_held_above_a_lapsed_reservation(r, prefix, key)
     rows = read_entity(r, prefix, key, slots=1)
     L.release(r, slot2, prefix)
     assert [row.redis_key for row in rows] == [slot_lock_name(prefix, key, 2)], rows
