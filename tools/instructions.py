@@ -4,7 +4,7 @@
 ``task.apply()`` 200 and then 1,200 times under ``valgrind --tool=callgrind --separate-threads=yes`` and
 prints the main thread's instructions per delivery (the slope: start-up and warm-up cancel out).
 Repeated runs agree within ~0.2%. Variants: ``default`` (a ``LockedTask``), ``floor`` (lockguard's own
-ACQUIRE and RELEASE with no task logic, as ``bench.floors.held``), ``plain`` (no lock). structlog is
+ACQUIRE and RELEASE with no task logic), ``plain`` (no lock): the breakdown section's tasks. structlog is
 configured to filter at INFO, as the bench and a production worker do.
 
 Use it to see what a change to the delivery path costs before timing it (issue 33: a 3% cut is
@@ -20,7 +20,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,44 +27,25 @@ VARIANTS = ("default", "floor", "plain")
 
 
 def drive(url: str, variant: str, n: int) -> None:
-    """Run ``n`` deliveries of ``variant`` after a warm-up of 300 (the measured process)."""
+    """Run ``n`` deliveries of ``variant`` after a warm-up of 300 (the measured process).
+
+    The tasks are the breakdown section's own (``bench.breakdown._app``), so ``floor`` is the bench's floor.
+    """
     sys.path.insert(0, str(ROOT))
     import redis
     import structlog
-    from celery import Celery, Task
 
-    from bench import floors
-    from celery_lockguard import LockedTask
+    from bench import breakdown
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
-    prefix = f"instr{uuid.uuid4().hex[:6]}"
-    app = Celery("instructions", broker=url)
-    app.conf.update(lockguard_redis_url=url, lockguard_key_prefix=prefix, task_ignore_result=True)
-    raw = redis.Redis.from_url(url, decode_responses=True)
-
-    class Floor(Task):  # type: ignore[misc]
-        def __call__(self, *args: object, **kwargs: object) -> object:
-            with floors.held(raw, prefix, f"item:{args[0]}", self.request.id, self.name):
-                return self.run(*args, **kwargs)
-
-    @app.task(name="i_default", base=LockedTask, lock_key="item:{i}", shared=False)
-    def i_default(i: int) -> None:
-        return None
-
-    @app.task(name="i_floor", base=Floor, shared=False)
-    def i_floor(i: int) -> None:
-        return None
-
-    @app.task(name="i_plain", shared=False)
-    def i_plain(i: int) -> None:
-        return None
-
-    task = {"default": i_default, "floor": i_floor, "plain": i_plain}[variant]
+    app, tasks = breakdown._app(url)
+    task = tasks[{"default": breakdown.DEFAULT, "floor": breakdown.WIRE_FLOOR, "plain": breakdown.PLAIN}[variant]]
     try:
         for i in range(300 + n):
             task.apply((i,))
     finally:
-        for key in raw.scan_iter(f"{prefix}*", count=1000):
+        raw = redis.Redis.from_url(url)
+        for key in raw.scan_iter(f"{app.conf.lockguard_key_prefix}*", count=1000):
             raw.delete(key)
 
 
