@@ -64,3 +64,40 @@ def test_a_rated_member_on_the_workflows_own_entity_keeps_the_entitys_start_rate
     t = {x["tag"] + x["ev"]: x["t"] for x in records(r, prefix)}
     gap = t["memberstart"] - t["plainstart"]
     assert gap >= 9.5, f"the member started {gap:.2f} s after the window's one start (lock_rate 1/10s)"
+
+
+def test_chord_pages_with_lock_limit_on_the_workflows_own_entity_never_exceed_the_limit(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """Workflow (chord) x lock_limit. Four pages of ``xb.slot`` (``lock_limit=2`` on ``xb:{key}``) form the header
+    of a chord run as a workflow on that very entity. Pages join the workflow's lease and, their lock_key being
+    the workflow's own entity, run their bodies under it (``own_entities``) without taking a slot: four bodies
+    hold the entity at once. Expected (docs/limits.md: "at most N bodies hold entity K at once, fleet-wide"):
+    at most two pages' bodies run at the same time."""
+    from celery import chord
+
+    from celery_lockguard.testing import wait_for
+
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=4)
+    key = uuid.uuid4().hex[:6]
+    gate = f"{prefix}:gate"
+    slot, step = app.tasks["xb.slot"], app.tasks["xb.step"]
+    pages = [slot.si(key, gate, f"p{i}") for i in range(4)]
+    res = workflow(chord(pages, step.si(key="cb", tag="cb")), lock_key="xb:{k}", k=key).apply_async()
+
+    def running() -> int:
+        rows = records(r, prefix)
+        return len({x["tag"] for x in rows if x["ev"] == "start" and x["tag"].startswith("p")})
+
+    try:
+        # give every page the time to reach its body (four worker processes are free)
+        wait_for(lambda: running() >= 3, 8, what="a third page to start")
+        over = running()
+    except Exception:  # noqa: BLE001 - at most two started: the limit held
+        over = running()
+    finally:
+        r.set(gate, 1)
+    res.get(timeout=60)
+    assert over <= 2, f"{over} pages held {key!r} at once under lock_limit=2"
