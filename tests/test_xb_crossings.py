@@ -299,39 +299,6 @@ def test_stats_after_a_forced_release_of_a_running_workflow_member_reads_no_expi
     print(json.dumps(j)[:3000])
 
 
-def test_a_rated_member_on_the_workflows_own_entity_keeps_the_entitys_start_rate(
-    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
-) -> None:
-    cfg = make_cfg(prefix, redis_url)
-    app = fleet.app(cfg)
-    fleet.worker(cfg, concurrency=3)
-    tenant = uuid.uuid4().hex[:6]
-    rated, step = app.tasks["xb.rated_wf"], app.tasks["xb.step"]
-    rated.delay(tenant=tenant, tag="plain1").get(timeout=30)  # the window's one start (1/10s)
-    sig = chain(step.si(key="s1", tag="s1"), rated.si(tenant=tenant, tag="member"))
-    workflow(sig, lock_key="xbw:{tenant}", tenant=tenant).apply_async().get(timeout=40)
-    print(cli(app, "locks").output)
-    t = {x["tag"] + x["ev"]: x["t"] for x in records(r, prefix)}
-    gap = t["memberstart"] - t["plain1start"]
-    assert gap >= 9.5, f"the member started {gap:.2f} s after the window's one start (lock_rate 1/10s)"
-
-
-def test_a_multi_entity_member_naming_the_workflows_entity_and_another_runs(
-    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
-) -> None:
-    cfg = make_cfg(prefix, redis_url)
-    app = fleet.app(cfg)
-    w = fleet.worker(cfg, concurrency=3)
-    tenant, other = uuid.uuid4().hex[:6], uuid.uuid4().hex[:6]
-    step, multi = app.tasks["xb.step"], app.tasks["xb.multi"]
-    sig = chain(step.si(key="s1", tag="s1"), multi.si(tenant, other, "", "m"), step.si(key="s3", tag="s3"))
-    res = workflow(sig, lock_key="xb:{tenant}", tenant=tenant, gap_ttl=3).apply_async()
-    try:
-        print(res.get(timeout=25))
-    finally:
-        print(cli(app, "locks").output)
-        print([(x["tag"], x["ev"]) for x in records(r, prefix)])
-        print("\n".join(x for x in w.output().splitlines() if "lock." in x or "workflow." in x)[-3000:])
 
 
 def test_a_multi_holder_ending_after_a_forced_release_leaves_the_woken_waiters_lease(
@@ -549,3 +516,33 @@ def test_chord_pages_with_lock_limit_on_another_entity_take_turns_and_the_workfl
     print([(x["tag"], x["ev"], round(x["t"] % 1000, 2)) for x in rows])
     assert running() == 4 and started(r, prefix, "cb")
     wait_for(lambda: not wf_lease(r, prefix, f"xbw:{tenant}"), 10, what="workflow released")
+
+
+def test_a_forced_release_of_slot_0_wakes_the_slot_waiter_and_the_evicted_holder_leaves_it(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=4)
+    key = uuid.uuid4().hex[:6]
+    gates = [f"{prefix}:gate:{i}" for i in range(3)]
+    hs = [app.tasks["xb.slot"].delay(key, g, f"h{i}") for i, g in enumerate(gates[:2])]
+    wait_for(lambda: started(r, prefix, "h0") and started(r, prefix, "h1"), 30, what="both slots")
+    slot0 = wf_lease(r, prefix, f"xb:{key}")["task_id"]
+    waiter = app.tasks["xb.slot"].delay(key, gates[2], "waiter")
+    parked(r, prefix, f"xb:{key}")
+    out = cli(app, "release", f"xb:{key}", "-y")
+    released = time.time()
+    assert out.exit_code == 0, out.output
+    assert start_of(r, prefix, waiter.id, BOUND) - released < BOUND
+    idx = [h.id for h in hs].index(slot0)
+    r.set(gates[idx], 1)
+    hs[idx].get(timeout=30)
+    time.sleep(0.5)
+    assert wf_lease(r, prefix, f"xb:{key}").get("task_id") == waiter.id
+    print(cli(app, "describe", f"xb:{key}").output)
+    for g in gates:
+        r.set(g, 1)
+    assert waiter.get(timeout=30)["slot"] == 0
+    for h in hs:
+        h.get(timeout=30)

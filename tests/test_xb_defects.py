@@ -50,7 +50,8 @@ def test_a_rated_member_on_the_workflows_own_entity_keeps_the_entitys_start_rate
     """Workflow x lock_rate. ``xb.rated_wf`` has ``lock_rate="1/10s"`` on ``xbw:{tenant}``. A plain call takes the
     window's one start; then a workflow on ``xbw:{tenant}`` runs ``xb.rated_wf`` as a member. Its lock_key is the
     workflow's own entity, so ``_workflow.run_member`` runs the body under the workflow lease (``own_entities``)
-    and never asks the start window: the member starts at once, a second start on the entity within 10 s.
+    and never asks the start window: the member starts at once, a second start on the entity within 10 s (nor is
+    its start counted: a plain call right after the workflow starts at once too).
     Expected (docs/limits.md: "at most N bodies start on entity K per sliding window, fleet-wide"): the member
     waits for the window, keeping the workflow lease, as a member throttled on another entity does."""
     cfg = make_cfg(prefix, redis_url)
