@@ -126,7 +126,7 @@ def test_forced_release_of_a_members_own_entity_wakes_the_parked_member_and_the_
     assert out.exit_code == 0, out.output
     own_id = res.parent.id if res.parent is not None else None
     wait_for(lambda: started(r, prefix, "own"), BOUND, what="the member woken")
-    assert [x for x in records(r, prefix) if x.get("tag") == "own" and x["ev"] == "start"][0]["t"] - released < BOUND
+    assert next(x["t"] for x in records(r, prefix) if x.get("tag") == "own" and x["ev"] == "start") - released < BOUND
     out = res.get(timeout=30)
     print(out, own_id)
     assert started(r, prefix, "s3")
@@ -182,7 +182,7 @@ def test_two_debounced_runs_parked_behind_a_workflow_the_superseded_one_hands_on
     print(cli(app, "locks").output)
     r.set(gate, 1)
     wf.get(timeout=30)
-    ended = [x["t"] for x in records(r, prefix) if x.get("tag") == "g" and x["ev"] == "end"][0]
+    ended = next(x["t"] for x in records(r, prefix) if x.get("tag") == "g" and x["ev"] == "end")
     assert start_of(r, prefix, b.id, BOUND + 5) - ended < BOUND
     assert b.get(timeout=30)["tag"] == "B"
     assert a.get(timeout=30)["lockguard"] == "superseded"
@@ -264,6 +264,7 @@ def test_a_lock_limit_member_parked_on_its_own_full_entity_is_woken_by_a_forced_
     print(out.output)
     assert out.exit_code == 0
     wait_for(lambda: started(r, prefix, "m"), BOUND, what="the woken member")
+    assert next(x["t"] for x in records(r, prefix) if x.get("tag") == "m" and x["ev"] == "start") - released < BOUND
     assert res.get(timeout=20)["tag"] == "s3"
     for g in gates:
         r.set(g, 1)
@@ -297,8 +298,6 @@ def test_stats_after_a_forced_release_of_a_running_workflow_member_reads_no_expi
     print("\n".join(x for x in w.output().splitlines() if "lock." in x or "workflow." in x)[-3000:])
     j = json.loads(cli(app, "stats", "--json").output)
     print(json.dumps(j)[:3000])
-
-
 
 
 def test_a_multi_holder_ending_after_a_forced_release_leaves_the_woken_waiters_lease(
@@ -345,7 +344,7 @@ def test_a_failing_chord_page_beside_a_rate_throttled_sibling_keeps_the_entity_u
     time.sleep(1)
     print(cli(app, "locks").output)
     contender.get(timeout=60)
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="page p2 failed"):
         res.get(timeout=30)
     rows = records(r, prefix)
     print([(x["tag"], x["ev"], round(x["t"] % 1000, 2)) for x in rows])
@@ -399,7 +398,6 @@ def test_a_member_retrying_past_the_gap_keeps_a_parked_waiter_out_and_the_end_wa
     assert w0 - t["s3end"] < BOUND, f"waiter started {w0 - t['s3end']:.1f}s after the workflow ended"
 
 
-
 def test_a_failing_chord_page_beside_a_sibling_retrying_past_the_gap_keeps_the_entity_until_it_ran(
     fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
 ) -> None:
@@ -417,7 +415,7 @@ def test_a_failing_chord_page_beside_a_sibling_retrying_past_the_gap_keeps_the_e
     parked(r, prefix, f"xb:{tenant}")
     print(cli(app, "describe", f"xb:{tenant}").output)
     contender.get(timeout=60)
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="page p2 failed"):
         res.get(timeout=30)
     rows = records(r, prefix)
     print([(x["tag"], x["ev"], x.get("retries"), round(x["t"] % 1000, 2)) for x in rows])
