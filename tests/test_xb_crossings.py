@@ -544,3 +544,53 @@ def test_a_forced_release_of_slot_0_wakes_the_slot_waiter_and_the_evicted_holder
     assert waiter.get(timeout=30)["slot"] == 0
     for h in hs:
         h.get(timeout=30)
+
+
+def test_a_forced_release_while_chord_pages_run_wakes_the_waiter_and_leaving_pages_leave_its_lease(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    from celery import chord
+
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=4)
+    tenant = uuid.uuid4().hex[:6]
+    gate, wgate = f"{prefix}:gate", f"{prefix}:wgate"
+    step = app.tasks["xb.step"]
+    pages = [step.si(key=f"p{i}", gate=gate, tag=f"p{i}") for i in range(2)]
+    res = workflow(chord(pages, step.si(key="cb", tag="cb")), lock_key="xb:{t}", t=tenant, lock_ttl=30).apply_async()
+    wait_for(lambda: started(r, prefix, "p0") and started(r, prefix, "p1"), 30, what="pages")
+    waiter = app.tasks["xb.one"].delay(tenant, wgate, "waiter")
+    parked(r, prefix, f"xb:{tenant}")
+    out = cli(app, "release", f"xb:{tenant}", "-y")
+    released = time.time()
+    assert out.exit_code == 0, out.output
+    assert start_of(r, prefix, waiter.id, BOUND) - released < BOUND
+    r.set(gate, 1)
+    with pytest.raises(Exception) as exc:
+        res.get(timeout=30)
+    print(repr(exc.value))
+    time.sleep(0.5)
+    assert wf_lease(r, prefix, f"xb:{tenant}").get("task_id") == waiter.id
+    assert not started(r, prefix, "cb")
+    r.set(wgate, 1)
+    waiter.get(timeout=30)
+
+
+def test_a_debounced_task_as_a_workflow_member_neither_supersedes_nor_is_superseded_by_a_pending_burst(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    t, tenant = uuid.uuid4().hex[:6], uuid.uuid4().hex[:6]
+    deb, step = app.tasks["xb.deb"], app.tasks["xb.step"]
+    solo = deb.delay(tenant=tenant, tag="solo")
+    sig = chain(step.si(key="s1", tag="s1"), deb.si(tenant=tenant, tag="member"), step.si(key="s3", tag="s3"))
+    res = workflow(sig, lock_key="xb:{t}", t=t).apply_async()
+    assert res.get(timeout=30)["tag"] == "s3"
+    assert solo.get(timeout=30)["tag"] == "solo"
+    late = deb.delay(tenant=tenant, tag="late")
+    assert late.get(timeout=30)["tag"] == "late"
+    tags = [x["tag"] for x in records(r, prefix) if x["ev"] == "start"]
+    assert sorted(tags) == ["late", "member", "s1", "s3", "solo"], tags
