@@ -74,6 +74,21 @@ def render(opts: TaskOptions, task_id: str, args: tuple[Any, ...], kwargs: dict[
     return CallNames(key, scope, digest, scope_is_task, record)
 
 
+def without(call: CallNames, held: tuple[str, ...]) -> CallNames:
+    """``call`` without the entities in ``held``: those its workflow already holds for it (``_workflow._run``).
+
+    A workflow member whose ``lock_key`` names the workflow's entity and others takes leases on the others
+    only: ACQUIRE on the workflow's own entity would meet the workflow lease, which carries the member's own
+    task id, and read it as a redelivery of a running original. ``call`` as it is when nothing is left out.
+    """
+    if not call.keys:
+        return call
+    rest = tuple(k for k in call.keys if k not in held)
+    if not rest or len(rest) == len(call.keys):
+        return call
+    return call._replace(key=rest[0], keys=rest if len(rest) > 1 else ())
+
+
 def refuse_empty_fields(opts: TaskOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Render the call's names at publish only to refuse a bad key (``EmptyField``, ``UnstableText``) there.
 

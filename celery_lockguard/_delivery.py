@@ -130,10 +130,22 @@ class DeliveryState:
 
     @classmethod
     def of(
-        cls, task: Any, req: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kwargs: dict[str, Any]
+        cls,
+        task: Any,
+        req: Any,
+        s: Settings,
+        opts: TaskOptions,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        held: tuple[str, ...] = (),
     ) -> DeliveryState:
-        """The state a delivery starts with, from its request's headers (``req``: ``task.request``)."""
+        """The state a delivery starts with, from its request's headers (``req``: ``task.request``).
+
+        ``held``: entities a workflow holds for this delivery, left out of its own (:func:`._calls.without`).
+        """
         call = calls.render(opts, req.id, args, kwargs)
+        if held:
+            call = calls.without(call, held)
         client = connection.client(s)
         store = records.store_for(task, s) if opts.completion else None
         # A plain first delivery carries none of our headers: one test instead of a read per header.
@@ -169,10 +181,20 @@ class DeliveryState:
         )
 
 
-def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Acquire, decide, carry out; loop only to adopt a claim or to wait in-process."""
+def deliver(
+    task: Any,
+    s: Settings,
+    opts: TaskOptions,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    held: tuple[str, ...] = (),
+) -> Any:
+    """Acquire, decide, carry out; loop only to adopt a claim or to wait in-process.
+
+    ``held``: entities of the call's ``lock_key`` its workflow already holds (a member nesting its own lock).
+    """
     req = task.request
-    state = DeliveryState.of(task, req, s, opts, args, kwargs)
+    state = DeliveryState.of(task, req, s, opts, args, kwargs, held)
     call, store = state.call, state.store
     if state.watch_copy and store is not None and not store.in_scripts:
         # A watch copy checks the record first: acquiring to read it would make copies arriving

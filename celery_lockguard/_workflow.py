@@ -237,6 +237,31 @@ def own_entities(spec: Spec, own: str | tuple[str, ...] | None) -> bool:
     return set((own,) if isinstance(own, str) else own) <= set(spec.entities)
 
 
+def refuse_caps_on_own_entity(task_name: str, opts: TaskOptions, spec: Spec) -> None:
+    """Refuse a member on the workflow's own entity whose ``lock_rate`` or ``lock_limit`` the lease cannot keep.
+
+    Such a member runs under the workflow lease (:func:`own_entities`), which takes no start from the
+    entity's window, so ``lock_rate`` would go uncounted; and a chord's pages all run under it at once, so a
+    ``lock_limit`` below the number of pages would be exceeded. Either would be broken silently: the member
+    fails with ``ConfigurationError`` instead (the workflow ends, as on any failure). A chain member with a
+    ``lock_limit`` runs alone under the lease, within any limit, and is let through.
+    """
+    where = f"task {task_name!r}: on the workflow's own entity {spec.key!r}"
+    if opts.rate is not None:
+        raise ConfigurationError(
+            f"{where}, option lock_rate={opts.rate.text!r} cannot be kept: a member there runs under the "
+            "workflow lease, which counts no start in the entity's window. Rate-limit another entity (the "
+            "member then nests its own lease there), or run the task outside the workflow"
+        )
+    if opts.limit > 1 and spec.parallel and not 0 < spec.width <= opts.limit:
+        pages = f"{spec.width} pages" if spec.width else "its pages"
+        raise ConfigurationError(
+            f"{where}, option lock_limit={opts.limit} cannot be kept: the chord runs {pages} at once under "
+            "the workflow lease. Give the chord at most lock_limit pages, limit another entity, or run the "
+            "pages outside the workflow"
+        )
+
+
 def member_of(request: Any, task_name: str) -> Spec | None:
     """The workflow the delivered message is a member of, or ``None``."""
     value = headers.read(request, headers.WORKFLOW)
@@ -975,8 +1000,11 @@ def _run(
     outcome = "failed"
     try:
         if nested:
-            result = delivery.deliver(task, s, opts, args, kwargs)
+            # the workflow's own entities among the member's are held already: lease the others only
+            result = delivery.deliver(task, s, opts, args, kwargs, held=spec.entities)
         else:
+            if opts.locked:
+                refuse_caps_on_own_entity(task.name, opts, spec)
             # checkpoints work in every member (scoped by its own lock_key / idempotency_key, else its task id,
             # which its retries and redeliveries share)
             request_state.enter(req, calls.render(opts, req.id, args, kwargs))

@@ -9,6 +9,8 @@ import redis
 from celery import chain
 
 from celery_lockguard import workflow
+from celery_lockguard._keys import lock_name
+from celery_lockguard.exceptions import ConfigurationError
 
 from .conftest import Fleet, make_cfg
 from .test_workers import records
@@ -43,16 +45,14 @@ def test_a_member_locking_the_workflows_entity_and_another_runs_not_dropped_as_i
     assert [x["tag"] for x in records(r, prefix) if x["ev"] == "start"] == ["s1", "m", "s3"]
 
 
-def test_a_rated_member_on_the_workflows_own_entity_keeps_the_entitys_start_rate(
+def test_a_rated_member_on_the_workflows_own_entity_is_refused_not_run_uncounted(
     fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
 ) -> None:
     """Workflow x lock_rate. ``xb.rated_wf`` has ``lock_rate="1/10s"`` on ``xbw:{tenant}``. A plain call takes the
     window's one start; then a workflow on ``xbw:{tenant}`` runs ``xb.rated_wf`` as a member. Its lock_key is the
-    workflow's own entity, so ``_workflow.run_member`` runs the body under the workflow lease (``own_entities``)
-    and never asks the start window: the member starts at once, a second start on the entity within 10 s (nor is
-    its start counted: a plain call right after the workflow starts at once too).
-    Expected (docs/limits.md: "at most N bodies start on entity K per sliding window, fleet-wide"): the member
-    waits for the window, keeping the workflow lease, as a member throttled on another entity does."""
+    workflow's own entity, so it would run under the workflow lease, which counts no start in the window: before
+    the fix it started at once, a second start within 10 s. Now the member fails visibly with
+    ``ConfigurationError`` naming the task, the option and its value, and its body never starts."""
     cfg = make_cfg(prefix, redis_url)
     app = fleet.app(cfg)
     fleet.worker(cfg, concurrency=3)
@@ -60,44 +60,52 @@ def test_a_rated_member_on_the_workflows_own_entity_keeps_the_entitys_start_rate
     rated, step = app.tasks["xb.rated_wf"], app.tasks["xb.step"]
     rated.delay(tenant=tenant, tag="plain").get(timeout=30)  # the window's one start
     sig = chain(step.si(key="s1", tag="s1"), rated.si(tenant=tenant, tag="member"))
-    workflow(sig, lock_key="xbw:{tenant}", tenant=tenant).apply_async().get(timeout=40)
-    t = {x["tag"] + x["ev"]: x["t"] for x in records(r, prefix)}
-    gap = t["memberstart"] - t["plainstart"]
-    assert gap >= 9.5, f"the member started {gap:.2f} s after the window's one start (lock_rate 1/10s)"
+    with pytest.raises(ConfigurationError) as err:
+        workflow(sig, lock_key="xbw:{tenant}", tenant=tenant).apply_async().get(timeout=40)
+    assert "'xb.rated_wf'" in str(err.value) and "lock_rate='1/10s'" in str(err.value)
+    assert [x["tag"] for x in records(r, prefix) if x["ev"] == "start"] == ["plain", "s1"]
+    assert not r.exists(lock_name(prefix, f"xbw:{tenant}"))  # the workflow ended: nothing left holding it
 
 
-def test_chord_pages_with_lock_limit_on_the_workflows_own_entity_never_exceed_the_limit(
+def test_chord_pages_with_lock_limit_below_their_number_on_the_workflows_own_entity_are_refused(
     fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
 ) -> None:
     """Workflow (chord) x lock_limit. Four pages of ``xb.slot`` (``lock_limit=2`` on ``xb:{key}``) form the header
-    of a chord run as a workflow on that very entity. Pages join the workflow's lease and, their lock_key being
-    the workflow's own entity, run their bodies under it (``own_entities``) without taking a slot: four bodies
-    hold the entity at once. Expected (docs/limits.md: "at most N bodies hold entity K at once, fleet-wide"):
-    at most two pages' bodies run at the same time."""
+    of a chord run as a workflow on that very entity. Pages join the workflow's lease and run under it at once:
+    before the fix, four bodies held the entity under lock_limit=2. Now each page fails visibly with
+    ``ConfigurationError`` (the chord fails), and no page body starts."""
     from celery import chord
-
-    from celery_lockguard.testing import wait_for
 
     cfg = make_cfg(prefix, redis_url)
     app = fleet.app(cfg)
     fleet.worker(cfg, concurrency=4)
     key = uuid.uuid4().hex[:6]
     gate = f"{prefix}:gate"
+    r.set(gate, 1)
     slot, step = app.tasks["xb.slot"], app.tasks["xb.step"]
     pages = [slot.si(key, gate, f"p{i}") for i in range(4)]
     res = workflow(chord(pages, step.si(key="cb", tag="cb")), lock_key="xb:{k}", k=key).apply_async()
+    with pytest.raises(Exception) as err:  # Celery fails the callback with the page's error
+        res.get(timeout=60)
+    assert "lock_limit=2" in str(err.value) and "4 pages" in str(err.value)
+    assert [x for x in records(r, prefix) if x["ev"] == "start"] == []
 
-    def running() -> int:
-        rows = records(r, prefix)
-        return len({x["tag"] for x in rows if x["ev"] == "start" and x["tag"].startswith("p")})
 
-    try:
-        # give every page the time to reach its body (four worker processes are free)
-        wait_for(lambda: running() >= 3, 8, what="a third page to start")
-        over = running()
-    except Exception:  # noqa: BLE001 - at most two started: the limit held
-        over = running()
-    finally:
-        r.set(gate, 1)
-    res.get(timeout=60)
-    assert over <= 2, f"{over} pages held {key!r} at once under lock_limit=2"
+def test_chord_pages_within_lock_limit_on_the_workflows_own_entity_run(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """The same chord with two pages (= lock_limit): the limit holds under the workflow lease, so they run."""
+    from celery import chord
+
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    key = uuid.uuid4().hex[:6]
+    gate = f"{prefix}:gate"
+    r.set(gate, 1)
+    slot, step = app.tasks["xb.slot"], app.tasks["xb.step"]
+    res = workflow(
+        chord([slot.si(key, gate, f"p{i}") for i in range(2)], step.si(key="cb", tag="cb")), lock_key="xb:{k}", k=key
+    ).apply_async()
+    assert res.get(timeout=60)["tag"] == "cb"
+    assert sorted(x["tag"] for x in records(r, prefix) if x["ev"] == "start") == ["cb", "p0", "p1"]
