@@ -273,6 +273,13 @@ def _debounce_table(pending: list[DebounceRow]) -> None:
     click.echo(terminal.table(headings, rows))
 
 
+def _host_pid(lease: HeldLease, cell: Callable[[object, str], str]) -> str:
+    """``host:pid`` of a holder, or ``-`` for one no process holds (a woken waiter's reservation: no host, pid 0)."""
+    if not lease.host and not lease.pid and not {"host", "pid"} & set(lease.malformed):
+        return "-"
+    return f"{cell(lease.host, 'host')}:{cell(lease.pid, 'pid')}"
+
+
 def _lease_table(leases: list[HeldLease], waiting: dict[str, int], echo: bool = True) -> str:
     """The leases and queue claims of ``lockguard locks``, with the deliveries waiting behind each entity."""
     rows = []
@@ -288,7 +295,7 @@ def _lease_table(leases: list[HeldLease], waiting: dict[str, int], echo: bool = 
                 lease.state,
                 cell(lease.task_name, "task_name") + (f" > {printable(lease.member)}" if lease.member else ""),
                 cell(lease.task_id, "task_id"),
-                lease.worker or f"{cell(lease.host, 'host')}:{cell(lease.pid, 'pid')}",
+                lease.worker or _host_pid(lease, cell),
                 cell(lease.fence, "fence"),
                 "?" if "acquired_at" in bad else duration(lease.held_for_ms),
                 duration(lease.ttl_left_ms),

@@ -519,3 +519,24 @@ def test_locks_and_describe_show_debounced_runs(redis_url: str, prefix: str) -> 
     described = {r["task"]: r for r in cli_json(cfg, "describe")}
     assert described["debounced"]["debounce"] == 30 and described["hold_skip"]["debounce"] is None
     assert "while_running, debounce 30s" in cli(cfg, "describe").stdout
+
+
+def test_locks_shows_no_worker_for_a_woken_waiters_reservation(redis_url: str, prefix: str) -> None:
+    """A reservation RELEASE made for a woken waiter has no process yet (host '', pid 0): WORKER reads ``-``."""
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    key = f"res:{uuid.uuid4().hex[:6]}"
+    name = lock_name(prefix, key)
+    now = int(time.time() * 1000)
+    # what RELEASE's wake writes (_scripts._WAKE_OLDEST)
+    r.hset(name, mapping={"token": "p1", "task_id": "t-woken", "task_name": "hold_skip", "digest": "",
+                          "host": "", "pid": 0, "worker": "", "state": "handed", "acquired_at": now,
+                          "renewed_at": now, "ttl": 30_000, "fence": ""})  # fmt: skip
+    r.pexpire(name, 30_000)
+    try:
+        cfg = make_cfg(prefix, redis_url)
+        table = cli(cfg, "locks", "--match", key)
+        assert table.returncode == 0, table.stderr
+        row = next(line for line in table.stdout.splitlines() if "t-woken" in line)
+        assert ":0" not in row and " - " in row, row
+    finally:
+        r.delete(name)
