@@ -1,0 +1,163 @@
+"""Review ``xa``: queue-time modes (until_started / until_done) crossed with one other feature at a time,
+through real prefork ``celery worker`` subprocesses and the real Redis. Tasks in ``tests/xaapp.py``
+(leases of 30 s: an entity free again within a few seconds was freed, not expired).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from typing import Any
+
+import pytest
+import redis
+
+from celery_lockguard.testing import wait_for
+
+from .conftest import Fleet, make_cfg
+from .test_workers import records
+
+pytestmark = pytest.mark.integration
+
+
+def lock_key(prefix: str, key: str) -> str:
+    return f"{prefix}:v1:{{{key}}}:lock"
+
+
+def claim_key(prefix: str, key: str) -> str:
+    return f"{prefix}:v1:{{{key}}}:claim"
+
+
+def starts(r: redis.Redis, prefix: str, task_id: str) -> list[dict[str, Any]]:
+    return [x for x in records(r, prefix) if x["ev"] == "start" and x["task_id"] == task_id]
+
+
+def test_an_until_done_retry_onto_another_entity_frees_the_claim_it_leaves_behind(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """until_done x retry(kwargs=...) moving the call to another entity: retry() hands the lease on xa:A over
+    to the retry message as its claim, but the retry message renders xa:B, adopts nothing on xa:A and never
+    frees it. Expected: once the retry has run (on B), xa:A is free and an identical publish of the original
+    work is new work that runs. Actual: xa:A stays claimed ('queued', the retried task id) for queue_lock_ttl
+    (3600 s) + countdown, and the identical publish is answered with the finished task's AsyncResult."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=2)
+    a, b = (uuid.uuid4().hex[:8] for _ in range(2))
+    task = app.tasks["xa.shard"]
+    first = task.apply_async(kwargs={"shard": a, "move_to": b})
+    assert first.get(timeout=30) == {"shard": b, "retries": 1}
+    assert not r.exists(lock_key(prefix, f"xa:{b}"))
+    leftover = r.hgetall(lock_key(prefix, f"xa:{a}"))
+    ttl = r.pttl(lock_key(prefix, f"xa:{a}")) / 1000
+    again = task.apply_async(kwargs={"shard": a, "move_to": b})
+    assert again.id != first.id, (
+        f"identical work answered with the finished task: xa:{a} still claimed {leftover} for {ttl:.0f}s more"
+    )
+    assert not leftover, f"xa:{a} left claimed for {ttl:.0f}s: {leftover}"
+
+
+def test_an_until_done_publish_behind_a_killed_holder_is_not_answered_with_the_dead_task(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """until_done x a worker child killed mid-body (SIGKILL, no acks_late: the message is not redelivered).
+    The dead holder's lease lives out its 30 s TTL. A duplicate is skipped only behind a *live* holder
+    (docs/failure-modes.md, "A worker child is killed"; Publish.holder_alive), since the dead holder's work
+    will never be redone. Expected: an identical publish is accepted as new work (it waits out the lease at
+    execution, then runs). Actual: apply_async answers it with the dead task's AsyncResult (FAILURE,
+    WorkerLostError) and the work is never done."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=2)
+    key = uuid.uuid4().hex[:8]
+    gate = f"{prefix}:gate"
+    task = app.tasks["xa.ud"]
+    first = task.delay(key, gate)
+    rows = wait_for(lambda: starts(r, prefix, first.id), 30, what="the body")
+    os.kill(rows[0]["pid"], signal.SIGKILL)
+    wait_for(lambda: first.state == "FAILURE", 30, what="the killed task to be reported lost")
+    assert r.hget(lock_key(prefix, f"xa:{key}"), "state") == "running"  # the dead holder's lease, until its TTL
+    r.set(gate, 1)
+    again = task.delay(key, gate)
+    assert again.id != first.id, "identical work answered with a dead holder's failed task: the work is lost"
+    assert again.get(timeout=60) == {"key": key}
+
+
+def test_until_done_tasks_sharing_a_namespace_answer_a_later_publish_from_the_record(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """until_done x idempotency_key + idempotency_namespace: capture (xa.cap1) ran; a later publish of the same
+    effect, by the same task or the other task of the namespace, is answered from the record (docs/completion.md)
+    without running, and leaves the entity S free."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=2)
+    inv = int(uuid.uuid4().int % 10**8)
+    first = app.tasks["xa.cap1"].delay(inv)
+    assert first.get(timeout=30) == {"by": "xa.cap1"}
+    s_lock = lock_key(prefix, f"xa-pay:{inv}")
+    wait_for(lambda: not r.exists(s_lock), 10, what="S free after the run")
+    for name in ("xa.cap2", "xa.cap1"):
+        again = app.tasks[name].delay(inv)
+        assert again.id != first.id
+        assert again.get(timeout=30) == {"by": "xa.cap1"}, name
+        wait_for(lambda: not r.exists(s_lock, claim_key(prefix, f"xa-pay:{inv}")), 10, what="S free")
+    assert [x["name"] for x in records(r, prefix) if x["ev"] == "start"] == ["xa.cap1"]
+
+
+def test_until_done_tasks_sharing_a_namespace_queued_together_run_the_effect_once(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """until_done x namespace, both queued at once: cap2's publish meets cap1's claim (different task: not a
+    duplicate) and queues behind it in {S}:claim; delivered, it waits for cap1 and is answered from its record."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    inv = int(uuid.uuid4().int % 10**8)
+    one = app.tasks["xa.cap1"].delay(inv)
+    two = app.tasks["xa.cap2"].delay(inv)
+    dup = app.tasks["xa.cap2"].delay(inv)
+    assert dup.id == two.id  # identical work of cap2 queued once
+    fleet.worker(cfg, concurrency=2)
+    assert one.get(timeout=30) == {"by": "xa.cap1"}
+    assert two.get(timeout=60) == {"by": "xa.cap1"}
+    assert [x["name"] for x in records(r, prefix) if x["ev"] == "start"] == ["xa.cap1"]
+    wait_for(
+        lambda: not r.exists(lock_key(prefix, f"xa-pay:{inv}"), claim_key(prefix, f"xa-pay:{inv}")), 10, what="free"
+    )
+
+
+def test_a_multi_entity_until_started_claim_is_freed_at_start_and_by_a_failed_publish(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """until_started x several entities: the claim (on the anchor) dedupes an identical publish while queued,
+    is freed when the body starts (one more copy may then queue), and a publish that fails at the broker
+    frees the claim it took."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    a, b = sorted(uuid.uuid4().hex[:8] for _ in range(2))
+    gate = f"{prefix}:gate"
+    task = app.tasks["xa.multi_us"]
+    first = task.delay(b, a, gate)  # named out of order: the anchor is the first sorted key
+    assert r.hget(claim_key(prefix, f"xam:{a}"), "task_id") == first.id
+    assert task.delay(b, a, gate).id == first.id
+    fleet.worker(cfg, concurrency=2)
+    wait_for(lambda: starts(r, prefix, first.id), 30, what="the body")
+    wait_for(lambda: not r.exists(claim_key(prefix, f"xam:{a}")), 10, what="the claim freed at start")
+    second = task.delay(b, a, gate)
+    assert second.id != first.id
+    assert task.delay(b, a, gate).id == second.id
+    r.set(gate, 1)
+    assert first.get(timeout=30) == {"a": b, "b": a}
+    assert second.get(timeout=60) == {"a": b, "b": a}
+    # a failed publish: the same task through a broker that refuses connections
+    bad = fleet.app({**cfg, "broker": "redis://127.0.0.1:1/0"})
+    bad.conf.task_publish_retry = False
+    bad.conf.broker_connection_retry = False
+    bad.conf.broker_connection_max_retries = 0
+    with pytest.raises(Exception):  # noqa: B017 - kombu's OperationalError or redis' ConnectionError
+        bad.tasks["xa.multi_us"].delay(b, a, "")
+    assert not r.keys(f"{prefix}:v1:*:claim")
+    third = task.delay(b, a, "")
+    assert third.get(timeout=30) == {"a": b, "b": a}
