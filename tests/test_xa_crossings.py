@@ -161,3 +161,42 @@ def test_a_multi_entity_until_started_claim_is_freed_at_start_and_by_a_failed_pu
     assert not r.keys(f"{prefix}:v1:*:claim")
     third = task.delay(b, a, "")
     assert third.get(timeout=30) == {"a": b, "b": a}
+
+
+@pytest.mark.parametrize("blocker", ["other_work", "slot_holder"])
+def test_an_until_done_delivery_waiting_behind_a_holder_keeps_its_claim_through_its_waits(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, blocker: str
+) -> None:
+    """until_done (queue_lock_ttl=2) x waiting behind a holder: other work of the same task, or a lock_limit
+    task's slot (docs/limits.md: the until_done delivery waits, never parks). Its wait copies carry the claim
+    on, but nothing extends the claim's TTL, so it lapses 2 s after the publish while the message still waits
+    in the broker ("a hand-over covers its countdown"). Expected: an identical publish meanwhile is answered
+    with the one queued copy, and the work runs once. Actual: the claim is gone, the identical publish
+    queues a second copy and the body runs twice."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    key = uuid.uuid4().hex[:8]
+    gate = f"{prefix}:gate"
+    if blocker == "other_work":
+        holder = app.tasks["xa.udq"].delay(key, "holder", gate)
+    else:
+        holder = app.tasks["xa.slots"].delay(key, "holder", gate)
+    wait_for(lambda: starts(r, prefix, holder.id), 30, what="the holder")
+    first = app.tasks["xa.udq"].delay(key, "u", "")
+    wait_for(lambda: first.state == "RETRY", 10, what="the identical work's delivery to wait behind the holder")
+    deadline = time.monotonic() + 6  # three times the claim's 2 s queue TTL, the holder still running
+    dups = set()
+    while time.monotonic() < deadline:
+        dups.add(app.tasks["xa.udq"].delay(key, "u", ""))
+        time.sleep(0.5)
+    r.set(gate, 1)
+    assert holder.get(timeout=30)["tag"] == "holder"
+    assert first.get(timeout=60) == {"tag": "u"}
+    for dup in dups:
+        dup.get(timeout=60)  # a second copy runs too, or is skipped behind the first at execution
+    ran = [x for x in records(r, prefix) if x["ev"] == "start" and x.get("tag") == "u"]
+    ids = {d.id for d in dups}
+    assert ids == {first.id} and len(ran) == 1, (
+        f"{len(ids - {first.id})} more copies of identical work queued; the body ran {len(ran)} times"
+    )

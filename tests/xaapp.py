@@ -72,3 +72,25 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
         until_open(gate)
         record(ev="end", key=f"{a}+{b}", task_id=self.request.id)
         return {"a": a, "b": b}
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="xa.udq", lock_key="xq:{key}", lock_ttl=TTL,
+        lock_mode="until_done", queue_lock_ttl=2,
+    )  # fmt: skip
+    def udq(self: Any, key: str, tag: str = "", gate: str = "") -> dict[str, Any]:
+        """``until_done`` on ``xq:{key}`` with a 2 s queue claim; other work when the tag differs."""
+        record(ev="start", key=key, tag=tag, task_id=self.request.id)
+        until_open(gate)
+        record(ev="end", key=key, tag=tag, task_id=self.request.id)
+        return {"tag": tag}
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="xa.slots", lock_key="xq:{key}", lock_ttl=TTL, lock_limit=2,
+        on_locked="retry",
+    )  # fmt: skip
+    def slots(self: Any, key: str, tag: str = "", gate: str = "") -> dict[str, Any]:
+        """Two at a time on ``xq:{key}`` (beside ``xa.udq``'s single lease)."""
+        record(ev="start", key=key, tag=tag, task_id=self.request.id)
+        until_open(gate)
+        record(ev="end", key=key, tag=tag, task_id=self.request.id)
+        return {"tag": tag}
