@@ -200,3 +200,45 @@ def test_an_until_done_delivery_waiting_behind_a_holder_keeps_its_claim_through_
     assert ids == {first.id} and len(ran) == 1, (
         f"{len(ids - {first.id})} more copies of identical work queued; the body ran {len(ran)} times"
     )
+
+
+@pytest.mark.parametrize("how", ["ok", "error", "ignore", "reject", "soft", "retry_exhausted"])
+def test_every_exit_of_an_until_done_body_frees_the_entity_for_identical_work(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, how: str
+) -> None:
+    """until_done x each way a body ends (success, exception, Ignore, Reject, SoftTimeLimitExceeded, retry past
+    max_retries): the claim-lease is freed at the exit (30 s lease: not its TTL), and an identical publish
+    afterwards is new work that runs."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=2)
+    key = uuid.uuid4().hex[:8]
+    task = app.tasks["xa.exit"]
+    first = task.delay(key, how)
+    wait_for(lambda: starts(r, prefix, first.id), 30, what="the body")
+    wait_for(lambda: not r.exists(lock_key(prefix, f"xe:{key}"), claim_key(prefix, f"xe:{key}")), 10, what="freed")
+    again = task.delay(key, how)
+    assert again.id != first.id
+    wait_for(lambda: starts(r, prefix, again.id), 30, what="identical work to run again")
+
+
+def test_until_started_identical_work_is_queued_once_also_while_other_work_is_queued_on_its_anchor(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """until_started x several entities x different work queued on the same anchor entity: the claim is one
+    ``{anchor}:claim`` hash. transfer(a, b) is queued; transfer(a, c) is different work (published without a
+    claim, as documented). Expected ("at most one queued copy of identical work", docs/model.md): a second
+    transfer(a, c) is answered with the first one's AsyncResult. Actual: CLAIM meets (a, b)'s claim, the
+    publish is "different work" again and a second copy of (a, c) is queued; both run."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    a, b, c = sorted(uuid.uuid4().hex[:8] for _ in range(3))
+    task = app.tasks["xa.multi_us"]
+    ab = task.delay(a, b, "")
+    ac = task.delay(a, c, "")
+    ac2 = task.delay(a, c, "")
+    fleet.worker(cfg, concurrency=2)
+    for res in (ab, ac, ac2):
+        res.get(timeout=30)
+    ran = [x for x in records(r, prefix) if x["ev"] == "start" and x["key"] == f"{a}+{c}"]
+    assert ac2.id == ac.id, f"identical work queued twice while other work was queued on its anchor; ran {len(ran)}x"

@@ -94,3 +94,24 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
         until_open(gate)
         record(ev="end", key=key, tag=tag, task_id=self.request.id)
         return {"tag": tag}
+
+    from celery.exceptions import Ignore, Reject
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="xa.exit", lock_key="xe:{key}", lock_ttl=TTL,
+        lock_mode="until_done", soft_time_limit=1, max_retries=0,
+    )  # fmt: skip
+    def exit_(self: Any, key: str, how: str) -> Any:
+        """``until_done`` on ``xe:{key}`` leaving its body the way ``how`` names."""
+        record(ev="start", key=key, how=how, task_id=self.request.id)
+        if how == "error":
+            raise ValueError("boom")
+        if how == "ignore":
+            raise Ignore()
+        if how == "reject":
+            raise Reject("no", requeue=False)
+        if how == "soft":
+            time.sleep(5)
+        if how == "retry_exhausted":
+            raise self.retry(countdown=1)
+        return how
