@@ -627,6 +627,11 @@ def _facts(
     )
 
 
+def holder_alive(task: Any, holder: Any, own: bool) -> bool:
+    """:func:`_holder_alive` for a holder met elsewhere (CLAIM at publish: ``_lease.Claimed``, same fields)."""
+    return _holder_alive(task, holder, own)
+
+
 def _holder_alive(task: Any, holder: Holder, own: bool) -> bool:
     """Alive: on this host, its pid exists; elsewhere, its lease is still being renewed.
 

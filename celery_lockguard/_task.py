@@ -379,6 +379,9 @@ class LockGuard(Task):
                     on_locked=opts.on_locked,  # type: ignore[arg-type]
                     claim=got.kind if got is not None else errors.classify(failure),  # type: ignore[arg-type]
                     duplicate=got is not None and got.task_name == self.name and got.digest == call.digest,
+                    # a running holder of identical work whose process is gone (or no longer renews) will not
+                    # do it: publish beside it (the delivery waits it out) rather than answer with it
+                    holder_alive=got is None or got.kind != "held" or delivery.holder_alive(self, got, own=False),
                     in_canvas=claims.in_canvas(options, link),
                     held_by_publisher=got is not None and publisher is not None and got.task_id == keys.meta(publisher),
                     holder_publishing=got is not None and got.state == "publishing" and time.monotonic() < deadline,
