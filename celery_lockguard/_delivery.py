@@ -336,6 +336,10 @@ def deliver(task: Any, s: Settings, opts: TaskOptions, args: tuple[Any, ...], kw
         if state.reserved and action in FREES_CLAIM:
             # answered from the record, skipped, gave up...: the reservation must not hold up the next waiter
             handoff.abandon(task.app, s, state.parked.key, state.reserved, task.name, req.id, limit=opts.limit)
+        if action is Action.WAIT and handed is None and state.claim_token and outcome != "unavailable":
+            # The claim was not consumed (a holder was met): it goes on with the wait copy, and must live
+            # through that copy's countdown, not lapse queue_lock_ttl after the first publish.
+            release_ops.keep_claim(task, s, opts, call, state.claim_token)
         if action is Action.WAIT:
             # A wait after an ACQUIRE that errored adopts that attempt's orphan; every wait carries ours on.
             attempt = headers.attempt_value(
