@@ -242,3 +242,50 @@ def test_until_started_identical_work_is_queued_once_also_while_other_work_is_qu
         res.get(timeout=30)
     ran = [x for x in records(r, prefix) if x["ev"] == "start" and x["key"] == f"{a}+{c}"]
     assert ac2.id == ac.id, f"identical work queued twice while other work was queued on its anchor; ran {len(ran)}x"
+
+
+def test_a_revoked_multi_entity_until_done_retry_frees_its_claim_when_due_and_identical_work_runs(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """until_done x several entities x retry(countdown=4) x revoke of the retry before it runs: the hand-over
+    keeps the claim on the anchor only (the other entity is free at once); the worker discards the revoked
+    retry when due and frees the anchor's claim then, not at queue_lock_ttl; identical work runs again."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=2)
+    a, b = sorted(uuid.uuid4().hex[:8] for _ in range(2))
+    task = app.tasks["xa.multi_ud"]
+    first = task.delay(b, a, 1)
+    anchor = lock_key(prefix, f"xd:{a}")
+    wait_for(lambda: r.hget(anchor, "state") == "queued", 30, what="the claim handed over to the retry")
+    handed = time.time()
+    assert not r.exists(lock_key(prefix, f"xd:{b}"))
+    assert task.delay(b, a, 1).id == first.id  # the retry is the one queued copy
+    app.control.revoke(first.id)
+    wait_for(lambda: not r.exists(anchor), 4.0 + 10, what="the revoked retry's claim freed")
+    assert time.time() - handed < 4.0 + 5
+    assert len(starts(r, prefix, first.id)) == 1
+    again = task.delay(b, a, 0)
+    assert again.id != first.id and again.get(timeout=30) == {"a": b, "b": a}
+
+
+def test_an_until_done_multi_entity_body_past_its_hard_time_limit_frees_every_entity_within_the_grace(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """until_done x several entities x hard time limit (time_limit=30 on the task, 2 s via the publish): the
+    main process cuts each entity's lease to the shorten grace; identical work publishes and runs after."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=2)
+    a, b = sorted(uuid.uuid4().hex[:8] for _ in range(2))
+    task = app.tasks["xa.multi_ud"]
+    first = task.apply_async(args=(a, b, 0, 20.0), time_limit=2)
+    wait_for(lambda: starts(r, prefix, first.id), 30, what="the body")
+    began = time.time()
+    wait_for(lambda: first.state == "FAILURE", 20, what="the hard time limit")
+    wait_for(
+        lambda: not r.exists(lock_key(prefix, f"xd:{a}"), lock_key(prefix, f"xd:{b}")), 10, what="both entities free"
+    )
+    assert time.time() - began < 2 + 2 + 5
+    again = task.delay(a, b, 0)
+    assert again.id != first.id and again.get(timeout=30) == {"a": a, "b": b}
