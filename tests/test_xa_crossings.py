@@ -289,3 +289,47 @@ def test_an_until_done_multi_entity_body_past_its_hard_time_limit_frees_every_en
     assert time.time() - began < 2 + 2 + 5
     again = task.delay(a, b, 0)
     assert again.id != first.id and again.get(timeout=30) == {"a": a, "b": b}
+
+
+def test_an_until_done_message_that_expires_in_the_queue_frees_its_claim_and_identical_work_runs(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """until_done x ``expires``: a message that expired while the only worker process was busy is discarded
+    unrun when received, and its claim freed then; identical work published afterwards is new and runs."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=1)
+    busy, key = (uuid.uuid4().hex[:8] for _ in range(2))
+    gate = f"{prefix}:gate"
+    task = app.tasks["xa.ud"]
+    blocker = task.delay(busy, gate)
+    wait_for(lambda: starts(r, prefix, blocker.id), 30, what="the only process busy")
+    first = task.apply_async(args=(key, ""), expires=1)
+    assert r.exists(lock_key(prefix, f"xa:{key}"))
+    time.sleep(1.5)  # the message's own expiry: nothing to poll before it passes
+    r.set(gate, 1)
+    wait_for(lambda: first.state == "REVOKED", 30, what="the expired message discarded")
+    wait_for(lambda: not r.exists(lock_key(prefix, f"xa:{key}")), 10, what="its claim freed")
+    again = task.delay(key, "")
+    assert again.id != first.id and again.get(timeout=30) == {"key": key}
+    assert not starts(r, prefix, first.id)
+
+
+def test_until_started_identical_work_is_queued_once_also_while_other_work_is_queued_on_its_entity(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """until_started, one entity: charge(42, "x") queued holds {K}:claim; charge(42, "y") published twice is
+    queued twice (each publish is "different work" against x's claim and takes no claim of its own), while
+    charge(42, "x") published again is answered with the first. Expected: one queued copy of each work."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    key = uuid.uuid4().hex[:8]
+    task = app.tasks["until_started"]
+    x = task.delay(key, 0.1, "x")
+    y1 = task.delay(key, 0.1, "y")
+    y2 = task.delay(key, 0.1, "y")
+    assert task.delay(key, 0.1, "x").id == x.id
+    fleet.worker(cfg, concurrency=2)
+    for res in (x, y1, y2):
+        res.get(timeout=30)
+    assert y2.id == y1.id, "identical work queued twice while other work's claim was queued on the entity"
