@@ -17,6 +17,7 @@ import redis
 from celery_lockguard.testing import wait_for
 
 from .conftest import Fleet, make_cfg
+from .test_completion_workers import completion_cfg  # noqa: F401 - the fixture: Redis or PostgreSQL records
 from .test_workers import records
 
 pytestmark = pytest.mark.integration
@@ -86,12 +87,16 @@ def test_an_until_done_publish_behind_a_killed_holder_is_not_answered_with_the_d
 
 
 def test_until_done_tasks_sharing_a_namespace_answer_a_later_publish_from_the_record(
-    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+    fleet: Fleet,
+    redis_url: str,
+    prefix: str,
+    r: redis.Redis,
+    completion_cfg: dict[str, Any],  # noqa: F811
 ) -> None:
     """until_done x idempotency_key + idempotency_namespace: capture (xa.cap1) ran; a later publish of the same
     effect, by the same task or the other task of the namespace, is answered from the record (docs/completion.md)
-    without running, and leaves the entity S free."""
-    cfg = make_cfg(prefix, redis_url)
+    without running, and leaves the entity S free. On either completion store."""
+    cfg = make_cfg(prefix, redis_url, **completion_cfg)
     app = fleet.app(cfg)
     fleet.worker(cfg, concurrency=2)
     inv = int(uuid.uuid4().int % 10**8)
