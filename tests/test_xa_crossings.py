@@ -338,3 +338,34 @@ def test_until_started_identical_work_is_queued_once_also_while_other_work_is_qu
     for res in (x, y1, y2):
         res.get(timeout=30)
     assert y2.id == y1.id, "identical work queued twice while other work's claim was queued on the entity"
+
+
+def test_an_until_done_message_terminated_before_it_started_frees_its_claim(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """until_done x revoke(terminate=True) of a message the worker has reserved (sent to its busy pool) but not
+    started: when the process frees, Celery kills it at accept (or discards the request as revoked). Either
+    way its claim must be freed within the shorten grace (2 s), never left for queue_lock_ttl, and identical
+    work published afterwards runs."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=1)
+    busy, key = (uuid.uuid4().hex[:8] for _ in range(2))
+    gate = f"{prefix}:gate"
+    task = app.tasks["xa.ud"]
+    blocker = task.delay(busy, gate)
+    wait_for(lambda: starts(r, prefix, blocker.id), 30, what="the only process busy")
+    first = task.delay(key, "")
+    time.sleep(1.0)  # let the worker reserve it (nothing observable from outside the worker)
+    app.control.revoke(first.id, terminate=True, signal="SIGKILL")
+    time.sleep(0.5)
+    r.set(gate, 1)
+    released = time.time()
+    assert blocker.get(timeout=30) == {"key": busy}
+    wait_for(lambda: first.state == "REVOKED", 30, what="the revoked message")
+    name = lock_key(prefix, f"xa:{key}")
+    state = r.hgetall(name)
+    wait_for(lambda: not r.exists(name), 10, what=f"its claim freed (was {state})")
+    assert time.time() - released < 2 + 5
+    again = task.delay(key, "")
+    assert again.id != first.id and again.get(timeout=30) == {"key": key}
