@@ -369,3 +369,28 @@ def test_an_until_done_message_terminated_before_it_started_frees_its_claim(
     assert time.time() - released < 2 + 5
     again = task.delay(key, "")
     assert again.id != first.id and again.get(timeout=30) == {"key": key}
+
+
+def test_an_until_done_body_revoked_while_running_then_retrying_frees_the_handed_over_claim(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """until_done x revoke (no terminate) of a running body x retry(countdown=4): the body goes on, hands its
+    lease over to the retry message and publishes it; the worker discards that message as revoked (at receipt
+    or when due) and frees the claim then: the entity is free within countdown + grace, not queue_lock_ttl."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=2)
+    key = uuid.uuid4().hex[:8]
+    gate = f"{prefix}:gate"
+    first = app.tasks["xr.ud"].apply_async(args=(key, gate, "t", 1, 4.0))
+    wait_for(lambda: starts(r, prefix, first.id), 30, what="the first attempt")
+    app.control.revoke(first.id)
+    time.sleep(0.5)  # the broadcast reaches the worker (no reply to wait for)
+    r.set(gate, 1)
+    retried = time.time()
+    name = lock_key(prefix, f"xu:{key}")
+    wait_for(lambda: not r.exists(name), 4.0 + 10, what="the revoked retry's claim freed")
+    assert time.time() - retried < 4.0 + 5
+    assert len(starts(r, prefix, first.id)) == 1
+    again = app.tasks["xr.ud"].delay(key, "", "t2")
+    assert again.id != first.id and again.get(timeout=30)["tag"] == "t2"
