@@ -250,18 +250,19 @@ def test_until_started_identical_work_is_queued_once_also_while_other_work_is_qu
 
 
 def test_a_revoked_multi_entity_until_done_retry_frees_its_claim_when_due_and_identical_work_runs(
-    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+    fleet: Fleet, broker_cfg: dict[str, Any], prefix: str, r: redis.Redis
 ) -> None:
     """until_done x several entities x retry(countdown=4) x revoke of the retry before it runs: the hand-over
     keeps the claim on the anchor only (the other entity is free at once); the worker discards the revoked
     retry when due and frees the anchor's claim then, not at queue_lock_ttl; identical work runs again."""
-    cfg = make_cfg(prefix, redis_url)
+    cfg = broker_cfg  # the Redis broker, or RabbitMQ
     app = fleet.app(cfg)
     fleet.worker(cfg, concurrency=2)
     a, b = sorted(uuid.uuid4().hex[:8] for _ in range(2))
     task = app.tasks["xa.multi_ud"]
     first = task.delay(b, a, 1)
     anchor = lock_key(prefix, f"xd:{a}")
+    wait_for(lambda: starts(r, prefix, first.id), 30, what="the first attempt (past its publish-time claim)")
     wait_for(lambda: r.hget(anchor, "state") == "queued", 30, what="the claim handed over to the retry")
     handed = time.time()
     assert not r.exists(lock_key(prefix, f"xd:{b}"))
