@@ -278,7 +278,7 @@ def test_a_revoked_multi_entity_until_done_retry_frees_its_claim_when_due_and_id
 def test_an_until_done_multi_entity_body_past_its_hard_time_limit_frees_every_entity_within_the_grace(
     fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
 ) -> None:
-    """until_done x several entities x hard time limit (time_limit=30 on the task, 2 s via the publish): the
+    """until_done x several entities x hard time limit (time_limit=2 given at publish): the
     main process cuts each entity's lease to the shorten grace; identical work publishes and runs after."""
     cfg = make_cfg(prefix, redis_url)
     app = fleet.app(cfg)

@@ -118,7 +118,7 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
 
     @app.task(
         base=LockedTask, bind=True, shared=False, name="xa.multi_ud", lock_key=("xd:{a}", "xd:{b}"), lock_ttl=TTL,
-        lock_mode="until_done", max_retries=3, time_limit=30,
+        lock_mode="until_done", max_retries=3,
     )  # fmt: skip
     def multi_ud(self: Any, a: str, b: str, retries: int = 0, sleep: float = 0.0) -> dict[str, Any]:
         """``until_done`` on two entities; retries ``retries`` times with a 4 s countdown; sleeps ``sleep``."""
