@@ -395,3 +395,27 @@ def test_an_until_done_body_revoked_while_running_then_retrying_frees_the_handed
     assert len(starts(r, prefix, first.id)) == 1
     again = app.tasks["xr.ud"].delay(key, "", "t2")
     assert again.id != first.id and again.get(timeout=30)["tag"] == "t2"
+
+
+def test_a_revoked_multi_entity_until_started_message_frees_its_anchor_claim(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """until_started x several entities x revoke before it runs: the worker discards the message and frees the
+    claim on the anchor (the first sorted entity, whatever order the call names them in); identical work runs."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=1)
+    busy, a, b = sorted(uuid.uuid4().hex[:8] for _ in range(3))
+    gate = f"{prefix}:gate"
+    blocker = app.tasks["xa.ud"].delay(busy, gate)
+    wait_for(lambda: starts(r, prefix, blocker.id), 30, what="the only process busy")
+    task = app.tasks["xa.multi_us"]
+    first = task.delay(b, a, "")
+    assert r.hget(claim_key(prefix, f"xam:{a}"), "task_id") == first.id
+    app.control.revoke(first.id)
+    time.sleep(0.5)  # the broadcast reaches the worker (no reply to wait for)
+    r.set(gate, 1)
+    wait_for(lambda: first.state == "REVOKED", 30, what="the revoked message discarded")
+    wait_for(lambda: not r.exists(claim_key(prefix, f"xam:{a}")), 10, what="the anchor claim freed")
+    again = task.delay(b, a, "")
+    assert again.id != first.id and again.get(timeout=30) == {"a": b, "b": a}
