@@ -358,6 +358,10 @@ def deliver(
         if state.reserved and action in FREES_CLAIM:
             # answered from the record, skipped, gave up...: the reservation must not hold up the next waiter
             handoff.abandon(task.app, s, state.parked.key, state.reserved, task.name, req.id, limit=opts.limit)
+        if action is Action.WAIT and handed is None and state.claim_token and outcome != "unavailable":
+            # The claim was not consumed (a holder was met): it goes on with the wait copy, and must live
+            # through that copy's countdown, not lapse queue_lock_ttl after the first publish.
+            release_ops.keep_claim(task, s, opts, call, state.claim_token)
         if action is Action.WAIT:
             # A wait after an ACQUIRE that errored adopts that attempt's orphan; every wait carries ours on.
             attempt = headers.attempt_value(
@@ -647,6 +651,11 @@ def _facts(
         orphan=carried and not again,
         parent=not own and bool(req.parent_id) and holder.task_id == keys.meta(str(req.parent_id)),
     )
+
+
+def holder_alive(task: Any, holder: Any, own: bool) -> bool:
+    """:func:`_holder_alive` for a holder met elsewhere (CLAIM at publish: ``_lease.Claimed``, same fields)."""
+    return _holder_alive(task, holder, own)
 
 
 def _holder_alive(task: Any, holder: Holder, own: bool) -> bool:

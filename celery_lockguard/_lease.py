@@ -684,6 +684,11 @@ class Claimed:
     digest: str = ""
     state: str = ""
     pttl_ms: int = 0
+    #: A running holder's host, pid, milliseconds since its last renewal and its own lease TTL (its liveness).
+    host: str = ""
+    pid: int = 0
+    ms_since_renewal: int = 0
+    ttl_ms: int = 0
 
 
 def claim(
@@ -710,7 +715,11 @@ def claim(
     )
     if reply[0] != "held":
         return Claimed(reply[0])
-    return Claimed("held", reply[1], reply[2], reply[3], reply[4], int(reply[5]))
+    if len(reply) < 10:  # a server still running the previous CLAIM: no liveness facts (presumed alive)
+        return Claimed("held", reply[1], reply[2], reply[3], reply[4], int(reply[5]))
+    pid = int(reply[7] or 0)
+    return Claimed("held", reply[1], reply[2], reply[3], reply[4], int(reply[5]), reply[6], pid, int(reply[8]),
+                   int(reply[9]))  # fmt: skip
 
 
 def release_claim(client: Any, claim_key: str | list[str], task_id: str, token: str = "") -> bool:

@@ -181,6 +181,39 @@ def hand_back(task: Any, s: Settings, opts: TaskOptions, call: CallNames, lease:
         return ""
 
 
+def keep_claim(task: Any, s: Settings, opts: TaskOptions, call: CallNames, token: str) -> None:
+    """Make this delivery's unconsumed queue claim live through the wait it is about to publish; best effort.
+
+    A delivery that met a holder hands its claim (the header) on to its wait copy. Nothing else renews the
+    claim, which would lapse ``queue_lock_ttl`` after the first publish while the message still waits, and
+    identical work would queue a second copy (DESIGN: a hand-over covers its countdown). CLAIM by the same
+    task id extends a queued claim (never shortens it) or, if it lapsed and nobody took its place, takes it
+    again under the same token. An error leaves the claim to its TTL.
+    """
+    if not token or opts.mode == "while_running":
+        return
+    ttl_ms = claims.wait_claim_ttl_ms(opts.queue_lock_ttl, republish.max_countdown(s))
+    try:
+        lease_ops.claim(
+            connection.client(s),
+            claims.claim_keys(s.key_prefix, call.key, opts.mode),
+            token=token,
+            ttl_ms=ttl_ms,
+            task_id=task.request.id,
+            task_name=task.name,
+            digest=call.digest,
+        )
+    except Exception as exc:  # the wait still goes out; the claim lives out its TTL
+        if errors.classify(exc) is None:
+            raise
+        emit(
+            "lock.backend_unavailable",
+            task.name,
+            **event_fields(task, call),
+            reason=f"keep claim: {errors.describe(exc)}",
+        )
+
+
 def free_claim(
     task: Any, s: Settings, opts: TaskOptions, call: CallNames, token: str, task_id: str | None = None
 ) -> None:

@@ -752,15 +752,23 @@ CLAIM = """
 --   {'ok'}    claimed (state publishing or queued), in KEYS[1], or in KEYS[2] behind different work
 --   {'own'}   already claimed or held by this task id (a retry or replace): a queued claim's TTL is
 --             extended (never shortened); a running lease is left untouched (its TTL is its liveness)
---   {'held', task_id, task_name, digest, state, pttl_ms}   the claim (or lease) identical work holds,
---             or, without KEYS[2], whatever holds KEYS[1]
-local function read(key) return redis.call('HMGET', key, 'task_id', 'task_name', 'digest', 'state') end
+--   {'held', task_id, task_name, digest, state, pttl_ms, host, pid, ms_since_renewal, ttl_ms}   the claim
+--             (or lease) identical work holds, or, without KEYS[2], whatever holds KEYS[1]; host, pid, the
+--             age of its last renewal and its own TTL tell a running holder's liveness (a dead holder's
+--             identical work must not be answered with it)
+local function read(key)
+  return redis.call('HMGET', key, 'task_id', 'task_name', 'digest', 'state', 'host', 'pid', 'renewed_at', 'ttl')
+end
 local function own(key, cur)
   if cur[4] == 'queued' and redis.call('PTTL', key) < tonumber(ARGV[2]) then redis.call('PEXPIRE', key, ARGV[2]) end
   return {'own'}
 end
 local function held(key, cur)
-  return {'held', cur[1], cur[2] or '', cur[3] or '', cur[4] or '', redis.call('PTTL', key)}
+  local t = redis.call('TIME')
+  local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local age = now_ms - (tonumber(cur[7]) or now_ms)
+  return {'held', cur[1], cur[2] or '', cur[3] or '', cur[4] or '', redis.call('PTTL', key), cur[5] or '',
+          cur[6] or '', age, tonumber(cur[8]) or 0}
 end
 local function identical(cur) return cur[2] == ARGV[4] and cur[3] == ARGV[5] end
 local function claim(key)

@@ -379,6 +379,9 @@ class LockGuard(Task):
                     on_locked=opts.on_locked,  # type: ignore[arg-type]
                     claim=got.kind if got is not None else errors.classify(failure),  # type: ignore[arg-type]
                     duplicate=got is not None and got.task_name == self.name and got.digest == call.digest,
+                    # a running holder of identical work whose process is gone (or no longer renews) will not
+                    # do it: publish beside it (the delivery waits it out) rather than answer with it
+                    holder_alive=got is None or got.kind != "held" or delivery.holder_alive(self, got, own=False),
                     in_canvas=claims.in_canvas(options, link),
                     held_by_publisher=got is not None and publisher is not None and got.task_id == keys.meta(publisher),
                     holder_publishing=got is not None and got.state == "publishing" and time.monotonic() < deadline,
@@ -477,6 +480,19 @@ class LockGuard(Task):
             release_ops.release(self, settings(self.app), self.lockguard_options, lease)
         return super().on_replace(sig)
 
+    def _retry_keeps_entity(self, opts: TaskOptions, req: Any, args: Any, kwargs: Any) -> bool:
+        """Whether the ``retry()`` message names the entity this delivery holds, so it can adopt a hand-over.
+
+        ``retry(args=..., kwargs=...)`` may move the call to another entity: a claim handed over on the old
+        one would never be adopted nor freed by that message, and would swallow identical work on the old
+        entity for ``queue_lock_ttl``. Then the lease is released instead.
+        """
+        held: CallNames | None = getattr(req, CALL, None)
+        if held is None or (args is None and kwargs is None):
+            return True
+        moved = _retry_renders(opts, req, args, kwargs)
+        return moved is not None and moved.key == held.key
+
     def retry(
         self,
         args: Any = None,
@@ -511,7 +527,7 @@ class LockGuard(Task):
         if lease is not None and not lease.released:
             limit = self.max_retries if max_retries is None else max_retries
             exhausted = limit is not None and req.retries + 1 > limit
-            if opts.mode == "until_done" and not exhausted:
+            if opts.mode == "until_done" and not exhausted and self._retry_keeps_entity(opts, req, args, kwargs):
                 token = lease_ops.new_token()
                 renewer().untrack(lease)
                 try:
@@ -546,6 +562,16 @@ class LockGuard(Task):
                 if call is not None:
                     release_ops.free_claim(self, s, opts, call, handed)
             raise
+
+
+def _retry_renders(opts: TaskOptions, req: Any, args: Any, kwargs: Any) -> CallNames | None:
+    """The names the ``retry()`` message renders (its arguments, else the request's); ``None``: they do not bind."""
+    new_args = req.args if args is None else args
+    new_kwargs = req.kwargs if kwargs is None else kwargs
+    try:
+        return calls.render(opts, req.id, tuple(new_args or ()), dict(new_kwargs or {}))
+    except Exception:  # noqa: BLE001 - arguments that do not render: the retry cannot adopt a claim either
+        return None
 
 
 class LockedTask(LockGuard):

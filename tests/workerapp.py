@@ -473,6 +473,10 @@ def create_app(cfg: dict[str, Any]) -> Celery:
 
     register_xb_tasks(app, cfg, record)
 
+    from .xaapp import register as register_xa_tasks
+
+    register_xa_tasks(app, cfg, record)
+
     if cfg.get("beat_every"):
         app.conf.beat_schedule = {
             "reindex": {"task": "reindex_catalog", "schedule": float(cfg["beat_every"]), "args": (2.5,)}
