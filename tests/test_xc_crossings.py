@@ -1,0 +1,248 @@
+"""xc crossing review: the outage policies (fail_closed / fail_open) crossed with one other feature at a time,
+through real prefork workers; the lock Redis is a private server paused (SIGSTOP) or restarted, the broker the
+shared RabbitMQ (own queue), records and results on the shared Redis."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from celery_lockguard.testing import RedisServer, wait_for
+
+from .conftest import Fleet, amqp_url, make_cfg
+from .test_workers import records
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def srv() -> Iterator[RedisServer]:
+    with RedisServer() as s:
+        yield s
+        if s.proc is not None:
+            s.resume()  # never leave a stopped process behind
+
+
+def cfg_for(prefix: str, redis_url: str, srv: RedisServer, **over: Any) -> dict[str, Any]:
+    return make_cfg(prefix, redis_url, broker=amqp_url(), backend=redis_url, lock_url=srv.url, **over)
+
+
+def evs(r: redis.Redis, prefix: str, ev: str, **match: Any) -> list[dict[str, Any]]:
+    return [x for x in records(r, prefix) if x["ev"] == ev and all(x.get(k) == v for k, v in match.items())]
+
+
+def test_checkpoint_outage_between_two_checkpoints_replays_the_first(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, srv: RedisServer
+) -> None:
+    """Crossing 6: fail_closed x checkpoint(). Step a is recorded, the lock Redis stalls before step b's read:
+    the body stops and is re-delivered; once Redis is back the re-delivery replays a and runs b once."""
+    cfg = cfg_for(prefix, redis_url, srv)
+    app = fleet.app(cfg)
+    w = fleet.worker(cfg, concurrency=2)
+    key, gate = uuid.uuid4().hex[:6], f"{prefix}:gate"
+    res = app.tasks["xc.cp"].delay(key, gate, "cp")
+    wait_for(lambda: evs(r, prefix, "after_a"), 30, what="checkpoint a recorded")
+    srv.pause()
+    r.set(gate, 1)
+    wait_for(lambda: "checkpoint 'b' read" in w.output(), 30, what="checkpoint b to meet the outage")
+    time.sleep(1)
+    srv.resume()
+    out = res.get(timeout=90)
+    print(w.output()[-4000:])
+    steps = [x["step"] for x in evs(r, prefix, "step")]
+    first_a = evs(r, prefix, "after_a")[0]["a"]
+    assert steps.count("a") == 1, steps
+    assert steps.count("b") == 1, steps
+    assert out["a"] == first_a
+
+
+def test_checkpoint_outage_refused_connections_between_two_checkpoints_replays_the_first(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """Crossing 6 with the lock Redis down (connections refused; AOF keeps checkpoint a) rather than stalled: the
+    release of the stopped body fails too, so the lease of the call's own id outlives it; the re-delivery must
+    still replay a, run b once and finish within a bounded time (the lease TTL, a watch)."""
+    with RedisServer(persistent=True) as srv:
+        cfg = cfg_for(prefix, redis_url, srv)
+        app = fleet.app(cfg)
+        w = fleet.worker(cfg, concurrency=2)
+        key, gate = uuid.uuid4().hex[:6], f"{prefix}:gate"
+        res = app.tasks["xc.cp"].delay(key, gate, "cp")
+        wait_for(lambda: evs(r, prefix, "after_a"), 30, what="checkpoint a recorded")
+        srv.stop()
+        r.set(gate, 1)
+        wait_for(lambda: "checkpoint 'b' read" in w.output(), 30, what="checkpoint b to meet the outage")
+        wait_for(lambda: w.output().count("lock.waiting") >= 2, 30, what="the re-delivery to wait again")
+        srv.start()
+        t0 = time.time()
+        out = res.get(timeout=120)
+        print(w.output()[-6000:])
+        print("finished after", time.time() - t0)
+        steps = [x["step"] for x in evs(r, prefix, "step")]
+        first_a = evs(r, prefix, "after_a")[0]["a"]
+        assert steps.count("a") == 1, steps
+        assert steps.count("b") == 1, steps
+        assert out["a"] == first_a
+
+
+def parked(lock: redis.Redis, prefix: str, key: str, n: int = 1) -> None:
+    wait_for(lambda: lock.llen(f"{prefix}:v1:{{{key}}}:wait") >= n, 30, what=f"{n} waiter(s) parked on {key}")
+
+
+def started(r: redis.Redis, prefix: str, tag: str) -> bool:
+    return bool(evs(r, prefix, "start", tag=tag))
+
+
+def max_overlap(rows: list[dict[str, Any]]) -> int:
+    starts = {x["task_id"]: x["t"] for x in rows if x["ev"] == "start"}
+    ends = {x["task_id"]: x["t"] for x in rows if x["ev"] == "end"}
+    points = sorted([(t, 1) for t in starts.values()] + [(ends.get(k, float("inf")), -1) for k in starts])
+    cur = best = 0
+    for _, d in sorted(points, key=lambda p: (p[0], p[1])):
+        cur += d
+        best = max(best, cur)
+    return best
+
+
+def test_slot_release_during_a_stall_still_wakes_the_parked_waiter(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, srv: RedisServer
+) -> None:
+    """Crossing 3: fail_closed x lock_limit=2 with a parked waiter. A slot holder ends while the lock Redis is
+    stalled (its release times out): after the resume the waiter runs within a bounded time, never a third."""
+    cfg = cfg_for(prefix, redis_url, srv)
+    app = fleet.app(cfg)
+    w = fleet.worker(cfg, concurrency=4)
+    lock = srv.client()
+    key = uuid.uuid4().hex[:6]
+    gates = [f"{prefix}:gate:{i}" for i in range(3)]
+    hs = [app.tasks["xc.slot"].delay(key, gates[i], f"h{i}") for i in range(2)]
+    wait_for(lambda: started(r, prefix, "h0") and started(r, prefix, "h1"), 30, what="both slots")
+    waiter = app.tasks["xc.slot"].delay(key, gates[2], "waiter")
+    parked(lock, prefix, f"xc:{key}")
+    srv.pause()
+    r.set(gates[0], 1)
+    wait_for(lambda: "release: " in w.output(), 30, what="h0's release to meet the stall")
+    time.sleep(1)
+    srv.resume()
+    resumed = time.time()
+    wait_for(lambda: started(r, prefix, "waiter"), 30, what="the waiter to run after the resume")
+    print("waiter started", evs(r, prefix, "start", tag="waiter")[0]["t"] - resumed, "s after the resume")
+    r.set(gates[1], 1)
+    r.set(gates[2], 1)
+    for h in [*hs, waiter]:
+        h.get(timeout=30)
+    print(w.output()[-5000:])
+    assert max_overlap(records(r, prefix)) <= 2
+
+
+def lease_keys(lock: redis.Redis, prefix: str, *keys: str) -> dict[str, dict[str, str]]:
+    out = {}
+    for k in keys:
+        h = lock.hgetall(f"{prefix}:v1:{{{k}}}:lock")
+        if h:
+            out[k] = h
+    return out
+
+
+def test_fail_open_multi_entity_acquire_that_timed_out_leaves_no_leases_behind(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, srv: RedisServer
+) -> None:
+    """Crossing 4: fail_open x multi-entity lock_key. The lock Redis stalls at ACQUIRE_MULTI: the body runs
+    unlocked (``lock.fail_open``). The stalled script still runs on the server when it resumes, so both
+    entities get leases of this call's token that nobody renews or releases: after the body ended (Redis back
+    long before), both entities must be free, not blocked until lock_ttl by a lease of a finished call."""
+    cfg = cfg_for(prefix, redis_url, srv)
+    app = fleet.app(cfg)
+    w = fleet.worker(cfg, concurrency=1)
+    lock = srv.client()
+    a, b = uuid.uuid4().hex[:6], uuid.uuid4().hex[:6]
+    gate = f"{prefix}:gate"
+    app.tasks["xc.one"].delay("warm", "", "warm").get(timeout=30)  # the child's lock connection is open
+    app.tasks["xc.multi_open"].delay("w1", "w2", "", "warm2").get(timeout=30)  # and ACQUIRE_MULTI is loaded
+    srv.pause()
+    res = app.tasks["xc.multi_open"].delay(a, b, gate, "m")
+    wait_for(lambda: started(r, prefix, "m"), 30, what="the body to run unlocked")
+    srv.resume()
+    assert "lock.fail_open" in w.output()
+    time.sleep(0.5)
+    r.set(gate, 1)
+    out = res.get(timeout=30)
+    assert out["locked"] is False
+    ended = time.time()
+    left = lease_keys(lock, prefix, f"xc:{a}", f"xc:{b}")
+    print(left, w.output()[-3000:])
+    # a second call on one entity must not wait out the lease of the finished fail-open call
+    other = app.tasks["xc.one"].delay(a, "", "after")
+    other.get(timeout=30)
+    waited = evs(r, prefix, "start", tag="after")[0]["t"] - ended
+    assert not left, f"leases of a finished fail-open call left behind (the next call waited {waited:.1f}s): {left}"
+    assert waited < 2.0, f"the next call on the entity waited {waited:.1f}s for the leftover lease"
+
+
+def test_fail_open_until_done_published_without_claim_runs_once_and_dedupes_later_publishes(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, srv: RedisServer
+) -> None:
+    """Crossing 2: fail_open x until_done. The lock Redis is down at publish (sent without a claim, logged) and
+    back before the delivery: the delivery runs once, under a lease; an identical copy published during the
+    outage is skipped when delivered (identical work running), and an identical publish while it runs is never
+    sent (answered with the holder). Nothing is left behind."""
+    cfg = cfg_for(prefix, redis_url, srv)
+    app = fleet.app(cfg)
+    w = fleet.worker(cfg, concurrency=3)
+    key, gate = uuid.uuid4().hex[:6], f"{prefix}:gate"
+    task = app.tasks["xc.ud_open"]
+    srv.stop()
+    a = task.apply_async((key, gate, "A"), countdown=3)
+    b = task.apply_async((key, gate, "A"), countdown=3.5)  # identical work, also published without a claim
+    srv.start()
+    wait_for(lambda: evs(r, prefix, "start", task_id=a.id), 30, what="A to run")
+    c = task.delay(key, gate, "A")  # identical work while A runs: answered with A, never sent
+    time.sleep(2)
+    r.set(gate, 1)
+    out_a = a.get(timeout=30)
+    out_b = b.get(timeout=30)
+    print(out_a, out_b, c.id, a.id, b.id, w.output()[-4000:])
+    assert out_a["locked"] is True
+    assert len(evs(r, prefix, "start")) == 1, evs(r, prefix, "start")
+    assert c.id == a.id or c.id not in w.output()
+    lock = srv.client()
+    wait_for(lambda: not lease_keys(lock, prefix, f"xc:{key}"), 10, what="the lease released")
+    assert not lock.exists(f"{prefix}:v1:{{xc:{key}}}:claim")
+
+
+@pytest.mark.parametrize("name", ["xc.one_open", "xc.ud_open"])
+def test_fail_open_single_entity_acquire_that_timed_out_leaves_no_lease_behind(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, srv: RedisServer, name: str
+) -> None:
+    """Crossing 4's defect on one entity (while_running; until_done published with its claim while Redis was
+    up): the ACQUIRE that timed out runs on the server at the resume and leaves a ``running`` lease of a call
+    that ran unlocked and ended; the next call on the entity waits it out (lock_ttl)."""
+    cfg = cfg_for(prefix, redis_url, srv)
+    app = fleet.app(cfg)
+    w = fleet.worker(cfg, concurrency=1)
+    lock = srv.client()
+    key, gate = uuid.uuid4().hex[:6], f"{prefix}:gate"
+    app.tasks[name].delay("warm", "", "warm").get(timeout=30)  # the child's connection open, its scripts loaded
+    res = app.tasks[name].apply_async((key, gate, "m"), countdown=1)
+    time.sleep(0.5)
+    srv.pause()
+    wait_for(lambda: started(r, prefix, "m"), 30, what="the body to run unlocked")
+    srv.resume()
+    assert "lock.fail_open" in w.output()
+    time.sleep(0.5)
+    r.set(gate, 1)
+    out = res.get(timeout=30)
+    assert out["locked"] is False
+    ended = time.time()
+    left = lease_keys(lock, prefix, f"xc:{key}")
+    other = app.tasks["xc.one"].delay(key, "", "after")
+    other.get(timeout=30)
+    waited = evs(r, prefix, "start", tag="after")[0]["t"] - ended
+    print(w.output()[-3000:])
+    assert not left, f"lease of a finished fail-open call left behind (the next call waited {waited:.1f}s): {left}"
+    assert waited < 2.0
