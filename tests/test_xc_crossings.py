@@ -246,3 +246,99 @@ def test_fail_open_single_entity_acquire_that_timed_out_leaves_no_lease_behind(
     print(w.output()[-3000:])
     assert not left, f"lease of a finished fail-open call left behind (the next call waited {waited:.1f}s): {left}"
     assert waited < 2.0
+
+
+@pytest.mark.parametrize("fault", ["pause", "stop"])
+def test_fail_closed_debounce_outage_at_delivery_runs_the_burst_once(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, fault: str
+) -> None:
+    """Crossing 1: fail_closed x lock_debounce. A burst of three publishes is recorded; the lock Redis is down
+    (stalled, or refusing with its data kept) when the messages come due: every delivery waits, and once Redis
+    is back exactly one run happens, with the last publish's arguments; the others are superseded visibly."""
+    with RedisServer(persistent=True) as srv:
+        cfg = cfg_for(prefix, redis_url, srv)
+        app = fleet.app(cfg)
+        w = fleet.worker(cfg, concurrency=3)
+        key = uuid.uuid4().hex[:6]
+        app.tasks["xc.deb"].delay("warm", "", "warm").get(timeout=30)
+        rs = [app.tasks["xc.deb"].delay(key, "", f"p{i}") for i in range(3)]
+        if fault == "pause":
+            srv.pause()
+        else:
+            srv.stop()
+        wait_for(lambda: w.output().count("lock.waiting") >= 3, 30, what="the deliveries to wait for Redis")
+        time.sleep(1)
+        if fault == "pause":
+            srv.resume()
+        else:
+            srv.start()
+        outs = [x.get(timeout=90) for x in rs]
+        print(outs, w.output()[-5000:])
+        runs = [x for x in evs(r, prefix, "start") if x["tag"] != "warm"]
+        assert [x["tag"] for x in runs] == ["p2"], runs
+        assert outs[2]["tag"] == "p2"
+        assert all(o.get("lockguard") == "superseded" for o in outs[:2]), outs
+
+
+def test_restart_without_persistence_while_a_waiter_is_parked_the_waiter_still_runs(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, srv: RedisServer
+) -> None:
+    """Crossing 5: the lock Redis restarts empty while a waiter is parked behind a running holder. The waiter
+    queue is gone, so no release wakes it: its safety copy (due a holder TTL after it parked) runs it; the
+    holder learns its lease is gone first (``lock.lost``), so a body beside it is never silent."""
+    cfg = cfg_for(prefix, redis_url, srv)
+    app = fleet.app(cfg)
+    w = fleet.worker(cfg, concurrency=3)
+    lock = srv.client()
+    key, gate = uuid.uuid4().hex[:6], f"{prefix}:gate"
+    holder = app.tasks["xc.one"].delay(key, gate, "holder")
+    wait_for(lambda: started(r, prefix, "holder"), 30, what="the holder")
+    waiter = app.tasks["xc.one"].delay(key, "", "waiter")
+    parked(lock, prefix, f"xc:{key}")
+    srv.stop()
+    srv.start()
+    restarted = time.time()
+    out = waiter.get(timeout=40)
+    began = evs(r, prefix, "start", tag="waiter")[0]["t"]
+    print("waiter ran", began - restarted, "s after the restart", out)
+    r.set(gate, 1)
+    holder.get(timeout=30)
+    log = w.output()
+    print(log[-4000:])
+    assert "lock.lost" in log
+    assert began - restarted < 15
+
+
+def test_restart_without_persistence_while_a_workflow_is_in_its_gap_ends_visibly(
+    fleet: Fleet, redis_url: str, prefix: str, srv: RedisServer
+) -> None:
+    """Crossing 5: the lock Redis restarts empty while a workflow is between members. The next member finds no
+    lease: the chain must end (a result or a visible failure) within a bounded time, never hang."""
+    from celery import chain
+
+    from celery_lockguard import workflow
+    from celery_lockguard._keys import lock_name
+
+    from .test_workflow_workers import PIPELINE, rows, start_worker
+    from .workflowapp import create_app
+
+    cfg = cfg_for(prefix, redis_url, srv)
+    w = start_worker(fleet, cfg)
+    app = create_app(cfg)
+    rec = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
+    lock = srv.client()
+    tenant = f"t-{uuid.uuid4().hex[:6]}"
+    step = app.tasks["wf.step"]
+    sig = chain(step.s(tenant=tenant, tag="a", seconds=0), step.s(tenant=tenant, tag="b", seconds=0).set(countdown=3))
+    res = workflow(sig, lock_key=PIPELINE, tenant=tenant, lock_ttl=5, gap_ttl=60).apply_async()
+    name = lock_name(cfg["prefix"], f"tenant:{tenant}:pipeline")
+    wait_for(lambda: lock.hget(name, "state") == "gap", 60, interval=0.01, what="the lease handed on to b")
+    srv.stop()
+    srv.start()
+    t0 = time.time()
+    try:
+        out = res.get(timeout=60)
+    except Exception as exc:  # noqa: BLE001 - a visible end is what is asked
+        out = exc
+    print("ended after", time.time() - t0, repr(out), rows(rec, cfg, tenant), w.output()[-3000:])
+    assert time.time() - t0 < 30
