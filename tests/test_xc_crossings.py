@@ -342,3 +342,95 @@ def test_restart_without_persistence_while_a_workflow_is_in_its_gap_ends_visibly
         out = exc
     print("ended after", time.time() - t0, repr(out), rows(rec, cfg, tenant), w.output()[-3000:])
     assert time.time() - t0 < 30
+
+
+def warm(app: Any, r: redis.Redis, prefix: str, name: str, n: int) -> None:
+    """Run ``n`` calls of ``name`` at once, so that each of ``n`` pool children has its lock connection open and
+    the task's scripts loaded (a stalled server then gets the next command itself, not a connect or a load)."""
+    g = f"{prefix}:warmgate"
+    rs = [app.tasks[name].delay(f"warm{i}", g, f"warm{i}") for i in range(n)]
+    wait_for(lambda: all(started(r, prefix, f"warm{i}") for i in range(n)), 30, what="warm-up calls")
+    r.set(g, 1)
+    for x in rs:
+        x.get(timeout=30)
+
+
+def test_fail_closed_slot_acquire_that_timed_out_is_adopted_by_its_wait(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, srv: RedisServer
+) -> None:
+    """fail_closed x lock_limit=2: ACQUIRE_SLOTS times out in a stall and runs at the resume, taking the free
+    slot under the attempt's token. The wait copy carries that token (docs: a wait after an ACQUIRE that errored
+    adopts that attempt's orphan): it must run at once in its own slot, not wait out lock_ttl behind itself."""
+    cfg = cfg_for(prefix, redis_url, srv)
+    app = fleet.app(cfg)
+    w = fleet.worker(cfg, concurrency=2)
+    warm(app, r, prefix, "xc.slot", 2)
+    key, gate = uuid.uuid4().hex[:6], f"{prefix}:gate"
+    h0 = app.tasks["xc.slot"].delay(key, gate, "h0")
+    wait_for(lambda: started(r, prefix, "h0"), 30, what="h0 in a slot")
+    srv.pause()
+    x = app.tasks["xc.slot"].delay(key, "", "x")
+    wait_for(lambda: "reason=backend_unavailable" in w.output(), 30, what="x's ACQUIRE to time out")
+    srv.resume()
+    resumed = time.time()
+    out = x.get(timeout=40)
+    began = evs(r, prefix, "start", tag="x")[0]["t"]
+    r.set(gate, 1)
+    h0.get(timeout=30)
+    print("x began", began - resumed, "s after the resume", out, w.output()[-4000:])
+    assert began - resumed < 3.0, f"x waited {began - resumed:.1f}s behind its own orphan slot"
+
+
+def test_fail_open_until_done_after_a_timed_out_acquire_the_next_identical_publish_runs(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, srv: RedisServer
+) -> None:
+    """The leftover lease of a fail-open until_done run (its ACQUIRE timed out in a stall, ran at the resume)
+    says ``running`` for a call that has ended: an identical publish after the end is answered with the ended
+    call (identical work running) and never sent, for up to lock_ttl; it must be sent and run."""
+    cfg = cfg_for(prefix, redis_url, srv)
+    app = fleet.app(cfg)
+    w = fleet.worker(cfg, concurrency=1)
+    key = uuid.uuid4().hex[:6]
+    task = app.tasks["xc.ud_open"]
+    task.delay("warm", "", "warm").get(timeout=30)
+    first = task.apply_async((key, "", "m"), countdown=1)
+    time.sleep(0.5)
+    srv.pause()
+    wait_for(lambda: started(r, prefix, "m"), 30, what="the body to run unlocked")
+    srv.resume()
+    assert first.get(timeout=30)["locked"] is False
+    again = task.delay(key, "", "m")
+    print(again.id, first.id, w.output()[-2000:])
+    assert again.id != first.id, "an identical publish after the call ended was answered with the ended call"
+    assert again.get(timeout=30)["locked"] is True
+
+
+def test_fail_open_slot_acquire_that_timed_out_leaves_no_slot_behind(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, srv: RedisServer
+) -> None:
+    """The same with lock_limit=2 (ACQUIRE_SLOTS): the leftover slot of the ended fail-open call halves the
+    entity's capacity until lock_ttl; two calls after it must run side by side at once."""
+    cfg = cfg_for(prefix, redis_url, srv)
+    app = fleet.app(cfg)
+    w = fleet.worker(cfg, concurrency=2)
+    warm(app, r, prefix, "xc.slot_open", 2)
+    key, gate = uuid.uuid4().hex[:6], f"{prefix}:gate"
+    srv.pause()
+    m = app.tasks["xc.slot_open"].delay(key, "", "m")
+    wait_for(lambda: started(r, prefix, "m"), 30, what="the body to run unlocked")
+    srv.resume()
+    assert m.get(timeout=30)["locked"] is False
+    ended = time.time()
+    lock = srv.client()
+    hashes = [k for k in lock.scan_iter(f"{prefix}:*") if lock.type(k) == "hash"]
+    left = {k: v for k, v in ((k, lock.hgetall(k)) for k in hashes) if "token" in v}
+    rs = [app.tasks["xc.slot_open"].delay(key, gate, f"n{i}") for i in range(2)]
+    wait_for(lambda: started(r, prefix, "n0") or started(r, prefix, "n1"), 30, what="a first call")
+    time.sleep(2)
+    both = started(r, prefix, "n0") and started(r, prefix, "n1")
+    r.set(gate, 1)
+    for x in rs:
+        x.get(timeout=30)
+    print(left, w.output()[-2000:])
+    assert not left, f"a slot of the ended fail-open call left behind: {left}"
+    assert both, f"only one of two calls could run within {time.time() - ended:.1f}s: a slot is held by nobody"

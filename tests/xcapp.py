@@ -96,3 +96,10 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
     )  # fmt: skip
     def one_open(self: Any, key: str, gate: str = "", tag: str = "") -> dict[str, Any]:
         return run(self, key, gate, tag)
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="xc.slot_open", lock_key="xc:{key}", lock_limit=2,
+        lock_ttl=TTL, on_locked="retry", on_unavailable="fail_open",
+    )  # fmt: skip
+    def slot_open(self: Any, key: str, gate: str = "", tag: str = "") -> dict[str, Any]:
+        return run(self, key, gate, tag)
