@@ -434,3 +434,56 @@ def test_fail_open_slot_acquire_that_timed_out_leaves_no_slot_behind(
     print(left, w.output()[-2000:])
     assert not left, f"a slot of the ended fail-open call left behind: {left}"
     assert both, f"only one of two calls could run within {time.time() - ended:.1f}s: a slot is held by nobody"
+
+
+@pytest.mark.parametrize("name", ["xc.ud", "xc.ud_open"])
+def test_until_done_claim_that_timed_out_at_publish_does_not_hold_up_its_own_message(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, srv: RedisServer, name: str
+) -> None:
+    """until_done x a stall at publish: CLAIM times out (the message is sent without a claim, logged) but runs
+    on the server at the resume, leaving a claim of this very task id under a token the message does not carry.
+    The delivery (Redis back) must run at once, under a lease, and leave nothing behind."""
+    cfg = cfg_for(prefix, redis_url, srv)
+    app = fleet.app(cfg)
+    w = fleet.worker(cfg, concurrency=2)
+    key = uuid.uuid4().hex[:6]
+    task = app.tasks[name]
+    task.delay("warm", "", "warm").get(timeout=30)  # this process's connection open, CLAIM loaded
+    srv.pause()
+    t0 = time.time()
+    res = task.apply_async((key, "", "m"), countdown=2)
+    srv.resume()
+    due = t0 + 2
+    out = res.get(timeout=40)
+    began = evs(r, prefix, "start", tag="m")[0]["t"]
+    lock = srv.client()
+    print(out, began - due, w.output()[-3000:])
+    assert out["locked"] is True
+    assert began - due < 2.0, f"the delivery started {began - due:.1f}s after it was due"
+    wait_for(lambda: not lease_keys(lock, prefix, f"xc:{key}"), 5, what="nothing left behind")
+    assert not lock.exists(f"{prefix}:v1:{{xc:{key}}}:claim")
+
+
+def test_fail_closed_multi_acquire_that_timed_out_is_adopted_by_its_wait(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, srv: RedisServer
+) -> None:
+    """fail_closed x multi-entity: ACQUIRE_MULTI times out in a stall and runs at the resume, leasing both
+    entities under the attempt's token. The wait copy must adopt them and run promptly (not after lock_ttl),
+    and leave nothing behind."""
+    cfg = cfg_for(prefix, redis_url, srv)
+    app = fleet.app(cfg)
+    w = fleet.worker(cfg, concurrency=1)
+    lock = srv.client()
+    app.tasks["xc.multi"].delay("w1", "w2", "", "warm").get(timeout=30)
+    a, b = uuid.uuid4().hex[:6], uuid.uuid4().hex[:6]
+    srv.pause()
+    m = app.tasks["xc.multi"].delay(a, b, "", "m")
+    wait_for(lambda: "reason=backend_unavailable" in w.output(), 30, what="ACQUIRE_MULTI to time out")
+    srv.resume()
+    resumed = time.time()
+    out = m.get(timeout=40)
+    began = evs(r, prefix, "start", tag="m")[0]["t"]
+    print(out, began - resumed, w.output()[-3000:])
+    assert out["locked"] is True
+    assert began - resumed < 3.0, f"ran {began - resumed:.1f}s after the resume"
+    wait_for(lambda: not lease_keys(lock, prefix, f"xc:{a}", f"xc:{b}"), 5, what="nothing left behind")

@@ -103,3 +103,10 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
     )  # fmt: skip
     def slot_open(self: Any, key: str, gate: str = "", tag: str = "") -> dict[str, Any]:
         return run(self, key, gate, tag)
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="xc.multi", lock_key=("xc:{a}", "xc:{b}"), lock_ttl=TTL,
+        on_locked="retry",
+    )  # fmt: skip
+    def multi(self: Any, a: str, b: str, gate: str = "", tag: str = "") -> dict[str, Any]:
+        return run(self, f"xc:{a}+xc:{b}", gate, tag)
