@@ -487,3 +487,35 @@ def test_fail_closed_multi_acquire_that_timed_out_is_adopted_by_its_wait(
     assert out["locked"] is True
     assert began - resumed < 3.0, f"ran {began - resumed:.1f}s after the resume"
     wait_for(lambda: not lease_keys(lock, prefix, f"xc:{a}", f"xc:{b}"), 5, what="nothing left behind")
+
+
+@pytest.mark.parametrize("fault", ["pause", "stop"])
+def test_fail_closed_debounce_outage_at_publish_and_delivery_loses_no_run(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, fault: str
+) -> None:
+    """Crossing 1 with the lock Redis down at publish too: each publish goes out without a record (logged,
+    docs/debounce.md: an outage costs extra runs, never a lost one) and waits at delivery (fail_closed). Once
+    Redis is back the burst runs at least once, with the last publish's arguments last, and every message
+    ends with a result (none dropped silently)."""
+    with RedisServer(persistent=True) as srv:
+        cfg = cfg_for(prefix, redis_url, srv)
+        app = fleet.app(cfg)
+        w = fleet.worker(cfg, concurrency=2)
+        key = uuid.uuid4().hex[:6]
+        task = app.tasks["xc.deb"]
+        task.delay("warm", "", "warm").get(timeout=30)
+        if fault == "pause":
+            srv.pause()
+        else:
+            srv.stop()
+        rs = [task.delay(key, "", f"p{i}") for i in range(3)]
+        wait_for(lambda: w.output().count("lock.waiting") >= 3, 30, what="the deliveries to wait for Redis")
+        if fault == "pause":
+            srv.resume()
+        else:
+            srv.start()
+        outs = [x.get(timeout=90) for x in rs]
+        runs = [x["tag"] for x in evs(r, prefix, "start") if x["tag"] != "warm"]
+        print(fault, outs, runs)
+        assert runs and runs[-1] == "p2", runs
+        assert all(o for o in outs), outs
