@@ -381,6 +381,12 @@ def deliver(
             )
         if state.watch_copy and action in (Action.RAISE, Action.GIVE_UP) and original_settled(task):
             raise Ignore()  # the original ended; a failure stored now would overwrite its state
+        if action is Action.FAIL_OPEN and outcome == "unavailable" and got is None:
+            # The ACQUIRE errored: a stalled server may yet run it, leaving a lease of ours nobody releases.
+            try:
+                return _finish(task, s, opts, call, decision, got, holder, failure, state.claim_token, args, kwargs)
+            finally:
+                release_ops.free_orphan(task, s, opts, call, state.client, token)
         return _finish(task, s, opts, call, decision, got, holder, failure, state.claim_token, args, kwargs)
 
 

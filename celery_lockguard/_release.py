@@ -8,6 +8,7 @@ hand-off on RELEASE's reply, now or when a deferred reply is read).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from . import _claims as claims
@@ -51,6 +52,39 @@ def give_back(task: Any, s: Settings, opts: TaskOptions, lease: Lease) -> None:
             task_id=lease.task_id,
             reason=f"start not taken back from the window: {errors.describe(exc)}",
         )
+
+
+def free_orphan(task: Any, s: Settings, opts: TaskOptions, call: CallNames, client: Any, token: str) -> None:
+    """After a ``fail_open`` body whose ACQUIRE errored: give back what that ACQUIRE may yet have taken.
+
+    An ACQUIRE that timed out against a stalled server still runs when the server thaws, leaving a
+    ``running`` lease (every entity of a multi-entity key, or a slot) under ``token`` that nobody renews
+    or releases: the entity stayed blocked until ``lock_ttl`` behind a call that had ended. The give-back
+    is token-checked (a no-op when the ACQUIRE never ran) and wakes the entity's waiter as any release
+    does. Any error leaves it to its TTL, as before; it never changes the body's outcome.
+    """
+    now, ttl_ms, task_id = time.monotonic(), opts.ttl_ms, str(task.request.id)
+    leases: list[Lease]
+    if call.keys:
+        leases = [lease_ops.MultiLease(call.keys, s.key_prefix, token, dict.fromkeys(call.keys, 0), ttl_ms, now,
+                                       task_id, task.name)]  # fmt: skip
+    elif opts.limit > 1 or opts.rate is not None:
+        leases = [
+            Lease(call.key, s.key_prefix, token, 0, ttl_ms, now, task_id, task.name, i) for i in range(opts.limit)
+        ]
+    else:
+        leases = [Lease(call.key, s.key_prefix, token, 0, ttl_ms, now, task_id, task.name)]
+    try:
+        for lease in leases:
+            released, _, woken = lease_ops.release_and_wake(
+                client, lease, s.key_prefix, reserve_ms=handoff.reserve_ms()
+            )
+            handoff.wake(task.app, s, woken, task.name, task_id, client)
+            if released == 1:
+                return
+    except Exception as exc:  # noqa: BLE001 - best effort: what the ACQUIRE took (if anything) expires by its TTL
+        if errors.classify(exc) is None:
+            emit("lock.backend_unavailable", task.name, **event_fields(task, call), reason=f"free orphan: {exc}")
 
 
 def keep_before(

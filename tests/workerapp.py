@@ -477,6 +477,10 @@ def create_app(cfg: dict[str, Any]) -> Celery:
 
     register_xa_tasks(app, cfg, record)
 
+    from .xcapp import register as register_xc_tasks
+
+    register_xc_tasks(app, cfg, record)
+
     if cfg.get("beat_every"):
         app.conf.beat_schedule = {
             "reindex": {"task": "reindex_catalog", "schedule": float(cfg["beat_every"]), "args": (2.5,)}
