@@ -82,9 +82,9 @@ def free_orphan(task: Any, s: Settings, opts: TaskOptions, call: CallNames, clie
             handoff.wake(task.app, s, woken, task.name, task_id, client)
             if released == 1:
                 return
-    except Exception as exc:  # noqa: BLE001 - best effort: what the ACQUIRE took (if anything) expires by its TTL
-        if errors.classify(exc) is None:
-            emit("lock.backend_unavailable", task.name, **event_fields(task, call), reason=f"free orphan: {exc}")
+    except Exception as exc:  # noqa: BLE001 - as a failing release: never the body's outcome; it expires by its TTL
+        reason = f"fail-open attempt's lease left to its TTL: {errors.describe(exc)}"
+        emit("lock.backend_unavailable", task.name, **event_fields(task, call), reason=reason)
 
 
 def keep_before(
