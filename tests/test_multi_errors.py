@@ -463,7 +463,7 @@ def test_forcing_one_entity_of_a_multi_entity_holder_wakes_its_waiter_and_the_bo
     started, lost = threading.Event(), threading.Event()
 
     @app.task(
-        base=LockedTask, bind=True, shared=False, name="m.holder", lock_key=("acc:{src}", "acc:{dst}"), lock_ttl=0.6
+        base=LockedTask, bind=True, shared=False, name="m.holder", lock_key=("acc:{src}", "acc:{dst}"), lock_ttl=3
     )
     def holder(self: Any, src: int, dst: int) -> None:
         started.set()
@@ -488,7 +488,9 @@ def test_forcing_one_entity_of_a_multi_entity_holder_wakes_its_waiter_and_the_bo
         assert started.wait(10)
         out = deliver(waiter, (1, 2))
         assert out.state == "RETRY" and runs == []
-        (safety,) = copies(r, app, out.task_id)
+        sent = copies(r, app, out.task_id)
+        assert len(sent) == 1, f"one safety copy expected: {[m.headers for m in sent]}"
+        safety = sent[0]
         assert safety.headers.get(headers.PARK_ENTITY, "acc:1") == "acc:1"
         done = invoke(app, "release", "acc:1", "--yes")
         assert done.exit_code == 0, done.output
@@ -519,7 +521,7 @@ def test_a_multi_entity_waiter_woken_by_a_forced_release_keeps_it_while_the_evic
     started, go = threading.Event(), threading.Event()
 
     @app.task(
-        base=LockedTask, bind=True, shared=False, name="m.holder2", lock_key=("acc:{src}", "acc:{dst}"), lock_ttl=0.6
+        base=LockedTask, bind=True, shared=False, name="m.holder2", lock_key=("acc:{src}", "acc:{dst}"), lock_ttl=3
     )
     def holder(self: Any, src: int, dst: int) -> bool:
         started.set()
