@@ -48,8 +48,8 @@ def test_retry_countdown_zero_in_a_fail_open_body_is_not_taken_for_a_redelivery_
     w = fleet.worker(cfg, concurrency=2)
     lock = srv.client()
     warm(app, r, prefix, "rw.one_open", 2)
-    # the race is lost about half the time: six tries make it near certain on main
-    gaps = [one_try(app, r, lock, prefix, srv, name, n) for n in range(6)]
+    # the race is lost in 1 to 4 of 6 tries on main: ten tries make it near certain
+    gaps = [one_try(app, r, lock, prefix, srv, name, n) for n in range(10)]
     dropped = w.output().count("reason=redelivery_of_running_original")
     print(gaps, w.output()[-3000:])
     assert max(gaps) < 3.0, (
