@@ -383,10 +383,12 @@ def deliver(
             raise Ignore()  # the original ended; a failure stored now would overwrite its state
         if action is Action.FAIL_OPEN and outcome == "unavailable" and got is None:
             # The ACQUIRE errored: a stalled server may yet run it, leaving a lease of ours nobody releases.
+            orphan = release_ops.Orphan(task, s, opts, call, state.client, token)
+            setattr(req, request_state.ORPHAN, orphan)  # a retry() in the body settles it before it publishes
             try:
                 return _finish(task, s, opts, call, decision, got, holder, failure, state.claim_token, args, kwargs)
             finally:
-                release_ops.free_orphan(task, s, opts, call, state.client, token)
+                orphan.settle()
         return _finish(task, s, opts, call, decision, got, holder, failure, state.claim_token, args, kwargs)
 
 

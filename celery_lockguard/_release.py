@@ -87,6 +87,24 @@ def free_orphan(task: Any, s: Settings, opts: TaskOptions, call: CallNames, clie
         emit("lock.backend_unavailable", task.name, **event_fields(task, call), reason=reason)
 
 
+class Orphan:
+    """What a fail-open delivery owes when its ACQUIRE errored: :func:`free_orphan`, run once.
+
+    Kept on the body's request (``_request.ORPHAN``): ``retry()`` settles it before it publishes the retry
+    (a copy of the same task id meeting that lease would take it for a running original and drop itself),
+    the delivery after the body.
+    """
+
+    def __init__(self, task: Any, s: Settings, opts: TaskOptions, call: CallNames, client: Any, token: str) -> None:
+        self._args = (task, s, opts, call, client, token)
+        self.settled = False
+
+    def settle(self) -> None:
+        if not self.settled:
+            self.settled = True
+            free_orphan(*self._args)
+
+
 def keep_before(
     task: Any, s: Settings, call: CallNames, client: Any, token: str, blocker: str, countdown: float
 ) -> str:

@@ -21,6 +21,9 @@ CALL = "_lockguard_call"
 CHECKPOINTS = "_lockguard_checkpoints"
 #: When an eager call's first wait began (``_waits``: an eager call's waits are bounded).
 EAGER_STARTED = "_lockguard_eager_started"
+#: A fail-open delivery whose ACQUIRE errored: the give-back it owes (``_release.Orphan``), settled once, by
+#: ``retry()`` before it publishes (the retry must not meet that lease as a running original) or after the body.
+ORPHAN = "_lockguard_orphan"
 #: Set on the request of a delivery lockguard has entered: a call of the task inside its own body is direct.
 ENTERED = "_lockguard_entered"
 

@@ -58,14 +58,14 @@ from ._decision import Action, Delivery, Publish, PublishAction, decide_delivery
 from ._events import emit
 from ._lease import Lease
 from ._renewer import renewer
-from ._request import CALL, CHECKPOINTS, ENTERED, LEASE, event_fields
+from ._request import CALL, CHECKPOINTS, ENTERED, LEASE, ORPHAN, event_fields
 from .exceptions import AlreadyQueued, BackendUnavailable, ConfigurationError
 
 #: Tries to record a checkpoint whose step has run, before the store error is final.
 CHECKPOINT_WRITE_ATTEMPTS = 4
 
 #: Fields a direct call must not inherit from the caller's request.
-_PRIVATE = {LEASE: None, CALL: None, CHECKPOINTS: None, workflow.WORKFLOW_LEASE: None}
+_PRIVATE = {LEASE: None, CALL: None, CHECKPOINTS: None, ORPHAN: None, workflow.WORKFLOW_LEASE: None}
 _REQUEST_STATE = (*_PRIVATE, ENTERED)
 #: Set by a direct call just before ``Task.__call__`` pushes the body's request; that push (and only that
 #: one) drops the caller's lease, names and checkpoints. A context variable: thread and gevent pools are safe.
@@ -524,6 +524,9 @@ class LockGuard(Task):
             debounce.keep_for_retry(self, s, opts, burst, delay, None)
         # A member's retry keeps its place in the workflow and gets its lease (or, failed open, runs unlocked).
         workflow.on_retry(self, options, delay)
+        orphan = getattr(req, ORPHAN, None)
+        if orphan is not None:  # failed open: what the ACQUIRE that errored took is given back before the publish
+            orphan.settle()
         if lease is not None and not lease.released:
             limit = self.max_retries if max_retries is None else max_retries
             exhausted = limit is not None and req.retries + 1 > limit

@@ -145,6 +145,17 @@ def create_app(cfg: dict[str, Any]) -> Celery:
         """A plain task holding the invoice entity ``seconds`` (its 5 s lease renewed meanwhile)."""
         return run(self, None, tenant, tag, seconds)
 
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="wf.invoice_gate", lock_key="invoice:{invoice}", lock_ttl=5
+    )
+    def invoice_gate(
+        self: Any, prev: Any = None, tenant: str = "", tag: str = "", invoice: int = 0, gate: str = ""
+    ) -> dict[str, Any]:
+        """A member locking an entity of its own, whose body runs until the test creates ``gate`` (a file)."""
+        record(self, "start", tenant, tag)
+        wait_gate(gate)
+        return run(self, prev, tenant, tag, 0)
+
     @app.task(base=LockedTask, bind=True, shared=False, name="wf.invoice", lock_key="invoice:{invoice}", lock_ttl=5)
     def invoice(self: Any, prev: Any = None, tenant: str = "", tag: str = "", invoice: int = 0) -> dict[str, Any]:
         """A member locking an entity of its own: that lease nests inside the workflow's."""

@@ -1,0 +1,78 @@
+"""Tasks of the rw review (fail_open give-back of a timed-out ACQUIRE x other features), on ``tests.workerapp``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_lockguard import LockedTask
+
+TTL = 6
+
+
+def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> None:
+    gates = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
+
+    def until_open(gate: str) -> None:
+        deadline = time.monotonic() + 60
+        while gate and not gates.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def run(self: Any, key: str, gate: str, tag: str) -> dict[str, Any]:
+        record(ev="start", key=key, tag=tag, task_id=self.request.id, retries=self.request.retries)
+        until_open(gate)
+        lease = self.lock
+        record(ev="end", key=key, tag=tag, task_id=self.request.id, locked=lease is not None)
+        return {"tag": tag, "locked": lease is not None, "slot": getattr(lease, "slot", None)}
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rw.open_retry", lock_key="rw:{key}", lock_ttl=TTL,
+        on_locked="retry", on_unavailable="fail_open", max_retries=3,
+    )  # fmt: skip
+    def open_retry(self: Any, key: str, gate: str = "", tag: str = "", countdown: float = 2.0) -> dict[str, Any]:
+        out = run(self, key, gate, tag)
+        if self.request.retries == 0:
+            raise self.retry(countdown=countdown)
+        return out
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rw.one_open", lock_key="rw:{key}", lock_ttl=TTL,
+        on_unavailable="fail_open",
+    )  # fmt: skip
+    def one_open(self: Any, key: str, gate: str = "", tag: str = "") -> dict[str, Any]:
+        return run(self, key, gate, tag)
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rw.one", lock_key="rw:{key}", lock_ttl=TTL,
+        on_locked="retry",
+    )  # fmt: skip
+    def one(self: Any, key: str, gate: str = "", tag: str = "") -> dict[str, Any]:
+        return run(self, key, gate, tag)
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rw.rate_open", lock_key="rw:{key}", lock_limit=3,
+        lock_rate="20/10s", lock_ttl=TTL, on_locked="retry", on_unavailable="fail_open",
+    )  # fmt: skip
+    def rate_open(self: Any, key: str, gate: str = "", tag: str = "") -> dict[str, Any]:
+        return run(self, key, gate, tag)
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rw.deb_open", lock_key="rw:{key}", lock_ttl=TTL,
+        lock_debounce=1.0, on_unavailable="fail_open",
+    )  # fmt: skip
+    def deb_open(self: Any, key: str, gate: str = "", tag: str = "") -> dict[str, Any]:
+        return run(self, key, gate, tag)
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rw.open_retry_nocomp", lock_key="rw:{key}", lock_ttl=TTL,
+        on_locked="retry", on_unavailable="fail_open", max_retries=3, completion=False,
+    )  # fmt: skip
+    def open_retry_nocomp(self: Any, key: str, gate: str = "", tag: str = "", countdown: float = 0.0) -> dict[str, Any]:
+        out = run(self, key, gate, tag)
+        if self.request.retries == 0:
+            raise self.retry(countdown=countdown)
+        return out
