@@ -83,7 +83,7 @@ def free_orphan(task: Any, s: Settings, opts: TaskOptions, call: CallNames, clie
             if released == 1:
                 return
     except Exception as exc:  # noqa: BLE001 - as a failing release: never the body's outcome; it expires by its TTL
-        reason = f"fail-open attempt's lease left to its TTL: {errors.describe(exc)}"
+        reason = f"a lease the fail-open attempt may have taken is left to its TTL: {errors.describe(exc)}"
         emit("lock.backend_unavailable", task.name, **event_fields(task, call), reason=reason)
 
 

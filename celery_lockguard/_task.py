@@ -475,6 +475,9 @@ class LockGuard(Task):
                 f"task {self.name!r}: replace() inside a workflow is not supported (the replacement would run "
                 "outside the workflow lease)"
             )
+        orphan = getattr(self.request, ORPHAN, None)
+        if orphan is not None:  # failed open: the replacement must not meet what the errored ACQUIRE took
+            orphan.settle()
         lease = self.lock
         if lease is not None and not lease.released:
             release_ops.release(self, settings(self.app), self.lockguard_options, lease)

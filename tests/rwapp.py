@@ -76,3 +76,19 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
         if self.request.retries == 0:
             raise self.retry(countdown=countdown)
         return out
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rw.open_replace", lock_key="rw:{key}", lock_ttl=TTL,
+        on_locked="retry", on_unavailable="fail_open", completion=False,
+    )  # fmt: skip
+    def open_replace(self: Any, key: str, gate: str = "", tag: str = "", countdown: float = 0.0) -> Any:
+        """Fail-open body that replaces itself: the replacement inherits this task id, as a retry does."""
+        run(self, key, gate, tag)
+        raise self.replace(app.signature("rw.open_replace_by", args=(key, "", tag)))
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rw.open_replace_by", lock_key="rw:{key}", lock_ttl=TTL,
+        on_locked="retry", on_unavailable="fail_open", completion=False,
+    )  # fmt: skip
+    def open_replace_by(self: Any, key: str, gate: str = "", tag: str = "") -> dict[str, Any]:
+        return run(self, key, gate, tag)

@@ -164,7 +164,7 @@ def test_outage_outlasting_the_body_bounds_the_return(
     assert out["locked"] is False
     print("RETURN_AFTER_BODY", done - ended)
     assert done - ended < 3.0, f"the result came {done - ended:.1f}s after the body ended"
-    assert "fail-open attempt's lease left to its TTL" in w.output()
+    assert "the fail-open attempt may have taken is left to its TTL" in w.output()
 
 
 def test_refused_connections_after_the_body_log_and_return(
@@ -185,7 +185,7 @@ def test_refused_connections_after_the_body_log_and_return(
         out = res.get(timeout=30)
         print(w.output()[-3000:])
         assert out["locked"] is False
-        assert "fail-open attempt's lease left to its TTL" in w.output()
+        assert "the fail-open attempt may have taken is left to its TTL" in w.output()
 
 
 def test_debounce_fail_open_stalled_at_delivery_leaves_nothing_behind(

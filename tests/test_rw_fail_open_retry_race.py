@@ -39,7 +39,7 @@ def one_try(app: Any, r: redis.Redis, lock: redis.Redis, prefix: str, srv: Redis
     return float(evs(r, prefix, "start", tag=tag)[1]["t"] - ended)
 
 
-@pytest.mark.parametrize("name", ["rw.open_retry", "rw.open_retry_nocomp"])
+@pytest.mark.parametrize("name", ["rw.open_retry", "rw.open_retry_nocomp", "rw.open_replace"])
 def test_retry_countdown_zero_in_a_fail_open_body_is_not_taken_for_a_redelivery_of_its_orphan(
     fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, srv: RedisServer, name: str
 ) -> None:
