@@ -1,0 +1,48 @@
+"""Tasks of the ``rv`` review (tests/test_rv_crossings.py), on ``tests.workerapp``."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_lockguard import LockedTask
+
+TTL = 30
+
+
+def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> None:
+    gates = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
+
+    def until_open(gate: str) -> None:
+        deadline = time.monotonic() + 60
+        while gate and not gates.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rv.udr", lock_key="rv:{key}", lock_ttl=TTL,
+        lock_mode="until_done", on_locked="raise",
+    )  # fmt: skip
+    def udr(self: Any, key: str, gate: str = "") -> dict[str, Any]:
+        """``until_done`` with ``on_locked="raise"`` on ``rv:{key}``, held until ``gate`` opens."""
+        record(ev="start", key=key, task_id=self.request.id, pid=os.getpid())
+        until_open(gate)
+        record(ev="end", key=key, task_id=self.request.id)
+        return {"key": key}
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rv.mud", lock_key=("rvm:{a}", "rvm:{b}"), lock_ttl=TTL,
+        lock_mode="until_done", max_retries=3,
+    )  # fmt: skip
+    def mud(self: Any, a: str, b: str, move_b: str = "", gate: str = "") -> dict[str, Any]:
+        """``until_done`` on two entities; with ``move_b``, retries once onto ``(a, move_b)`` (same anchor)."""
+        record(ev="start", key=f"{a}+{b}", task_id=self.request.id, pid=os.getpid(), retries=self.request.retries)
+        until_open(gate)
+        if move_b:
+            raise self.retry(kwargs={"a": a, "b": move_b, "gate": gate}, countdown=3.0)
+        record(ev="end", key=f"{a}+{b}", task_id=self.request.id)
+        return {"a": a, "b": b}
