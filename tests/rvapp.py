@@ -46,3 +46,25 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
             raise self.retry(kwargs={"a": a, "b": move_b, "gate": gate}, countdown=3.0)
         record(ev="end", key=f"{a}+{b}", task_id=self.request.id)
         return {"a": a, "b": b}
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rv.udw", lock_key="xq:{key}", lock_ttl=TTL,
+        lock_mode="until_done", queue_lock_ttl=2, lock_max_waits=2,
+    )  # fmt: skip
+    def udw(self: Any, key: str, tag: str = "") -> dict[str, Any]:
+        """``until_done`` on ``xq:{key}`` (beside ``xa.udq``) that gives up after two waits."""
+        record(ev="start", key=key, tag=tag, task_id=self.request.id)
+        return {"tag": tag}
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rv.mretry", lock_key=("xb:{a}", "xb:{b}"), lock_ttl=TTL,
+        max_retries=2,
+    )  # fmt: skip
+    def mretry(self: Any, a: str, b: str, tag: str = "") -> dict[str, Any]:
+        """A workflow member over ``xb:{a}`` (the workflow's) and ``xb:{b}``: a checkpoint, then one retry."""
+        n = self.checkpoint("effect", gates.incr, f"{cfg['prefix']}:effects:{b}")
+        record(ev="start", key=f"{a}+{b}", tag=tag, task_id=self.request.id, retries=self.request.retries)
+        if self.request.retries < 1:
+            raise self.retry(countdown=1.5)
+        record(ev="end", key=f"{a}+{b}", tag=tag, task_id=self.request.id)
+        return {"tag": tag, "n": n}

@@ -96,3 +96,150 @@ def test_a_multi_entity_until_done_retry_moving_its_second_entity_leaves_nothing
     for k in (m, x, new):
         wait_for(lambda k=k: not r.exists(lock_key(prefix, f"rvm:{k}"), claim_key(prefix, f"rvm:{k}")), 10,
                  what=f"rvm:{k} free")  # fmt: skip
+
+
+def test_a_revoked_waiting_until_done_delivery_frees_its_kept_claim(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """42f8c96 x revoke: a delivery waiting behind other work keeps its claim (extended to the wait hand-back
+    TTL); revoked, the claim must be freed when its wait copy is discarded, not kept for that extended TTL:
+    identical work published afterwards is accepted (not answered with the revoked task) and runs."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    key, gate = uuid.uuid4().hex[:8], f"{prefix}:gate"
+    holder = app.tasks["xa.udq"].delay(key, "holder", gate)
+    wait_for(lambda: starts(r, prefix, holder.id), 30, what="the holder")
+    first = app.tasks["xa.udq"].delay(key, "u", "")
+    wait_for(lambda: first.state == "RETRY", 10, what="the identical work's delivery to wait behind the holder")
+    app.control.revoke(first.id)
+    wait_for(lambda: not r.exists(claim_key(prefix, f"xq:{key}")), 20,
+             what=f"the revoked waiter's claim freed ({r.hgetall(claim_key(prefix, f'xq:{key}'))})")  # fmt: skip
+    again = app.tasks["xa.udq"].delay(key, "u", "")
+    assert again.id != first.id
+    r.set(gate, 1)
+    assert again.get(timeout=60) == {"tag": "u"}
+
+
+def test_an_until_done_delivery_that_gives_up_waiting_frees_its_kept_claim(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """42f8c96 x lock_max_waits exhausted: the delivery kept its claim through each wait; when it gives up
+    (LockContended) the claim is freed at once and identical work published then is accepted."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    key, gate = uuid.uuid4().hex[:8], f"{prefix}:gate"
+    holder = app.tasks["xa.udq"].delay(key, "holder", gate)
+    wait_for(lambda: starts(r, prefix, holder.id), 30, what="the holder")
+    first = app.tasks["rv.udw"].delay(key, "u")
+    wait_for(lambda: first.state == "FAILURE", 60, what="the waiter to give up")
+    assert not r.exists(claim_key(prefix, f"xq:{key}")), r.hgetall(claim_key(prefix, f"xq:{key}"))
+    again = app.tasks["rv.udw"].delay(key, "u")
+    assert again.id != first.id
+    r.set(gate, 1)
+
+
+def _chain_tags(r: redis.Redis, prefix: str) -> list[str]:
+    return [x["tag"] for x in records(r, prefix) if x["ev"] == "start"]
+
+
+def test_a_partial_overlap_member_waiting_on_its_other_entity_runs_when_it_frees(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """62f7a48 x waiting: the member over (workflow entity, other) finds ``other`` held by another task; it waits
+    (its wait copy re-enters the workflow as itself) and runs once ``other`` frees; the chain completes."""
+    from celery import chain
+
+    from celery_lockguard import workflow
+
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    tenant, other, gate = uuid.uuid4().hex[:6], uuid.uuid4().hex[:6], f"{prefix}:gate"
+    blocker = app.tasks["xb.one"].delay(other, gate, "blocker")
+    wait_for(lambda: "blocker" in _chain_tags(r, prefix), 30, what="the blocker on the other entity")
+    step, multi = app.tasks["xb.step"], app.tasks["xb.multi"]
+    sig = chain(step.si(key="s1", tag="s1"), multi.si(tenant, other, "", "m"), step.si(key="s3", tag="s3"))
+    res = workflow(sig, lock_key="xb:{tenant}", tenant=tenant, gap_ttl=3).apply_async()
+    wait_for(lambda: res.parent.state == "RETRY", 20, what="the member to wait on the other entity")
+    r.set(gate, 1)
+    assert blocker.get(timeout=30)["tag"] == "blocker"
+    assert res.get(timeout=60)["tag"] == "s3"
+    assert _chain_tags(r, prefix) == ["blocker", "s1", "m", "s3"]
+    for k in (tenant, other):
+        wait_for(lambda k=k: not r.exists(lock_key(prefix, f"xb:{k}")), 10, what=f"xb:{k} free")
+
+
+def test_a_partial_overlap_member_retrying_keeps_its_place_and_its_checkpoint(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """62f7a48 x retry() x checkpoint: the member over (workflow entity, other) retries once; the retry re-enters
+    the workflow, leases ``other`` again, replays its checkpoint (the effect once) and the chain completes."""
+    from celery import chain
+
+    from celery_lockguard import workflow
+
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    tenant, other = uuid.uuid4().hex[:6], uuid.uuid4().hex[:6]
+    step, member = app.tasks["xb.step"], app.tasks["rv.mretry"]
+    sig = chain(step.si(key="s1", tag="s1"), member.si(tenant, other, "m"), step.si(key="s3", tag="s3"))
+    res = workflow(sig, lock_key="xb:{tenant}", tenant=tenant, gap_ttl=5).apply_async()
+    assert res.get(timeout=60)["tag"] == "s3"
+    assert res.parent.get(timeout=5) == {"tag": "m", "n": 1}
+    assert _chain_tags(r, prefix) == ["s1", "m", "m", "s3"]
+    assert r.get(f"{prefix}:effects:{other}") == "1"
+    for k in (tenant, other):
+        wait_for(lambda k=k: not r.exists(lock_key(prefix, f"xb:{k}")), 10, what=f"xb:{k} free")
+
+
+def test_a_member_over_one_of_a_two_entity_workflows_entities_and_a_third_runs(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """62f7a48 x a multi-entity workflow: the workflow holds (xb:t, xb:u); the member locks (xb:t, xb:o). It leases
+    xb:o only, runs, and the chain completes with every entity free after."""
+    from celery import chain
+
+    from celery_lockguard import workflow
+
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    t, u, o = (uuid.uuid4().hex[:6] for _ in range(3))
+    step, multi = app.tasks["xb.step"], app.tasks["xb.multi"]
+    sig = chain(step.si(key="s1", tag="s1"), multi.si(t, o, "", "m"), step.si(key="s3", tag="s3"))
+    res = workflow(sig, lock_key=("xb:{t}", "xb:{u}"), t=t, u=u, gap_ttl=3).apply_async()
+    assert res.get(timeout=60)["tag"] == "s3"
+    assert _chain_tags(r, prefix) == ["s1", "m", "s3"]
+    for k in (t, u, o):
+        wait_for(lambda k=k: not r.exists(lock_key(prefix, f"xb:{k}")), 10, what=f"xb:{k} free")
+
+
+def test_a_chord_of_partial_overlap_members_runs_each_page_on_its_other_entity(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """62f7a48 x chord: pages over (workflow entity, o_i) share the workflow lease and each lease its own o_i;
+    two pages on the same o serialize (never both inside at once)."""
+    from celery import chord
+
+    from celery_lockguard import workflow
+
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=4)
+    tenant, o1, o2 = (uuid.uuid4().hex[:6] for _ in range(3))
+    gate = f"{prefix}:gate"
+    r.set(gate, 1)
+    multi, step = app.tasks["xb.multi"], app.tasks["xb.step"]
+    pages = [multi.si(tenant, o, gate, f"p{i}") for i, o in enumerate((o1, o2, o1))]
+    res = workflow(chord(pages, step.si(key="cb", tag="cb")), lock_key="xb:{k}", k=tenant).apply_async()
+    assert res.get(timeout=90)["tag"] == "cb"
+    assert sorted(_chain_tags(r, prefix)) == ["cb", "p0", "p1", "p2"]
+    from .test_workers import intervals, overlapping
+
+    on_o1 = [x for x in records(r, prefix) if x["key"] == f"xb:{tenant}+xb:{o1}"]
+    assert not overlapping(intervals(on_o1)), on_o1
+    for k in (tenant, o1, o2):
+        wait_for(lambda k=k: not r.exists(lock_key(prefix, f"xb:{k}")), 10, what=f"xb:{k} free")
