@@ -68,3 +68,39 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
             raise self.retry(countdown=1.5)
         record(ev="end", key=f"{a}+{b}", tag=tag, task_id=self.request.id)
         return {"tag": tag, "n": n}
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rv.udnr", lock_key="rvn:{key}", lock_ttl=TTL,
+        lock_mode="until_done", lock_renew=False,
+    )  # fmt: skip
+    def udnr(self: Any, key: str, gate: str = "") -> dict[str, Any]:
+        """``until_done`` without renewal on ``rvn:{key}``, held until ``gate`` opens."""
+        record(ev="start", key=key, task_id=self.request.id, pid=os.getpid())
+        until_open(gate)
+        record(ev="end", key=key, task_id=self.request.id)
+        return {"key": key}
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rv.ude", lock_key="rve:{key}", lock_ttl=TTL,
+        lock_mode="until_done", max_retries=1,
+    )  # fmt: skip
+    def ude(self: Any, key: str, how: str = "eta") -> dict[str, Any]:
+        """``until_done`` retrying with an ``eta`` 3 s ahead (``how="eta"``) or every time (``"exhaust"``)."""
+        from datetime import datetime, timedelta, timezone
+
+        record(ev="start", key=key, task_id=self.request.id, retries=self.request.retries)
+        if how == "exhaust" or self.request.retries < 1:
+            raise self.retry(eta=datetime.now(timezone.utc) + timedelta(seconds=3))
+        return {"key": key, "retries": self.request.retries}
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rv.udak", lock_key="rva:{key}", lock_ttl=TTL,
+        lock_mode="until_done", acks_late=True, reject_on_worker_lost=True,
+    )  # fmt: skip
+    def udak(self: Any, key: str, gate: str = "") -> dict[str, Any]:
+        """``until_done`` with ``acks_late`` + ``reject_on_worker_lost`` on ``rva:{key}`` (a killed child's message
+        is redelivered), held until ``gate`` opens."""
+        record(ev="start", key=key, task_id=self.request.id, pid=os.getpid())
+        until_open(gate)
+        record(ev="end", key=key, task_id=self.request.id)
+        return {"key": key}

@@ -243,3 +243,89 @@ def test_a_chord_of_partial_overlap_members_runs_each_page_on_its_other_entity(
     assert not overlapping(intervals(on_o1)), on_o1
     for k in (tenant, o1, o2):
         wait_for(lambda k=k: not r.exists(lock_key(prefix, f"xb:{k}")), 10, what=f"xb:{k} free")
+
+
+@pytest.mark.parametrize("task,renewed", [("xa.ud", "now"), ("xa.ud", "stale"), ("rv.udnr", "stale")])
+def test_an_until_done_publish_behind_a_holder_on_another_host(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, task: str, renewed: str
+) -> None:
+    """12eb963 x a holder on another host (its lease hash's host field edited): renewed, it is alive and the
+    identical publish is answered with it; not renewed past 0.6 of its TTL it looks dead and the publish goes out;
+    a lock_renew=False holder elsewhere has no renewal to read and is presumed alive (answered)."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=2)
+    key, gate = uuid.uuid4().hex[:8], f"{prefix}:gate"
+    first = app.tasks[task].delay(key, gate)
+    wait_for(lambda: starts(r, prefix, first.id), 30, what="the body")
+    name = lock_key(prefix, ("xa:" if task == "xa.ud" else "rvn:") + key)
+    assert r.hget(name, "state") == "running"
+    r.hset(name, "host", "elsewhere.invalid")
+    if renewed == "stale":
+        r.hset(name, "renewed_at", int(r.hget(name, "renewed_at")) - 25_000)
+    try:
+        again = app.tasks[task].delay(key, gate)
+        answered = again.id == first.id
+    finally:
+        r.set(gate, 1)
+    assert answered == (renewed == "now" or task == "rv.udnr")
+    first.get(timeout=30)
+    again.get(timeout=60)
+
+
+@pytest.mark.parametrize("how", ["eta", "exhaust"])
+def test_an_until_done_retry_with_an_eta_hands_over_and_an_exhausted_one_frees(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, how: str
+) -> None:
+    """87dfad3 x retry(eta=): the claim is handed over for the eta's delay (identical work answered with the
+    retrying task meanwhile); once retries are exhausted the entity is freed at once, not left to a claim."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=2)
+    key = uuid.uuid4().hex[:8]
+    first = app.tasks["rv.ude"].delay(key, how)
+    wait_for(lambda: len(starts(r, prefix, first.id)) >= 1, 30, what="the first attempt")
+    wait_for(lambda: r.hget(lock_key(prefix, f"rve:{key}"), "state") == "queued", 10, what="the hand-over")
+    assert app.tasks["rv.ude"].delay(key, how).id == first.id
+    if how == "eta":
+        assert first.get(timeout=30) == {"key": key, "retries": 1}
+    else:
+        with pytest.raises(Exception):
+            first.get(timeout=30)
+        assert len(starts(r, prefix, first.id)) == 2
+    wait_for(lambda: not r.exists(lock_key(prefix, f"rve:{key}"), claim_key(prefix, f"rve:{key}")), 5,
+             what="the entity free after the last attempt")  # fmt: skip
+    again = app.tasks["rv.ude"].delay(key, "eta")
+    assert again.id != first.id
+
+
+def test_an_until_done_publish_behind_a_killed_acks_late_holder_is_answered_with_its_redelivery(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """12eb963 x acks_late + reject_on_worker_lost: the killed holder's message goes back to the broker and will
+    run again, so the holder is dead but its work is still queued. DESIGN: until_done keeps one copy queued or
+    running. Expected: an identical publish right after the kill is answered with the holder (as before 12eb963),
+    and the body runs once more (the redelivery). Actual: the publish goes out beside it (pid gone: 'dead')."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=1)
+    key, gate = uuid.uuid4().hex[:8], f"{prefix}:gate"
+    task = app.tasks["rv.udak"]
+    first = task.delay(key, gate)
+    rows = wait_for(lambda: starts(r, prefix, first.id), 30, what="the body")
+    os.kill(rows[0]["pid"], signal.SIGKILL)
+    wait_for(lambda: not _pid_alive(rows[0]["pid"]), 5, what="the child gone")
+    again = task.delay(key, gate)
+    r.set(gate, 1)
+    assert first.get(timeout=60) == {"key": key}
+    again.get(timeout=90)
+    ran = [x["task_id"] for x in starts(r, prefix)]
+    assert again.id == first.id, f"identical work queued beside the killed holder's redelivery; bodies: {ran}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
