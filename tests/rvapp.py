@@ -104,3 +104,27 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
         until_open(gate)
         record(ev="end", key=key, task_id=self.request.id)
         return {"key": key}
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rv.wfud", lock_key="xb:{key}", lock_ttl=TTL,
+        lock_mode="until_done", max_retries=2,
+    )  # fmt: skip
+    def wfud(self: Any, prev: Any = None, key: str = "", tag: str = "") -> dict[str, Any]:
+        """An ``until_done`` workflow member on ``xb:{key}`` that retries once (countdown 1.5 s)."""
+        record(ev="start", key=key, tag=tag, task_id=self.request.id, retries=self.request.retries)
+        if self.request.retries < 1:
+            raise self.retry(countdown=1.5)
+        record(ev="end", key=key, tag=tag, task_id=self.request.id)
+        return {"tag": tag, "retries": self.request.retries}
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rv.wfmud", lock_key=("xb:{a}", "xb:{b}"), lock_ttl=TTL,
+        lock_mode="until_done", max_retries=2,
+    )  # fmt: skip
+    def wfmud(self: Any, prev: Any = None, a: str = "", b: str = "", tag: str = "") -> dict[str, Any]:
+        """An ``until_done`` member over ``xb:{a}`` (the workflow's) and ``xb:{b}`` that retries once."""
+        record(ev="start", key=f"{a}+{b}", tag=tag, task_id=self.request.id, retries=self.request.retries)
+        if self.request.retries < 1:
+            raise self.retry(countdown=1.5)
+        record(ev="end", key=f"{a}+{b}", tag=tag, task_id=self.request.id)
+        return {"tag": tag, "retries": self.request.retries}

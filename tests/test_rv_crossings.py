@@ -329,3 +329,37 @@ def _pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@pytest.mark.parametrize("shape", ["own_entity", "partial_overlap"])
+def test_an_until_done_workflow_member_retrying_keeps_the_workflow_and_completes(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis, shape: str
+) -> None:
+    """87dfad3 x 62f7a48 x workflow: an until_done member retries once, on the workflow's own entity (self.lock is
+    the workflow lease) or over it plus another (nested lease on the other). The retry keeps its place, the chain
+    completes, and every entity is free after."""
+    from celery import chain
+
+    from celery_lockguard import workflow
+
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=3)
+    tenant, other = uuid.uuid4().hex[:6], uuid.uuid4().hex[:6]
+    step = app.tasks["xb.step"]
+    if shape == "own_entity":
+        member = app.tasks["rv.wfud"].si(key=tenant, tag="m")
+    else:
+        member = app.tasks["rv.wfmud"].si(a=tenant, b=other, tag="m")
+    sig = chain(step.si(key="s1", tag="s1"), member, step.si(key="s3", tag="s3"))
+    res = workflow(sig, lock_key="xb:{tenant}", tenant=tenant, gap_ttl=5).apply_async()
+    try:
+        out = res.get(timeout=60)
+    finally:
+        print(r.hgetall(lock_key(prefix, f"xb:{tenant}")), [(x["tag"], x["ev"]) for x in records(r, prefix)])
+    assert out["tag"] == "s3"
+    assert res.parent.get(timeout=5) == {"tag": "m", "retries": 1}
+    assert _chain_tags(r, prefix) == ["s1", "m", "m", "s3"]
+    for k in (tenant, other):
+        wait_for(lambda k=k: not r.exists(lock_key(prefix, f"xb:{k}"), claim_key(prefix, f"xb:{k}")), 10,
+                 what=f"xb:{k} free")  # fmt: skip
