@@ -372,8 +372,9 @@ class LockGuard(Task):
         ckey = claims.claim_keys(s.key_prefix, call.key, opts.mode)
         ttl_ms = claims.claim_ttl_ms(opts.queue_lock_ttl, options.get("countdown"), options.get("eta"))
         deadline, pause = time.monotonic() + claims.PUBLISH_GRACE + 1.0, 0.01
+        asked = ckey  # the claim hashes CLAIM is asked about
         while True:
-            got, failure = self._claim(s, ckey, token, ttl_ms, task_id, call)
+            got, failure = self._claim(s, asked, token, ttl_ms, task_id, call)
             decision = decide_publish(
                 Publish(
                     on_locked=opts.on_locked,  # type: ignore[arg-type]
@@ -392,6 +393,12 @@ class LockGuard(Task):
                     holder_publishing=got is not None and got.state == "publishing" and time.monotonic() < deadline,
                 )
             )
+            if decision.reason == "holder_not_alive" and len(asked) > 1:
+                # until_done behind a dead-looking holder of identical work: the copy published beside it
+                # queues in {K}:claim (as behind different work), so that identical publishes after it are
+                # answered with it instead of each queueing one more copy
+                asked = asked[1:]
+                continue
             if decision.action is not PublishAction.AWAIT:
                 break
             time.sleep(pause)

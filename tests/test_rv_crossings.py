@@ -71,11 +71,15 @@ def test_identical_publishes_behind_a_killed_until_done_holder_queue_one_copy(
     app = fleet.app(cfg)
     fleet.worker(cfg, concurrency=2)
     key, gate = uuid.uuid4().hex[:8], f"{prefix}:gate"
-    _kill_holder(fleet, app, r, prefix, "xa.ud", key, gate)
+    first = _kill_holder(fleet, app, r, prefix, "xa.ud", key, gate)
     task = app.tasks["xa.ud"]
-    ids = {task.delay(key, gate).id for _ in range(3)}
+    copies = [task.delay(key, gate) for _ in range(3)]
     r.set(gate, 1)
+    ids = {c.id for c in copies}
     assert len(ids) == 1, f"{len(ids)} copies of identical work queued behind a dead holder"
+    assert copies[0].get(timeout=60) == {"key": key}  # it waits the dead lease (30 s) out, then runs
+    assert [x["task_id"] for x in starts(r, prefix) if x["task_id"] != first.id] == [copies[0].id]
+    wait_for(lambda: not r.exists(lock_key(prefix, f"xa:{key}"), claim_key(prefix, f"xa:{key}")), 10, what="free")
 
 
 @pytest.mark.parametrize("move_to", ["y", "a"])  # same anchor (m < x, y); the anchor moves (a < m)
