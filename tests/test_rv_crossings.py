@@ -294,7 +294,9 @@ def test_an_until_done_retry_with_an_eta_hands_over_and_an_exhausted_one_frees(
     if how == "eta":
         assert first.get(timeout=30) == {"key": key, "retries": 1}
     else:
-        with pytest.raises(Exception):
+        from celery.exceptions import MaxRetriesExceededError
+
+        with pytest.raises(MaxRetriesExceededError):
             first.get(timeout=30)
         assert len(starts(r, prefix, first.id)) == 2
     wait_for(lambda: not r.exists(lock_key(prefix, f"rve:{key}"), claim_key(prefix, f"rve:{key}")), 5,
