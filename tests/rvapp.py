@@ -128,3 +128,12 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
             raise self.retry(countdown=1.5)
         record(ev="end", key=f"{a}+{b}", tag=tag, task_id=self.request.id)
         return {"tag": tag, "retries": self.request.retries}
+
+    @app.task(
+        base=LockedTask, bind=True, shared=False, name="rv.badretry", lock_key="rvb:{key}", lock_ttl=TTL,
+        lock_mode="until_done", max_retries=2,
+    )  # fmt: skip
+    def badretry(self: Any, key: str) -> dict[str, Any]:
+        """``until_done`` whose retry names arguments its signature does not take."""
+        record(ev="start", key=key, task_id=self.request.id, retries=self.request.retries)
+        raise self.retry(kwargs={"nope": 1}, countdown=0.5)

@@ -369,3 +369,21 @@ def test_an_until_done_workflow_member_retrying_keeps_the_workflow_and_completes
     for k in (tenant, other):
         wait_for(lambda k=k: not r.exists(lock_key(prefix, f"xb:{k}"), claim_key(prefix, f"xb:{k}")), 10,
                  what=f"xb:{k} free")  # fmt: skip
+
+
+def test_an_until_done_retry_whose_arguments_do_not_bind_frees_the_entity(
+    fleet: Fleet, redis_url: str, prefix: str, r: redis.Redis
+) -> None:
+    """87dfad3 x a retry(kwargs=) the signature cannot bind: the lease is released (not handed over); the retry
+    message fails visibly when delivered, and the entity is free for identical work at once."""
+    cfg = make_cfg(prefix, redis_url)
+    app = fleet.app(cfg)
+    fleet.worker(cfg, concurrency=2)
+    key = uuid.uuid4().hex[:8]
+    first = app.tasks["rv.badretry"].delay(key)
+    wait_for(lambda: starts(r, prefix, first.id), 30, what="the first attempt")
+    wait_for(lambda: first.state == "FAILURE", 30, what="the unbindable retry to fail")
+    assert len(starts(r, prefix, first.id)) == 1
+    assert not r.exists(lock_key(prefix, f"rvb:{key}"), claim_key(prefix, f"rvb:{key}"))
+    again = app.tasks["rv.badretry"].delay(key)
+    assert again.id != first.id
