@@ -366,7 +366,7 @@ def decide_publish(p: Publish) -> PublishDecision:
     if p.duplicate and p.holder_publishing and p.on_locked != "retry":
         # Answering now could hand the caller the result of a message whose publish then fails.
         return PublishDecision(PublishAction.AWAIT, "holder_publishing")
-    if p.duplicate and p.on_locked == "raise":
+    if p.duplicate and p.on_locked == "raise" and p.holder_alive:
         return PublishDecision(PublishAction.RAISE, "identical_work_queued")
     if skips_duplicate(p.on_locked, p.duplicate, p.holder_alive):
         return PublishDecision(PublishAction.ANSWER_WITH_HOLDER, "identical_work_queued")

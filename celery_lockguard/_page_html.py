@@ -74,6 +74,8 @@ def _lease_row(lease: HeldLease, waiting: int) -> list[str]:
         return "?" if name in bad else text(value)
 
     where = lease.worker or f"{'?' if 'host' in bad else lease.host or '-'}:{'?' if 'pid' in bad else lease.pid or '-'}"
+    if not lease.worker and not lease.host and not lease.pid and not {"host", "pid"} & set(bad):
+        where = "-"  # no process holds it (a woken waiter's reservation), as ``lockguard locks`` says
     return [
         f'<span class="key">{text(lease.shown, None)}</span>',
         text(lease.state),

@@ -372,21 +372,33 @@ class LockGuard(Task):
         ckey = claims.claim_keys(s.key_prefix, call.key, opts.mode)
         ttl_ms = claims.claim_ttl_ms(opts.queue_lock_ttl, options.get("countdown"), options.get("eta"))
         deadline, pause = time.monotonic() + claims.PUBLISH_GRACE + 1.0, 0.01
+        asked = ckey  # the claim hashes CLAIM is asked about
         while True:
-            got, failure = self._claim(s, ckey, token, ttl_ms, task_id, call)
+            got, failure = self._claim(s, asked, token, ttl_ms, task_id, call)
             decision = decide_publish(
                 Publish(
                     on_locked=opts.on_locked,  # type: ignore[arg-type]
                     claim=got.kind if got is not None else errors.classify(failure),  # type: ignore[arg-type]
                     duplicate=got is not None and got.task_name == self.name and got.digest == call.digest,
                     # a running holder of identical work whose process is gone (or no longer renews) will not
-                    # do it: publish beside it (the delivery waits it out) rather than answer with it
-                    holder_alive=got is None or got.kind != "held" or delivery.holder_alive(self, got, own=False),
+                    # do it: publish beside it (the delivery waits it out) rather than answer with it. Unless the
+                    # task's lost message goes back to the broker (acks_late + reject_on_worker_lost): then the
+                    # work is still queued, and its redelivery takes the lease over and does it
+                    holder_alive=got is None
+                    or got.kind != "held"
+                    or self._redelivered_when_lost()
+                    or delivery.holder_alive(self, got, own=False),
                     in_canvas=claims.in_canvas(options, link),
                     held_by_publisher=got is not None and publisher is not None and got.task_id == keys.meta(publisher),
                     holder_publishing=got is not None and got.state == "publishing" and time.monotonic() < deadline,
                 )
             )
+            if decision.reason == "holder_not_alive" and len(asked) > 1:
+                # until_done behind a dead-looking holder of identical work: the copy published beside it
+                # queues in {K}:claim (as behind different work), so that identical publishes after it are
+                # answered with it instead of each queueing one more copy
+                asked = asked[1:]
+                continue
             if decision.action is not PublishAction.AWAIT:
                 break
             time.sleep(pause)
@@ -442,6 +454,10 @@ class LockGuard(Task):
                 reason=f"publish without claim: {errors.describe(failure)}",
             )
         return super().apply_async(args, kwargs, task_id, link=link, **options)
+
+    def _redelivered_when_lost(self) -> bool:
+        """Whether a delivery of this task whose process dies goes back to the broker (it is not lost)."""
+        return bool(self.acks_late and self.reject_on_worker_lost)
 
     def _claim(
         self, s: Settings, ckey: list[str], token: str, ttl_ms: int, task_id: str, call: CallNames

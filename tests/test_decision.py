@@ -236,6 +236,7 @@ PUBLISH_TABLE = [
     (Publish("skip", claim="held", duplicate=True, in_canvas=True), PublishAction.PUBLISH),
     (Publish("raise", claim="held", duplicate=True, in_canvas=True), PublishAction.PUBLISH),
     (Publish("skip", claim="held", duplicate=True, holder_alive=False), PublishAction.PUBLISH),
+    (Publish("raise", claim="held", duplicate=True, holder_alive=False), PublishAction.PUBLISH),
     (Publish("skip", claim="held", duplicate=False), PublishAction.PUBLISH),
     (Publish("retry", claim="held", duplicate=True), PublishAction.PUBLISH),
     (Publish("raise", claim="held", duplicate=True), PublishAction.RAISE),

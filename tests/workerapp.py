@@ -485,6 +485,10 @@ def create_app(cfg: dict[str, Any]) -> Celery:
 
     register_rw_tasks(app, cfg, record)
 
+    from .rvapp import register as register_rv_tasks
+
+    register_rv_tasks(app, cfg, record)
+
     if cfg.get("beat_every"):
         app.conf.beat_schedule = {
             "reindex": {"task": "reindex_catalog", "schedule": float(cfg["beat_every"]), "args": (2.5,)}
