@@ -12,14 +12,12 @@ from celery import Celery
 from celery_lockguard import LockedTask
 from celery_lockguard import _headers as headers
 
+from .gates import gate_opener
+
 
 def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> None:
+    until_open = gate_opener(cfg)
     gates = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
-
-    def until_open(gate: str) -> None:
-        deadline = time.monotonic() + 60
-        while gate and not gates.exists(gate) and time.monotonic() < deadline:
-            time.sleep(0.02)
 
     @app.task(
         base=LockedTask, bind=True, shared=False, name="rv.ud_raise_retry", lock_key="rv:{key}",

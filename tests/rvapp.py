@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -12,16 +11,14 @@ from celery import Celery
 
 from celery_lockguard import LockedTask
 
+from .gates import gate_opener
+
 TTL = 30
 
 
 def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> None:
+    until_open = gate_opener(cfg)
     gates = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
-
-    def until_open(gate: str) -> None:
-        deadline = time.monotonic() + 60
-        while gate and not gates.exists(gate) and time.monotonic() < deadline:
-            time.sleep(0.02)
 
     @app.task(
         base=LockedTask, bind=True, shared=False, name="rv.udr", lock_key="rv:{key}", lock_ttl=TTL,

@@ -2,32 +2,21 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
-import redis
 from celery import Celery
 
 from celery_lockguard import LockedTask
+
+from .gates import gate_opener, gated_run
 
 TTL = 6
 
 
 def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> None:
-    gates = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
-
-    def until_open(gate: str) -> None:
-        deadline = time.monotonic() + 60
-        while gate and not gates.exists(gate) and time.monotonic() < deadline:
-            time.sleep(0.02)
-
-    def run(self: Any, key: str, gate: str, tag: str) -> dict[str, Any]:
-        record(ev="start", key=key, tag=tag, task_id=self.request.id, retries=self.request.retries)
-        until_open(gate)
-        lease = self.lock
-        record(ev="end", key=key, tag=tag, task_id=self.request.id, locked=lease is not None)
-        return {"tag": tag, "locked": lease is not None, "slot": getattr(lease, "slot", None)}
+    until_open = gate_opener(cfg)
+    run = gated_run(record, until_open)
 
     @app.task(
         base=LockedTask, bind=True, shared=False, name="rw.open_retry", lock_key="rw:{key}", lock_ttl=TTL,

@@ -495,8 +495,9 @@ def test_fail_closed_debounce_outage_at_publish_and_delivery_loses_no_run(
 ) -> None:
     """Crossing 1 with the lock Redis down at publish too: each publish goes out without a record (logged,
     docs/debounce.md: an outage costs extra runs, never a lost one) and waits at delivery (fail_closed). Once
-    Redis is back the burst runs at least once, with the last publish's arguments last, and every message
-    ends with a result (none dropped silently)."""
+    Redis is back the burst runs at least once, the last publish's arguments among its runs, and every message
+    ends with a result (none dropped silently). In which order the waiting copies run after the outage is not
+    promised: none of them has a debounce record to order them by."""
     with RedisServer(persistent=True) as srv:
         cfg = cfg_for(prefix, redis_url, srv)
         app = fleet.app(cfg)
@@ -517,5 +518,5 @@ def test_fail_closed_debounce_outage_at_publish_and_delivery_loses_no_run(
         outs = [x.get(timeout=90) for x in rs]
         runs = [x["tag"] for x in evs(r, prefix, "start") if x["tag"] != "warm"]
         print(fault, outs, runs)
-        assert runs and runs[-1] == "p2", runs
+        assert "p2" in runs, runs  # the last publish's arguments ran
         assert all(o for o in outs), outs

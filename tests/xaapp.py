@@ -11,22 +11,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import redis
 from celery import Celery
 
 from celery_lockguard import LockedTask
+
+from .gates import gate_opener
 
 #: The leases' TTL: far above the tests' bound on "the entity is free again".
 TTL = 30
 
 
 def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> None:
-    gates = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
-
-    def until_open(gate: str) -> None:
-        deadline = time.monotonic() + 60
-        while gate and not gates.exists(gate) and time.monotonic() < deadline:
-            time.sleep(0.02)
+    until_open = gate_opener(cfg)
 
     @app.task(
         base=LockedTask, bind=True, shared=False, name="xa.shard", lock_key="xa:{shard}", lock_ttl=TTL,

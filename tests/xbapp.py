@@ -6,25 +6,20 @@ within a few seconds of a lease's end was woken by that end.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
-import redis
 from celery import Celery
 
 from celery_lockguard import LockedTask
+
+from .gates import gate_opener
 
 TTL = 30
 
 
 def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> None:
-    gates = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
-
-    def until_open(gate: str) -> None:
-        deadline = time.monotonic() + 60
-        while gate and not gates.exists(gate) and time.monotonic() < deadline:
-            time.sleep(0.02)
+    until_open = gate_opener(cfg)
 
     def run(self: Any, key: str, gate: str, tag: str) -> dict[str, Any]:
         record(ev="start", key=key, tag=tag, task_id=self.request.id, retries=self.request.retries)

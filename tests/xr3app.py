@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,18 +16,15 @@ from celery import Celery
 
 from celery_lockguard import LockedTask
 
+from .gates import gate_opener
+
 #: The leases' TTL: far above the tests' bound on a wake-up.
 TTL = 30
 
 
 def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> None:
+    until_open = gate_opener(cfg)
     gates = redis.Redis.from_url(cfg["record_url"], decode_responses=True)
-
-    def until_open(gate: str) -> None:
-        """Hold the body until the test sets the Redis key ``gate`` (at most a minute)."""
-        deadline = time.monotonic() + 60
-        while gate and not gates.exists(gate) and time.monotonic() < deadline:
-            time.sleep(0.02)
 
     def body(self: Any, key: str, gate: str, tag: str, retries: int, countdown: float) -> dict[str, Any]:
         record(ev="start", key=key, tag=tag, retries=self.request.retries, task_id=self.request.id)
