@@ -66,9 +66,11 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
         record(ev="end", key=f"{a}+{b}", tag=tag, task_id=self.request.id)
         return {"tag": tag, "n": n}
 
+    # acks_late off and fail_open: a renew-less 30 s lease is no finding for test_cli's doctor tests (which
+    # set acks_late and a 1 s visibility_timeout app-wide, or share the broker's Redis)
     @app.task(
         base=LockedTask, bind=True, shared=False, name="rv.udnr", lock_key="rvn:{key}", lock_ttl=TTL,
-        lock_mode="until_done", lock_renew=False,
+        lock_mode="until_done", lock_renew=False, acks_late=False, on_unavailable="fail_open",
     )  # fmt: skip
     def udnr(self: Any, key: str, gate: str = "") -> dict[str, Any]:
         """``until_done`` without renewal on ``rvn:{key}``, held until ``gate`` opens."""

@@ -51,7 +51,7 @@ def register(app: Celery, cfg: dict[str, Any], record: Callable[..., None]) -> N
 
     @app.task(
         base=LockedTask, bind=True, shared=False, name="rw.deb_open", lock_key="rw:{key}", lock_ttl=TTL,
-        lock_debounce=1.0, on_unavailable="fail_open",
+        lock_debounce=1.0, on_unavailable="fail_open", acks_late=True, reject_on_worker_lost=True,
     )  # fmt: skip
     def deb_open(self: Any, key: str, gate: str = "", tag: str = "") -> dict[str, Any]:
         return run(self, key, gate, tag)
