@@ -81,13 +81,17 @@ def test_a_recycled_child_counts_every_release(fleet: Any, redis_url: str, prefi
     for _ in range(8):  # one at a time: each child runs two and exits
         run_tasks(app, 1)
     total = metrics.total_key(prefix)
-    wait_for(lambda: int(r.hget(total, "plain_locked|lock.acquired") or 0) >= 6, 30, what="three children's flushes")
-    wait_for(
-        lambda: r.hget(total, "plain_locked|hold.count") == r.hget(total, "plain_locked|lock.acquired"),
-        30,
-        what="every flushed acquisition to have its hold time",
-    )
-    assert r.hget(total, "plain_locked|lock.released") == r.hget(total, "plain_locked|lock.acquired")
+    fields = ("plain_locked|lock.acquired", "plain_locked|hold.count", "plain_locked|lock.released")
+    seen: list[str | None] = []
+
+    def settled() -> bool:
+        # One HMGET: a flush (one MULTI/EXEC) landing between two reads would pair counts of different flushes.
+        seen[:] = r.hmget(total, fields)
+        return int(seen[0] or 0) >= 6 and seen[0] == seen[1]
+
+    wait_for(settled, 30, what="three children's flushes, every acquisition with its hold time")
+    acquired, _, released = seen
+    assert released == acquired
 
 
 def test_held_now_per_worker_and_wait_histograms_sum_across_the_fleet(
