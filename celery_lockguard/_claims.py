@@ -18,7 +18,10 @@ from typing import Any
 
 from celery._state import _task_stack
 
+from . import _calls as calls
+from ._config import TaskOptions
 from ._keys import claim_name, lock_name
+from ._request import CALL
 
 #: Seconds a claim stays ``publishing`` before its message must be confirmed; a publisher that fails or
 #: dies mid-publish blocks identical publishes at most this long (they wait, never answered by it).
@@ -117,3 +120,23 @@ def publishing_task_id() -> str | None:
     if request is None or request.called_directly:
         return None
     return getattr(request, "id", None)
+
+
+def retry_keeps_entity(opts: TaskOptions, req: Any, args: Any, kwargs: Any) -> bool:
+    """Whether the ``retry()`` message names the entity this delivery holds, so it can adopt a hand-over.
+
+    ``retry(args=..., kwargs=...)`` may move the call to another entity: a claim handed over on the old
+    one would never be adopted nor freed by that message, and would swallow identical work on the old
+    entity for ``queue_lock_ttl``. Then the lease is released instead. Arguments that do not render
+    cannot adopt a claim either.
+    """
+    held: calls.CallNames | None = getattr(req, CALL, None)
+    if held is None or (args is None and kwargs is None):
+        return True
+    new_args = req.args if args is None else args
+    new_kwargs = req.kwargs if kwargs is None else kwargs
+    try:
+        moved = calls.render(opts, req.id, tuple(new_args or ()), dict(new_kwargs or {}))
+    except Exception:  # noqa: BLE001 - arguments that do not render: the retry cannot adopt a claim either
+        return False
+    return moved.key == held.key

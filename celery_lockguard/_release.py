@@ -28,7 +28,7 @@ from ._config import Settings, TaskOptions
 from ._events import emit
 from ._lease import Lease
 from ._renewer import renewer
-from ._request import event_fields
+from ._request import ORPHAN, event_fields
 
 
 def give_back(task: Any, s: Settings, opts: TaskOptions, lease: Lease) -> None:
@@ -85,6 +85,17 @@ def free_orphan(task: Any, s: Settings, opts: TaskOptions, call: CallNames, clie
     except Exception as exc:  # noqa: BLE001 - as a failing release: never the body's outcome; it expires by its TTL
         reason = f"a lease the fail-open attempt may have taken is left to its TTL: {errors.describe(exc)}"
         emit("lock.backend_unavailable", task.name, **event_fields(task, call), reason=reason)
+
+
+def settle_orphan(req: Any) -> None:
+    """Give back what a fail-open delivery's errored ACQUIRE may have taken, before a copy of it is published.
+
+    ``retry()`` and ``replace()`` publish under the same task id: that copy must not meet the lease as a
+    running original. A no-op when the request owes nothing (:class:`Orphan`, settled once).
+    """
+    orphan: Orphan | None = getattr(req, ORPHAN, None)
+    if orphan is not None:
+        orphan.settle()
 
 
 class Orphan:

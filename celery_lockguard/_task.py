@@ -491,26 +491,11 @@ class LockGuard(Task):
                 f"task {self.name!r}: replace() inside a workflow is not supported (the replacement would run "
                 "outside the workflow lease)"
             )
-        orphan = getattr(self.request, ORPHAN, None)
-        if orphan is not None:  # failed open: the replacement must not meet what the errored ACQUIRE took
-            orphan.settle()
+        release_ops.settle_orphan(self.request)  # failed open: the replacement must not meet what ACQUIRE took
         lease = self.lock
         if lease is not None and not lease.released:
             release_ops.release(self, settings(self.app), self.lockguard_options, lease)
         return super().on_replace(sig)
-
-    def _retry_keeps_entity(self, opts: TaskOptions, req: Any, args: Any, kwargs: Any) -> bool:
-        """Whether the ``retry()`` message names the entity this delivery holds, so it can adopt a hand-over.
-
-        ``retry(args=..., kwargs=...)`` may move the call to another entity: a claim handed over on the old
-        one would never be adopted nor freed by that message, and would swallow identical work on the old
-        entity for ``queue_lock_ttl``. Then the lease is released instead.
-        """
-        held: CallNames | None = getattr(req, CALL, None)
-        if held is None or (args is None and kwargs is None):
-            return True
-        moved = _retry_renders(opts, req, args, kwargs)
-        return moved is not None and moved.key == held.key
 
     def retry(
         self,
@@ -543,13 +528,11 @@ class LockGuard(Task):
             debounce.keep_for_retry(self, s, opts, burst, delay, None)
         # A member's retry keeps its place in the workflow and gets its lease (or, failed open, runs unlocked).
         workflow.on_retry(self, options, delay)
-        orphan = getattr(req, ORPHAN, None)
-        if orphan is not None:  # failed open: what the ACQUIRE that errored took is given back before the publish
-            orphan.settle()
+        release_ops.settle_orphan(req)  # failed open: what the ACQUIRE that errored took, before the publish
         if lease is not None and not lease.released:
             limit = self.max_retries if max_retries is None else max_retries
             exhausted = limit is not None and req.retries + 1 > limit
-            if opts.mode == "until_done" and not exhausted and self._retry_keeps_entity(opts, req, args, kwargs):
+            if opts.mode == "until_done" and not exhausted and claims.retry_keeps_entity(opts, req, args, kwargs):
                 token = lease_ops.new_token()
                 renewer().untrack(lease)
                 try:
@@ -584,16 +567,6 @@ class LockGuard(Task):
                 if call is not None:
                     release_ops.free_claim(self, s, opts, call, handed)
             raise
-
-
-def _retry_renders(opts: TaskOptions, req: Any, args: Any, kwargs: Any) -> CallNames | None:
-    """The names the ``retry()`` message renders (its arguments, else the request's); ``None``: they do not bind."""
-    new_args = req.args if args is None else args
-    new_kwargs = req.kwargs if kwargs is None else kwargs
-    try:
-        return calls.render(opts, req.id, tuple(new_args or ()), dict(new_kwargs or {}))
-    except Exception:  # noqa: BLE001 - arguments that do not render: the retry cannot adopt a claim either
-        return None
 
 
 class LockedTask(LockGuard):
